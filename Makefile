@@ -1,0 +1,30 @@
+# `make run` and `make test` set themselves up on a fresh machine (a .venv in this folder).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 goes in first: on a CPU machine it is the CPU wheel; anything looser would pull
+# several GB of CUDA packages. A torch already in the venv is kept.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+run: setup
+	$(PY) -m framework.run $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+bench: setup
+	$(PY) -m pytest tests/benchmarks --benchmark-enable --benchmark-only -p no:randomly $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks outputs multirun

@@ -1,0 +1,242 @@
+"""Paged KV blocks with reference counts, hash-chained prefix caching, LRU eviction and a CPU
+swap space (vLLM's block manager, nano-vllm's ``BlockManager``, seed 003)."""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+
+from framework.block_allocator import ALLOCATORS, NULL_BLOCK, BlockAllocator, PrefixHit
+from framework.request import Request, RequestStatus
+
+_ROOT_HASH = -1
+
+
+class _Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block, chained through its parent so equal hashes imply equal prefixes
+    (up to collisions, which ``find_prefix`` rules out by comparing tokens)."""
+    return hash((parent_hash, token_ids))
+
+
+@ALLOCATORS.register("paged")
+class PagedBlockAllocator(BlockAllocator):
+    """Free blocks wait in one LRU queue: never-cached blocks at the front (handed out first),
+    cached ones appended as they are freed, so the least recently used cached block is evicted
+    first. A request's blocks are freed tail first, keeping shared prefix heads longest."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self._copies: list[tuple[int, int]] = []
+
+    # -- capacity --------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(1 for b in self._free if self._blocks[b].hash is not None)
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def _request_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        # Full-block hashes never change (tokens are only appended), so they are cached on the
+        # request and extended on demand.
+        hashes = request.block_hashes
+        bs, tokens = self.block_size, request.token_ids
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else _ROOT_HASH
+            hashes.append(block_hash(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def find_prefix(self, request: Request) -> PrefixHit:
+        if not self.enable_prefix_caching or request.block_ids:
+            return PrefixHit()
+        bs = self.block_size
+        # At least one token must be computed to produce logits, so never match the last token.
+        max_blocks = (request.num_tokens - 1) // bs
+        hit: list[int] = []
+        for i, h in enumerate(self._request_hashes(request, max_blocks)):
+            bid = self._hash_to_block.get(h)
+            if bid is None:
+                break
+            block = self._blocks[bid]
+            if block.token_ids != tuple(request.token_ids[i * bs:(i + 1) * bs]):
+                break
+            hit.append(bid)
+        return PrefixHit(hit, len(hit) * bs)
+
+    # -- allocation ------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        bs = self.block_size
+        prefix_ids = prefix.block_ids if prefix else []
+        prefix_tokens = prefix.num_tokens if prefix else 0
+        if prefix_ids and request.block_ids:
+            raise ValueError(f"{request.request_id}: a prefix can only be taken by a request holding no blocks")
+        start = request.num_computed_tokens + prefix_tokens
+        total = start + num_new_tokens
+        held = len(request.block_ids) + len(prefix_ids)
+        num_new_blocks = max(0, -(-total // bs) - held)
+        # Writing into a partially filled block that others share needs a private copy first.
+        cow = (num_new_tokens > 0 and start % bs != 0 and bool(request.block_ids)
+               and start // bs < len(request.block_ids)
+               and self._blocks[request.block_ids[start // bs]].ref_count > 1)
+        reclaimed = sum(1 for b in prefix_ids if self._blocks[b].ref_count == 0)
+        if num_new_blocks + cow + reclaimed > len(self._free):
+            return False
+        first_allocation = not request.block_ids and request.num_computed_tokens == 0
+
+        if prefix_ids:
+            for bid in prefix_ids:
+                self._touch(bid)
+            request.block_ids.extend(prefix_ids)
+        if cow:
+            idx = start // bs
+            src = request.block_ids[idx]
+            dst = self._pop_free()
+            self._blocks[src].ref_count -= 1
+            request.block_ids[idx] = dst
+            self._copies.append((src, dst))
+            self.stats.cow_copies += 1
+        for _ in range(num_new_blocks):
+            request.block_ids.append(self._pop_free())
+        if first_allocation:
+            self.stats.prefix_query_tokens += request.num_tokens
+            self.stats.prefix_hit_tokens += prefix_tokens
+        if self.enable_prefix_caching:
+            self._seal(request, start // bs, total // bs)
+        return True
+
+    def _seal(self, request: Request, first: int, end: int) -> None:
+        """Make full blocks [first, end) findable by later requests."""
+        if end <= first:
+            return
+        bs = self.block_size
+        hashes = self._request_hashes(request, end)
+        for i in range(first, end):
+            block = self._blocks[request.block_ids[i]]
+            if block.hash is not None:
+                continue
+            block.hash = hashes[i]
+            block.token_ids = tuple(request.token_ids[i * bs:(i + 1) * bs])
+            self._hash_to_block.setdefault(block.hash, block.block_id)
+
+    def _touch(self, bid: int) -> None:
+        block = self._blocks[bid]
+        if block.ref_count == 0:
+            del self._free[bid]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        bid, _ = self._free.popitem(last=False)
+        block = self._blocks[bid]
+        if block.hash is not None:
+            if self._hash_to_block.get(block.hash) == bid:
+                del self._hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = None
+            self.stats.evictions += 1
+        block.ref_count = 1
+        return bid
+
+    def _release(self, bid: int) -> None:
+        block = self._blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[bid] = None
+            if block.hash is None:
+                self._free.move_to_end(bid, last=False)
+
+    def free(self, request: Request) -> None:
+        for bid in reversed(request.block_ids):
+            self._release(bid)
+        request.block_ids = []
+        if request.cpu_block_ids:
+            self._cpu_free.extend(request.cpu_block_ids)
+            request.cpu_block_ids = []
+
+    def fork(self, parent: Request, child: Request) -> None:
+        if child.block_ids:
+            raise ValueError(f"{child.request_id}: cannot fork into a request that already holds blocks")
+        for bid in parent.block_ids:
+            self._blocks[bid].ref_count += 1
+        child.block_ids = list(parent.block_ids)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds (e.g. between benchmark runs)."""
+        for bid in self._free:
+            block = self._blocks[bid]
+            if block.hash is not None:
+                self._hash_to_block.pop(block.hash, None)
+                block.hash = None
+                block.token_ids = None
+
+    # -- swap ------------------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        if len(request.block_ids) > len(self._cpu_free):
+            return None
+        mapping = [(bid, self._cpu_free.pop()) for bid in request.block_ids]
+        for bid in reversed(request.block_ids):
+            self._release(bid)
+        request.block_ids = []
+        request.cpu_block_ids = [cpu for _, cpu in mapping]
+        self.stats.blocks_swapped_out += len(mapping)
+        return mapping
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        if len(request.cpu_block_ids) > len(self._free):
+            return None
+        mapping = [(cpu, self._pop_free()) for cpu in request.cpu_block_ids]
+        request.block_ids = [dev for _, dev in mapping]
+        self._cpu_free.extend(request.cpu_block_ids)
+        request.cpu_block_ids = []
+        self.stats.blocks_swapped_in += len(mapping)
+        if self.enable_prefix_caching:
+            self._seal(request, 0, request.num_computed_tokens // self.block_size)
+        return mapping
+
+    # -- checks ----------------------------------------------------------------------------------
+    def check_invariants(self, requests: Iterable[Request]) -> None:
+        owners: Counter[int] = Counter()
+        cpu_owners: Counter[int] = Counter()
+        for req in requests:
+            if req.status == RequestStatus.SWAPPED:
+                assert not req.block_ids, f"{req.request_id} is swapped but holds device blocks {req.block_ids}"
+            assert NULL_BLOCK not in req.block_ids, f"{req.request_id} holds the null block"
+            owners.update(req.block_ids)
+            cpu_owners.update(req.cpu_block_ids)
+        for block in self._blocks[1:]:
+            held = owners.get(block.block_id, 0)
+            assert block.ref_count == held, (
+                f"block {block.block_id}: ref_count {block.ref_count} but held by {held} request(s)")
+            assert (block.ref_count == 0) == (block.block_id in self._free), (
+                f"block {block.block_id}: ref_count {block.ref_count} disagrees with the free queue")
+        used = sum(1 for b in self._blocks[1:] if b.ref_count > 0)
+        assert used + len(self._free) == self.num_usable_blocks, "free + used != total device blocks"
+        assert NULL_BLOCK not in self._free, "the null block is in the free queue"
+        for h, bid in self._hash_to_block.items():
+            assert self._blocks[bid].hash == h, f"prefix index points block {bid} at a stale hash"
+        assert all(n == 1 for n in cpu_owners.values()), "a swap block is held by two requests"
+        assert not set(cpu_owners) & set(self._cpu_free), "a held swap block is also free"
+        assert len(cpu_owners) + len(self._cpu_free) == self.num_cpu_blocks, "free + used != total swap blocks"

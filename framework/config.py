@@ -1,0 +1,78 @@
+"""Engine configuration: one dataclass, keyword names as in vLLM's ``LLM(...)``."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes one engine instance.
+
+    The four pluggable parts are picked by registry name (``policy``, ``allocator``, ``backend``,
+    ``preparer``) and receive their ``*_options`` as keyword arguments. ``max_model_len=None``
+    takes the model's ``max_position_embeddings`` (capped at 8192 so the persistent batch stays
+    small on a laptop). The KV block count comes from ``num_gpu_blocks_override`` when set, else
+    from ``kv_cache_memory_gb``, else (CUDA) from ``gpu_memory_utilization`` of the card, else
+    (CPU) from ``cpu_kv_cache_gb``. ``swap_space`` is the CPU swap space in GiB, as in vLLM.
+    ``seed`` drives sampling; ``model_seed`` the random weights of a preset model.
+    """
+
+    model: str = "tiny-llama"
+    policy: str = "fcfs"
+    allocator: str = "paged"
+    backend: str = "naive"
+    preparer: str = "v1"
+    executor: str = "model"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    allocator_options: dict[str, Any] = field(default_factory=dict)
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    preparer_options: dict[str, Any] = field(default_factory=dict)
+    executor_options: dict[str, Any] = field(default_factory=dict)
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0
+    swap_space: float = 4.0
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    model_seed: int = 0
+    num_threads: int | None = None
+    check_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks that need no model; model-dependent limits are checked when the engine is built."""
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...), got {bs!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 2 (block 0 is the reserved null block), "
+                f"got {self.num_gpu_blocks_override!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_DTYPES = {"auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float"}

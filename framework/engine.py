@@ -1,0 +1,272 @@
+"""``LLMEngine``: requests in, scheduler + executor each step, ``RequestOutput``s out."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from framework.block_allocator import ALLOCATORS
+from framework.clock import Clock, WallClock
+from framework.config import EngineConfig
+from framework.executor import EXECUTORS
+from framework.attention import BACKENDS
+from framework.input_preparer import PREPARERS
+from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from framework.request import Request
+from framework.sampling_params import SamplingParams
+from framework.scheduler import POLICIES, Scheduler, SchedulerOutput
+from models.loader import resolve_model
+
+logger = logging.getLogger(__name__)
+
+#: A default max_model_len larger than this is capped: the persistent batch and the RoPE table
+#: are sized by it, and tiny CPU experiments do not need 128k-token rows.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class StepStats:
+    """One engine step, for timelines: what ran and the state of the queues and KV cache after."""
+
+    step: int
+    start_time: float
+    duration: float
+    num_scheduled_reqs: int
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_usage: float
+    num_preempted: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_finished: int
+
+
+class LLMEngine:
+    """Online serving core. ``add_request`` queues work, each ``step`` runs one batch and returns
+    outputs for the requests that progressed (a new token, or finished). Single-threaded."""
+
+    def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, **kwargs: Any) -> None:
+        self.config = config = config or EngineConfig(**kwargs)
+        self.clock = clock or WallClock()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.source = resolve_model(config.model)
+        self.model_config = self.source.config
+        config.max_model_len = self._resolve_max_model_len()
+        # Resolve every name before loading anything, so a typo fails in milliseconds.
+        policy_cls = POLICIES.get(config.policy)
+        allocator_cls = ALLOCATORS.get(config.allocator)
+        if config.executor == "model":
+            BACKENDS.get(config.backend)
+            PREPARERS.get(config.preparer)
+        self.policy = policy_cls(**config.policy_options)
+        self.executor = EXECUTORS.create(config.executor, config, self.source, self.clock, **config.executor_options)
+        num_blocks, num_cpu_blocks = self.executor.kv_block_counts()
+        capacity = (num_blocks - 1) * config.block_size
+        if capacity < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks - 1} blocks x {config.block_size} tokens = {capacity} tokens, "
+                f"less than one request of max_model_len={config.max_model_len}; raise num_gpu_blocks_override "
+                f"/ kv_cache_memory_gb or lower max_model_len")
+        self.executor.initialize(num_blocks, num_cpu_blocks)
+        self.allocator = allocator_cls(num_blocks=num_blocks, block_size=config.block_size,
+                                       num_cpu_blocks=num_cpu_blocks,
+                                       enable_prefix_caching=config.enable_prefix_caching,
+                                       **config.allocator_options)
+        self.scheduler = Scheduler(config, self.policy, self.allocator, self.clock)
+        self.tokenizer = self.executor.tokenizer
+        self._eos = frozenset(self.model_config.eos_token_ids)
+        self._parents: dict[str, list[Request]] = {}
+        self._generator_device = self.executor.device
+        self.step_callbacks: list[Callable[[StepStats, SchedulerOutput], None]] = []
+        self.num_steps = 0
+        self._stalled_steps = 0
+
+    def _resolve_max_model_len(self) -> int:
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        why = "max_position_embeddings"
+        if cfg.sliding_window and cfg.sliding_window < limit:
+            limit, why = cfg.sliding_window, "sliding_window (sliding-window attention is not implemented)"
+        if self.config.max_model_len is None:
+            return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's {why} of {limit}")
+        return self.config.max_model_len
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """Token ids and text of a prompt given as text, token ids or a vLLM-style dict."""
+        text: str | None = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = None
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        else:
+            ids = prompt
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text")
+            ids = self.tokenizer.encode(text)
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("prompt is empty: a request needs at least one prompt token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        return ids, text
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        params = params or SamplingParams()
+        ids, text = self.tokenize(prompt)
+        if request_id in self._parents or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = self.clock.now() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, ids, child_params, arrival, priority=priority, eos_token_ids=self._eos,
+                          max_model_len=self.config.max_model_len, prompt=text,
+                          parent_id=request_id if params.n > 1 else None, index=i)
+            if child_params.seed is not None:
+                req.generator = torch.Generator(device=self._generator_device).manual_seed(child_params.seed)
+            children.append(req)
+        self._parents[request_id] = children
+        for req in children:
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for req in self._parents.get(rid, []):
+                self.scheduler.abort_request(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = self.clock.now()
+        out = self.scheduler.schedule()
+        sampled = self.executor.execute(out).sampled if (out.scheduled or _has_block_ops(out)) else {}
+        progressed = self.scheduler.update_from_output(out, sampled)
+        done_elsewhere = self.scheduler.take_finished_outside_step()
+        self._check_progress(out, done_elsewhere)
+        outputs = self._make_outputs(progressed + done_elsewhere)
+        self.num_steps += 1
+        if self.step_callbacks:
+            stats = self._step_stats(out, start, sum(o.finished for o in outputs))
+            for callback in self.step_callbacks:
+                callback(stats, out)
+        return outputs
+
+    def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
+        if out.scheduled or done or _has_block_ops(out) or not self.scheduler.has_unfinished_requests():
+            self._stalled_steps = 0
+            return
+        self._stalled_steps += 1
+        if self._stalled_steps >= 3:
+            s = self.scheduler
+            raise RuntimeError(
+                f"policy {self.config.policy!r} scheduled nothing for {self._stalled_steps} steps with "
+                f"{len(s.waiting)} waiting, {len(s.running)} running, {len(s.swapped)} swapped requests and "
+                f"{self.allocator.num_free_blocks} free blocks: the policy cannot make progress")
+
+    def _step_stats(self, out: SchedulerOutput, start: float, num_finished: int) -> StepStats:
+        decode = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
+        total = out.total_num_scheduled_tokens
+        s = self.scheduler
+        return StepStats(
+            step=self.num_steps, start_time=start, duration=self.clock.now() - start,
+            num_scheduled_reqs=len(out.scheduled), num_scheduled_tokens=total,
+            num_prefill_tokens=total - decode, num_decode_tokens=decode,
+            num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+            kv_blocks_used=self.allocator.num_used_blocks, kv_usage=self.allocator.usage,
+            num_preempted=len(out.preempted) + len(out.swapped_out),
+            num_swapped_out_blocks=len(out.blocks_to_swap_out), num_swapped_in_blocks=len(out.blocks_to_swap_in),
+            num_finished=num_finished)
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _make_outputs(self, reqs: list[Request]) -> list[RequestOutput]:
+        seen: dict[str, RequestOutput] = {}
+        for req in reqs:
+            parent_id = req.parent_id or req.request_id
+            if parent_id in seen:
+                continue
+            children = self._parents.get(parent_id)
+            if children is None:
+                continue
+            output = self._output(parent_id, children)
+            seen[parent_id] = output
+            if output.finished:
+                del self._parents[parent_id]
+        return list(seen.values())
+
+    def _output(self, request_id: str, children: list[Request]) -> RequestOutput:
+        first = children[0]
+        completions = []
+        for req in children:
+            ids = req.output_token_ids
+            text = ""
+            if self.tokenizer is not None and req.sampling_params.detokenize and ids:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
+        token_times = first.token_times if len(children) == 1 else sorted(t for r in children for t in r.token_times)
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=_min(r.first_scheduled_time for r in children),
+            first_token_time=_min(r.first_token_time for r in children),
+            last_token_time=token_times[-1] if token_times else None,
+            finished_time=_max(r.finished_time for r in children) if all(r.is_finished for r in children) else None,
+            token_times=list(token_times),
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_generated_tokens=sum(r.num_output_tokens for r in children),
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(r.num_preemptions for r in children),
+            num_swaps=sum(r.num_swaps for r in children))
+        return RequestOutput(
+            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=completions, finished=all(r.is_finished for r in children), metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+            status_message=next((r.status_message for r in children if r.status_message), None),
+            priority=first.priority)
+
+
+def _has_block_ops(out: SchedulerOutput) -> bool:
+    return bool(out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy)
+
+
+def _min(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def _max(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None

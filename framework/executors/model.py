@@ -1,0 +1,122 @@
+"""The real executor: loads the model and runs each step's forward pass."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from framework.attention import BACKENDS
+from framework.clock import Clock
+from framework.config import EngineConfig
+from framework.executor import EXECUTORS, Executor, ExecutorOutput
+from framework.input_preparer import PREPARERS
+from framework.model_runner import ModelRunner
+from framework.sampler import Sampler
+from framework.scheduler import SchedulerOutput
+from models.llama import LlamaForCausalLM
+from models.loader import ModelSource, iter_checkpoint, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+GiB = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use device=cpu or auto")
+    return device
+
+
+def resolve_dtype(name: str, model_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES[model_dtype] if model_dtype in ("float16", "bfloat16") else torch.bfloat16
+
+
+@EXECUTORS.register("model")
+class ModelExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
+        super().__init__(config, source, clock)
+        cfg = source.config
+        self._device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self._device)
+        assert config.max_model_len is not None
+        self.backend = BACKENDS.create(
+            config.backend, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5, block_size=config.block_size,
+            dtype=self.dtype, device=self._device, **config.backend_options)
+        self.model = LlamaForCausalLM(cfg, self.backend, config.max_model_len, self.dtype)
+        if source.path is None:
+            self.model.init_random(config.model_seed, cfg.initializer_range)
+        else:
+            self.model.load_weights(iter_checkpoint(source.path))
+        self.model.to(device=self._device, dtype=self.dtype).eval()
+        self._tokenizer = load_tokenizer(source)
+        self.runner: ModelRunner | None = None
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self._tokenizer
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    def bytes_per_block(self) -> int:
+        cfg = self.source.config
+        return self.config.block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+
+    def kv_block_counts(self) -> tuple[int, int]:
+        config, per_block = self.config, self.bytes_per_block()
+        useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
+        if config.num_gpu_blocks_override is not None:
+            num_blocks = config.num_gpu_blocks_override
+        else:
+            if config.kv_cache_memory_gb is not None:
+                budget = config.kv_cache_memory_gb * GiB
+            elif self._device.type == "cuda":
+                budget = self._cuda_budget()
+            else:
+                budget = config.cpu_kv_cache_gb * GiB
+            # More blocks than every running request can use only feed the prefix cache; cap them
+            # so a laptop run does not reserve gigabytes it never touches.
+            num_blocks = min(int(budget // per_block), useful)
+        num_cpu_blocks = min(int(config.swap_space * GiB // per_block), useful)
+        return num_blocks, num_cpu_blocks
+
+    def _cuda_budget(self) -> float:
+        free, total = torch.cuda.mem_get_info(self._device)
+        cfg, config = self.source.config, self.config
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        # Activation peak of the largest step: the widest per-token tensors (fused gate/up, qkv,
+        # residual) for every batched token, plus float32 logits for every sequence.
+        per_token = (2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size + 4 * cfg.hidden_size) * esize
+        activations = config.max_num_batched_tokens * per_token * 2 + config.max_num_seqs * cfg.vocab_size * 4
+        used = total - free
+        return max(0.0, total * config.gpu_memory_utilization - used - activations)
+
+    def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        cfg, config = self.source.config, self.config
+        kv_cache = torch.zeros(2, cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads,
+                               cfg.head_dim, dtype=self.dtype, device=self._device)
+        preparer = PREPARERS.create(
+            config.preparer, max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
+            device=self._device, **config.preparer_options)
+        generator = torch.Generator(device=self._device).manual_seed(config.seed)
+        self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator), kv_cache, num_cpu_blocks)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), swap space %d blocks", num_blocks,
+                    config.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20, num_cpu_blocks)
+
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput:
+        assert self.runner is not None, "initialize() must be called before execute()"
+        return ExecutorOutput(self.runner.execute(out))

@@ -1,0 +1,65 @@
+"""``LLM``: vLLM's offline API over ``LLMEngine``."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from framework.config import EngineConfig
+from framework.engine import LLMEngine, Prompt
+from framework.outputs import RequestOutput
+from framework.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model="tiny-llama", policy="fcfs", backend="naive", ...)``: every ``EngineConfig``
+    field is a keyword argument. ``generate`` runs prompts to completion and returns one
+    ``RequestOutput`` per prompt, in the prompts' order."""
+
+    def __init__(self, model: str = "tiny-llama", **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                 and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        # Tokenize and check everything before queueing anything, so bad input loses nothing.
+        for prompt in prompts:
+            self.engine.tokenize(prompt)
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,61 @@
+"""Runs one step on the device: block copies, input preparation, forward pass, sampling."""
+from __future__ import annotations
+
+import torch
+
+from framework.attention import AttentionBackend
+from framework.input_preparer import InputPreparer
+from framework.sampler import Sampler
+from framework.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    """Owns the KV cache ``[2, layers, blocks, block_size, kv_heads, head_dim]`` (seed 003) and,
+    once a swap happens, a CPU swap cache of the same layout."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, preparer: InputPreparer,
+                 sampler: Sampler, kv_cache: torch.Tensor, num_cpu_blocks: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.preparer = preparer
+        self.sampler = sampler
+        self.kv_cache = kv_cache
+        self.num_cpu_blocks = num_cpu_blocks
+        self._cpu_cache: torch.Tensor | None = None
+
+    @property
+    def cpu_cache(self) -> torch.Tensor:
+        if self._cpu_cache is None:
+            shape = list(self.kv_cache.shape)
+            shape[2] = self.num_cpu_blocks
+            self._cpu_cache = torch.zeros(shape, dtype=self.kv_cache.dtype,
+                                          pin_memory=self.kv_cache.device.type == "cuda")
+        return self._cpu_cache
+
+    def apply_block_ops(self, out: SchedulerOutput) -> None:
+        """Swap-out first (it reads blocks a swap-in or a new owner may overwrite), then swap-in,
+        then copy-on-write copies."""
+        dev = self.kv_cache.device
+        if out.blocks_to_swap_out:
+            src, dst = (torch.tensor(x) for x in zip(*out.blocks_to_swap_out))
+            self.cpu_cache[:, :, dst] = self.kv_cache[:, :, src.to(dev)].cpu()
+        if out.blocks_to_swap_in:
+            src, dst = (torch.tensor(x) for x in zip(*out.blocks_to_swap_in))
+            self.kv_cache[:, :, dst.to(dev)] = self.cpu_cache[:, :, src].to(dev)
+        if out.blocks_to_copy:
+            src, dst = (torch.tensor(x, device=dev) for x in zip(*out.blocks_to_copy))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self.apply_block_ops(out)
+        inputs = self.preparer.prepare(out)
+        if inputs is None:
+            return {}
+        meta = self.backend.build_metadata(inputs.attn_metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
+        if not inputs.sample_req_ids:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        tokens = self.sampler(logits, inputs.sampling)
+        return dict(zip(inputs.sample_req_ids, tokens.tolist()))

@@ -1,0 +1,110 @@
+"""One registry mechanism for every pluggable part (policies, allocators, backends, preparers, ...).
+
+Register with a decorator, list the names, create by name::
+
+    from framework import POLICIES
+
+    @POLICIES.register("my_policy")
+    class MyPolicy(FCFSPolicy): ...
+
+    POLICIES.list()                 # ['chunked', 'fcfs', 'my_policy', ...]
+    POLICIES.create("my_policy", scheduler_config, **options)
+
+Implementations that ship with the framework are found by importing the registry's ``builtin``
+package on first use (so ``import framework`` stays light and never imports triton or
+flash-attn). Out-of-tree implementations are found through the entry-point group named by the
+registry, e.g. in a plugin's ``pyproject.toml``::
+
+    [project.entry-points."framework.policies"]
+    my_policy = "my_pkg.policy:MyPolicy"
+"""
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any, Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownNameError(ValueError):
+    """A name that no implementation is registered under; the message lists the registered ones."""
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str, base: type[T], entry_point_group: str, builtin: str | None = None) -> None:
+        self.kind = kind
+        self.base = base
+        self.entry_point_group = entry_point_group
+        self.builtin = builtin
+        self._classes: dict[str, type[T]] = {}
+        self._entry_points: dict[str, Any] | None = None
+        self._builtins_loaded = False
+
+    # -- registration ----------------------------------------------------------------------------
+    def register(self, name: str | None = None) -> Callable[[type[T]], type[T]]:
+        """Class decorator: register ``cls`` under ``name`` (default: ``cls.name``)."""
+
+        def decorator(cls: type[T]) -> type[T]:
+            key = name or getattr(cls, "name", None)
+            if not key:
+                raise ValueError(f"cannot register {cls.__qualname__} as a {self.kind}: give it a name")
+            if not (isinstance(cls, type) and issubclass(cls, self.base)):
+                raise TypeError(f"{cls!r} is not a subclass of {self.base.__name__}; cannot register it as a {self.kind}")
+            known = self._classes.get(key)
+            if known is not None and known is not cls and _qualified(known) != _qualified(cls):
+                raise ValueError(f"a {self.kind} named {key!r} is already registered ({_qualified(known)})")
+            self._classes[key] = cls
+            if getattr(cls, "name", None) != key and "name" not in cls.__dict__:
+                cls.name = key  # type: ignore[attr-defined]
+            return cls
+
+        return decorator
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def list(self) -> list[str]:
+        """Every registered name: built in, registered at run time, and installed plugins."""
+        self._load_builtins()
+        return sorted(set(self._classes) | set(self._plugin_entry_points()))
+
+    def get(self, name: str) -> type[T]:
+        self._load_builtins()
+        if name in self._classes:
+            return self._classes[name]
+        ep = self._plugin_entry_points().get(name)
+        if ep is not None:
+            try:
+                cls = ep.load()
+            except Exception as exc:  # a broken plugin must say which one it is
+                raise ImportError(f"{self.kind} plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
+            if name not in self._classes:
+                self.register(name)(cls)
+            return self._classes[name]
+        raise UnknownNameError(
+            f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(self.list()) or '(none)'}"
+        )
+
+    def create(self, name: str, *args: Any, **kwargs: Any) -> T:
+        return self.get(name)(*args, **kwargs)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.list()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _load_builtins(self) -> None:
+        if not self._builtins_loaded and self.builtin:
+            self._builtins_loaded = True
+            importlib.import_module(self.builtin)
+
+    def _plugin_entry_points(self) -> dict[str, Any]:
+        if self._entry_points is None:
+            self._entry_points = {ep.name: ep for ep in entry_points(group=self.entry_point_group)}
+        return self._entry_points
+
+    def refresh_plugins(self) -> None:
+        """Forget the cached entry points (after installing a plugin in a running interpreter)."""
+        self._entry_points = None
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,154 @@
+"""Request state: what the scheduler, the allocator and the runner share about one sequence.
+
+Statuses and finish reasons follow vLLM v0's ``SequenceStatus`` (seed 004).
+"""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from framework.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style reason: an ignored (too long) prompt also reports "length", as vLLM does."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Request:
+    """One sequence to serve: its tokens, progress, KV blocks and timing.
+
+    ``token_ids`` holds prompt then output tokens. ``num_computed_tokens`` counts the tokens whose
+    K/V sit in the cache; after a recompute preemption it drops to 0 and the whole of ``token_ids``
+    is prefilled again. ``block_ids`` (device) and ``cpu_block_ids`` (swap space) are written only
+    by the block allocator; everyone else reads them.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "token_ids", "sampling_params", "arrival_time", "priority",
+        "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "cpu_block_ids",
+        "block_hashes", "stop_reason", "status_message", "eos_token_ids", "max_model_len",
+        "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
+        "token_times", "finished_time", "num_preemptions", "num_swaps", "extra",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int | None = None,
+        prompt: str | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_ids: list[int] = []
+        self.cpu_block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.stop_reason: int | str | None = None
+        self.status_message: str | None = None
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.generator: Any = None
+        self.parent_id = parent_id
+        self.index = index
+        self.prompt = prompt
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+        self.finished_time: float | None = None
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        self.extra: dict[str, Any] = {}
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the last known token is still to be computed (prompt or recompute)."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # -- progress --------------------------------------------------------------------------------
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last appended token implies, or None to keep generating."""
+        last = self.token_ids[-1]
+        params = self.sampling_params
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

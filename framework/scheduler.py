@@ -1,0 +1,401 @@
+"""The scheduler: a shared mechanism (queues, budgets, allocation, preemption, swap) driven by a
+pluggable ``SchedulerPolicy`` that makes the decisions.
+
+Each step the policy fills a ``Step`` through the mechanism's operations; the scheduler then
+hands the runner a plain ``SchedulerOutput`` and, after the forward pass, folds the sampled
+tokens back into the requests.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from framework.block_allocator import BlockAllocator, PrefixHit
+from framework.registry import Registry
+from framework.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from framework.clock import Clock
+    from framework.config import EngineConfig
+
+RECOMPUTE = "recompute"
+SWAP = "swap"
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step. The runner reads only this, never the scheduler's queues.
+
+    ``scheduled`` is the batch order. Rows of ``new_requests`` (first run) and
+    ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
+    requests extend their row with the tokens and blocks added since the last step. Rows of
+    ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped. Block lists
+    are applied before the forward pass: swap-out, then swap-in, then copies.
+    """
+
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_requests: list[Request] = field(default_factory=list)
+    resumed_requests: list[Request] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    ignored: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Step:
+    """The step being built: what is scheduled so far and the token budget left."""
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.out = SchedulerOutput()
+
+    def is_scheduled(self, request: Request) -> bool:
+        return request.request_id in self.out.num_scheduled_tokens
+
+    @property
+    def num_scheduled_reqs(self) -> int:
+        return len(self.out.scheduled)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(self.out.num_scheduled_tokens.values())
+
+    def _add(self, request: Request, num_tokens: int) -> None:
+        self.out.scheduled.append(request)
+        self.out.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+
+
+class SchedulerPolicy(ABC):
+    """Decides which requests run each step and how many tokens each computes.
+
+    A policy never edits queues or blocks itself: it calls the scheduler's operations
+    (``schedule_request``, ``schedule_or_preempt``, ``preempt``, ``swap_in``, ``ignore``), which
+    keep the invariants. Override the narrow hooks to change one decision, or ``schedule`` to
+    form batches differently:
+
+    - ``waiting_order``: the order waiting requests are considered in;
+    - ``select_victim`` / ``preemption_mode_for``: whom to preempt when blocks run out, and how;
+    - ``num_new_tokens``: how many tokens a request gets this step (chunking).
+
+    Options come from ``policy_options`` (Hydra: the ``policy`` group's keys) as keyword
+    arguments; unknown options are rejected.
+    """
+
+    name: ClassVar[str] = ""
+    #: Whether a prompt may be split across steps; if not, longer prompts than the step budget
+    #: are finished IGNORED on arrival.
+    chunks_prefills: ClassVar[bool] = False
+
+    def __init__(self, preemption_mode: str = RECOMPUTE) -> None:
+        if preemption_mode not in (RECOMPUTE, SWAP):
+            raise ValueError(f"preemption_mode must be {RECOMPUTE!r} or {SWAP!r}, got {preemption_mode!r}")
+        self.preemption_mode = preemption_mode
+
+    # -- narrow hooks ----------------------------------------------------------------------------
+    def waiting_order(self, waiting: Sequence[Request]) -> Iterable[Request]:
+        """Waiting requests in the order to admit them (default: queue order; preempted first)."""
+        return list(waiting)
+
+    def select_victim(self, candidates: list[Request], requester: Request) -> Request | None:
+        """Whom to preempt so ``requester`` can run; ``candidates`` are running requests not
+        scheduled this step, oldest admission first. None: preempt nobody (the requester waits)."""
+        return candidates[-1] if candidates else None
+
+    def preemption_mode_for(self, victim: Request) -> str:
+        return self.preemption_mode
+
+    def num_new_tokens(self, request: Request, token_budget: int, num_prefix_tokens: int = 0) -> int:
+        """Tokens to compute for ``request`` now, given what is left of the step's budget."""
+        return min(request.num_tokens - request.num_computed_tokens - num_prefix_tokens, token_budget)
+
+    # -- the whole step --------------------------------------------------------------------------
+    @abstractmethod
+    def schedule(self, scheduler: Scheduler, step: Step) -> None:
+        """Fill ``step`` using the scheduler's operations."""
+
+
+POLICIES: Registry[SchedulerPolicy] = Registry(
+    "policy", SchedulerPolicy, entry_point_group="framework.policies", builtin="policies")
+
+
+class Scheduler:
+    """Queues (waiting, running, swapped), the token and sequence budgets, and the operations a
+    policy composes. Not thread-safe: the engine calls it from one thread."""
+
+    def __init__(self, config: EngineConfig, policy: SchedulerPolicy, allocator: BlockAllocator,
+                 clock: Clock) -> None:
+        self.config = config
+        self.policy = policy
+        self.allocator = allocator
+        self.clock = clock
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len: int = config.max_model_len or 0
+        self.block_size = config.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._dropped_rows: set[str] = set()
+        self._finished_outside_step: list[Request] = []
+        self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_steps = 0
+
+    # -- requests in and out ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        reason = self._never_fits(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.status_message = reason
+            request.finished_time = self.clock.now()
+            self._finished_outside_step.append(request)
+            return
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _never_fits(self, request: Request) -> str | None:
+        n = request.num_prompt_tokens
+        if self.max_model_len and n > self.max_model_len:
+            return f"prompt of {n} tokens is longer than max_model_len={self.max_model_len}"
+        if self.allocator.blocks_needed(n) > self.allocator.num_usable_blocks:
+            return (f"prompt of {n} tokens needs {self.allocator.blocks_needed(n)} KV blocks but the "
+                    f"cache has {self.allocator.num_usable_blocks}")
+        if not self.policy.chunks_prefills and n > self.max_num_batched_tokens:
+            return (f"prompt of {n} tokens exceeds max_num_batched_tokens={self.max_num_batched_tokens} "
+                    f"and policy {self.policy.name!r} does not chunk prefills")
+        return None
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        self.allocator.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finished_time = self.clock.now()
+        self._dropped_rows.add(request_id)
+        self._finished_outside_step.append(request)
+        return request
+
+    def take_finished_outside_step(self) -> list[Request]:
+        """Requests finished by ``add_request`` (ignored) or ``abort_request`` since the last call."""
+        done, self._finished_outside_step = self._finished_outside_step, []
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = Step(self.max_num_batched_tokens)
+        self.policy.schedule(self, step)
+        out = step.out
+        out.blocks_to_copy.extend(self.allocator.take_copies())
+        for req in out.preempted + out.swapped_out:
+            self._dropped_rows.add(req.request_id)
+        # A request preempted and re-admitted in the same step keeps its (rebuilt) row.
+        out.finished_req_ids = self._dropped_rows - set(out.num_scheduled_tokens)
+        self._dropped_rows = set()
+        self.num_steps += 1
+        if self.config.check_invariants:
+            self.check_invariants(out)
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request by its tokens and append its sampled token (if it
+        reached the end of its known tokens). Returns the requests that got a token."""
+        now = self.clock.now()
+        progressed: list[Request] = []
+        any_finished = False
+        for req in out.scheduled:
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted since it was scheduled
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            token = sampled.get(req.request_id)
+            if token is None:
+                if req.num_computed_tokens >= req.num_tokens:
+                    raise RuntimeError(f"{req.request_id} finished its tokens but no token was sampled")
+                continue
+            req.append_output_token(token, now)
+            progressed.append(req)
+            status = req.check_stop()
+            if status is not None:
+                self._finish(req, status, now)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return progressed
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        request.status = status
+        request.finished_time = now
+        self.allocator.free(request)
+        self.requests.pop(request.request_id, None)
+        self._dropped_rows.add(request.request_id)
+
+    # -- operations for policies -----------------------------------------------------------------
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """Cached blocks the request could start from (only for a request holding no blocks)."""
+        if request.num_computed_tokens or request.block_ids:
+            return PrefixHit()
+        return self.allocator.find_prefix(request)
+
+    def schedule_request(self, step: Step, request: Request, num_tokens: int,
+                         prefix: PrefixHit | None = None) -> bool:
+        """Schedule ``num_tokens`` of ``request`` (admitting it if waiting). False, with nothing
+        changed, when the KV blocks or the sequence limit do not allow it."""
+        if step.is_scheduled(request):
+            raise ValueError(f"{request.request_id} is already scheduled in this step")
+        prefix_tokens = prefix.num_tokens if prefix else 0
+        left = request.num_tokens - request.num_computed_tokens - prefix_tokens
+        if not 0 < num_tokens <= min(left, step.token_budget):
+            raise ValueError(
+                f"{request.request_id}: cannot schedule {num_tokens} tokens ({left} left to compute, "
+                f"{step.token_budget} left in the step budget)")
+        waiting = request.status == RequestStatus.WAITING
+        if waiting and len(self.running) >= self.max_num_seqs:
+            return False
+        if not waiting and request.status != RequestStatus.RUNNING:
+            raise ValueError(f"{request.request_id} is {request.status.name}; only waiting or running requests run")
+        if not self.allocator.allocate_slots(request, num_tokens, prefix):
+            return False
+        if waiting:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens += prefix_tokens
+            self.running.append(request)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock.now()
+                request.num_cached_tokens = prefix_tokens
+                step.out.new_requests.append(request)
+            else:
+                step.out.resumed_requests.append(request)
+        step._add(request, num_tokens)
+        return True
+
+    def schedule_or_preempt(self, step: Step, request: Request, num_tokens: int) -> bool:
+        """Schedule ``request``, preempting victims chosen by the policy while blocks are short.
+        If no victim is left, a running ``request`` is itself preempted and False returned."""
+        while not self.schedule_request(step, request, num_tokens):
+            candidates = [r for r in self.running if r is not request and not step.is_scheduled(r)]
+            victim = self.policy.select_victim(candidates, request)
+            if victim is None:
+                if request.status == RequestStatus.RUNNING:
+                    self.preempt(step, request)
+                return False
+            self.preempt(step, victim)
+        return True
+
+    def preempt(self, step: Step, request: Request, mode: str | None = None) -> str:
+        """Take a running request off the device: swap its blocks out (if ``mode`` is swap and the
+        swap space has room) or free them for recompute. Returns the mode used."""
+        if step.is_scheduled(request):
+            raise ValueError(f"{request.request_id} is scheduled in this step and cannot be preempted")
+        if request.status != RequestStatus.RUNNING:
+            raise ValueError(f"{request.request_id} is {request.status.name}, not running")
+        mode = mode or self.policy.preemption_mode_for(request)
+        self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if mode == SWAP:
+            mapping = self.allocator.swap_out(request)
+            if mapping is not None:
+                request.status = RequestStatus.SWAPPED
+                request.num_swaps += 1
+                self.num_swap_outs += 1
+                self.swapped.append(request)
+                step.out.swapped_out.append(request)
+                step.out.blocks_to_swap_out.extend(mapping)
+                return SWAP
+        self.allocator.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        step.out.preempted.append(request)
+        return RECOMPUTE
+
+    def swap_in(self, step: Step, request: Request) -> bool:
+        """Bring a swapped request back to the device (it still has to be scheduled)."""
+        if request.status != RequestStatus.SWAPPED:
+            raise ValueError(f"{request.request_id} is {request.status.name}, not swapped")
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        mapping = self.allocator.swap_in(request)
+        if mapping is None:
+            return False
+        self.swapped.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.out.swapped_in.append(request)
+        step.out.resumed_requests.append(request)
+        step.out.blocks_to_swap_in.extend(mapping)
+        return True
+
+    def ignore(self, step: Step, request: Request, reason: str) -> None:
+        """Finish a waiting request that can never run, with ``reason``."""
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"only waiting requests can be ignored; {request.request_id} is {request.status.name}")
+        self.waiting.remove(request)
+        self.allocator.free(request)
+        self.requests.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED_IGNORED
+        request.status_message = reason
+        request.finished_time = self.clock.now()
+        step.out.ignored.append(request)
+        self._finished_outside_step.append(request)
+
+    # -- invariants ------------------------------------------------------------------------------
+    def check_invariants(self, out: SchedulerOutput) -> None:
+        """Raise AssertionError if this step's output or the queues break a scheduling invariant."""
+        total = out.total_num_scheduled_tokens
+        assert total <= self.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
+        bs = self.block_size
+        for req in out.scheduled:
+            n = out.num_scheduled_tokens[req.request_id]
+            assert req.status == RequestStatus.RUNNING, f"{req.request_id} scheduled while {req.status.name}"
+            assert 0 < n <= req.num_tokens - req.num_computed_tokens, f"{req.request_id}: {n} tokens scheduled"
+            assert len(req.block_ids) * bs >= req.num_computed_tokens + n, (
+                f"{req.request_id}: {len(req.block_ids)} blocks cannot hold {req.num_computed_tokens + n} tokens")
+        for req in self.waiting:
+            assert req.status == RequestStatus.WAITING and not req.block_ids, f"{req.request_id} waits holding blocks"
+        for req in self.swapped:
+            assert req.status == RequestStatus.SWAPPED and not req.block_ids, f"{req.request_id} swapped with device blocks"
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING, f"{req.request_id} in running while {req.status.name}"
+        live = len(self.waiting) + len(self.running) + len(self.swapped)
+        assert live == len(self.requests), f"{live} queued requests but {len(self.requests)} unfinished"
+        self.allocator.check_invariants(self.requests.values())

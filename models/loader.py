@@ -1,0 +1,84 @@
+"""Find a model by preset name or Hugging Face directory; load its config, weights and tokenizer.
+
+A directory needs ``config.json`` and weights as ``model.safetensors``, sharded safetensors with
+``model.safetensors.index.json``, or ``pytorch_model*.bin``. The tokenizer is loaded when the
+directory has one.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.config import ModelConfig
+from models.presets import PRESETS
+
+
+@dataclass
+class ModelSource:
+    name: str
+    config: ModelConfig
+    path: Path | None  # None for a preset: random weights from the seed
+
+    @property
+    def is_preset(self) -> bool:
+        return self.path is None
+
+
+def resolve_model(name_or_path: str) -> ModelSource:
+    if name_or_path in PRESETS:
+        return ModelSource(name_or_path, ModelConfig.from_hf(PRESETS[name_or_path]), None)
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory "
+            f"holding a Hugging Face config.json")
+    with open(path / "config.json") as f:
+        config = ModelConfig.from_hf(json.load(f))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        # transformers' generate stops on the generation config's EOS ids; so does this engine.
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+    return ModelSource(str(path), config, path)
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a checkpoint directory, one tensor at a time."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        for name in files:
+            with safe_open(str(path / name), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        return
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    for file in bins:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def load_tokenizer(source: ModelSource) -> Any | None:
+    """The checkpoint's tokenizer, or None when it has none (presets never do)."""
+    if source.path is None:
+        return None
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if not any((source.path / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(source.path))

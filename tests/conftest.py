@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random-weight Hugging Face checkpoints, and a leak check on every engine."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import framework  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch spins up threads)
+from framework.engine import LLMEngine  # noqa: E402
+
+TINY_HF = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def make_hf_checkpoint(path, arch: str = "llama", seed: int = 0, with_tokenizer: bool = False, **overrides):
+    """Save a random-weight transformers model (``llama``, ``qwen2`` or ``mistral``) to ``path``
+    and return the transformers model (in eval mode) for reference outputs."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = {**TINY_HF, **overrides}
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, **kw))
+    elif arch == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None, **kw))
+    else:
+        raise ValueError(arch)
+    model.eval()
+    model.save_pretrained(path)
+    if with_tokenizer:
+        save_word_tokenizer(path, kw["vocab_size"])
+    return model
+
+
+def save_word_tokenizer(path, vocab_size: int) -> None:
+    """A deterministic word-level tokenizer (no download) saved next to a checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-hf")
+    model = make_hf_checkpoint(path, "llama", with_tokenizer=True)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def qwen2_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2-hf")
+    return path, make_hf_checkpoint(path, "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def mistral_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-mistral-hf")
+    return path, make_hf_checkpoint(path, "mistral", seed=2)
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int, stop_at_eos: bool = False) -> list[int]:
+    """transformers' greedy ``generate``. Without ``stop_at_eos`` it runs exactly ``max_tokens``
+    with no EOS handling at all (``min_new_tokens`` would instead mask EOS out of the argmax)."""
+    saved = model.generation_config.eos_token_id
+    if not stop_at_eos:
+        model.generation_config.eos_token_id = None  # generate() falls back to it otherwise
+    try:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = saved
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(autouse=True)
+def no_kv_block_leaks(monkeypatch):
+    """Every engine a test builds must end with all KV blocks free (cached prefix blocks count as
+    free: they are reclaimable) and consistent books, once its requests are done."""
+    engines: list[LLMEngine] = []  # strong refs: the test's locals are gone by teardown
+    original = LLMEngine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(LLMEngine, "__init__", tracking_init)
+    yield
+    for engine in engines:
+        if not hasattr(engine, "allocator") or engine.has_unfinished_requests():
+            continue
+        alloc = engine.allocator
+        assert alloc.num_free_blocks == alloc.num_usable_blocks, (
+            f"KV blocks leaked: {alloc.num_usable_blocks - alloc.num_free_blocks} of {alloc.num_usable_blocks} still held")
+        assert alloc.num_free_cpu_blocks == alloc.num_cpu_blocks, "swap blocks leaked"
+        alloc.check_invariants([])

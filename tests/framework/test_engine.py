@@ -1,0 +1,200 @@
+import pytest
+
+from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameError
+from framework.clock import VirtualClock
+
+
+def small_llm(**kw):
+    args = dict(max_model_len=256, block_size=16, max_num_batched_tokens=256, seed=0)
+    args.update(kw)
+    return LLM(model="tiny-llama", **args)
+
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+def test_prompt_longer_than_max_model_len_is_ignored_with_reason():
+    llm = small_llm(max_model_len=64, max_num_batched_tokens=64)
+    outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + 80))}, {"prompt_token_ids": [5, 6, 7]}], GREEDY)
+    assert outs[0].finished and outs[0].outputs[0].token_ids == []
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert "max_model_len=64" in outs[0].status_message
+    assert len(outs[1].outputs[0].token_ids) == 6
+
+
+def test_prompt_longer_than_token_budget_is_ignored_by_fcfs():
+    llm = small_llm(max_num_batched_tokens=32)
+    out = llm.generate({"prompt_token_ids": list(range(3, 50))}, GREEDY)[0]
+    assert "max_num_batched_tokens=32" in out.status_message and "does not chunk" in out.status_message
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": [1, 2, 5000]}, "5000 is out of the vocabulary"),
+    ({"prompt_token_ids": [-1]}, "out of the vocabulary"),
+    ("some text", "has no tokenizer"),
+    ({"tokens": [1]}, "prompt_token_ids"),
+])
+def test_bad_prompts_raise_clear_errors_and_queue_nothing(prompt, match):
+    llm = small_llm()
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": [4, 5]}, prompt], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"policy": "nope"}, "registered policys: .*fcfs"),
+    ({"backend": "nope"}, "registered backends: .*naive"),
+    ({"allocator": "nope"}, "registered allocators: .*paged"),
+    ({"preparer": "nope"}, "registered preparers: .*v1"),
+])
+def test_unknown_component_names_list_registered_ones(kwargs, match):
+    with pytest.raises(UnknownNameError, match=match):
+        small_llm(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_size": 12}, "power of two"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"num_gpu_blocks_override": 4}, "less than one request of max_model_len=256"),
+    ({"max_model_len": 100_000}, "exceeds the model's max_position_embeddings"),
+    ({"policy_options": {"bogus": 1}}, "bogus"),
+])
+def test_bad_engine_config_fails_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        small_llm(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"n": 0}, "n must be"), ({"top_k": -5}, "top_k"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+# -- prefix caching -----------------------------------------------------------------------------
+def _computed_tokens(llm, prompts, params):
+    tokens = []
+    llm.engine.step_callbacks.append(lambda s, out: tokens.append(s.num_scheduled_tokens))
+    outs = []
+    for p in prompts:  # one at a time so later requests can find earlier ones' blocks
+        outs += llm.generate({"prompt_token_ids": p}, params)
+    return outs, sum(tokens)
+
+
+def test_shared_prefix_computes_only_the_suffix():
+    shared = list(range(10, 10 + 64))  # four full blocks
+    prompts = [shared + [200 + i, 300 + i, 400 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    cached_outs, cached_work = _computed_tokens(small_llm(enable_prefix_caching=True), prompts, params)
+    plain_outs, plain_work = _computed_tokens(small_llm(enable_prefix_caching=False), prompts, params)
+    assert [o.outputs[0].token_ids for o in cached_outs] == [o.outputs[0].token_ids for o in plain_outs]
+    assert [o.num_cached_tokens for o in cached_outs] == [0, 64, 64, 64]
+    assert plain_work - cached_work == 3 * 64
+    assert cached_work == 4 * (67 + 3) - 3 * 64
+
+
+def test_prefix_cache_hit_rate_is_counted():
+    llm = small_llm()
+    p = list(range(3, 3 + 40))
+    llm.generate({"prompt_token_ids": p}, GREEDY)
+    llm.generate({"prompt_token_ids": p}, GREEDY)
+    stats = llm.engine.allocator.stats
+    assert stats.prefix_query_tokens == 80 and stats.prefix_hit_tokens == 32
+
+
+# -- online API ---------------------------------------------------------------------------------
+def test_abort_frees_blocks_and_reports():
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=256))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.add_request("b", [8, 9], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+    assert finished["a"].outputs[0].finish_reason == "abort"
+    assert len(finished["a"].outputs[0].token_ids) == 2
+    assert finished["b"].outputs[0].finish_reason == "length"
+
+
+def test_duplicate_request_id_is_rejected():
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128))
+    engine.add_request("x", [5], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [6], GREEDY)
+    engine.abort_request("x")
+    engine.step()
+
+
+def test_metrics_on_a_virtual_clock():
+    clock = VirtualClock()
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128), clock=clock)
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        clock.advance(0.5)
+        outs += engine.step()
+    m = outs[-1].metrics
+    assert m.arrival_time == 0.0 and m.first_scheduled_time == 0.5
+    assert m.ttft == 0.5 and m.token_times == [0.5, 1.0, 1.5]
+    assert m.tpot == 0.5 and m.itl == [0.5, 0.5] and m.e2el == 1.5
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
+
+
+def test_stop_token_and_eos():
+    llm = small_llm()
+    free = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    stop = tokens[3]
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))[0]
+    assert out.outputs[0].token_ids == tokens[: tokens.index(stop) + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_generation_stops_at_max_model_len():
+    llm = small_llm(max_model_len=32, max_num_batched_tokens=32)
+    out = llm.generate({"prompt_token_ids": list(range(3, 3 + 28))},
+                       SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+# -- sampling -----------------------------------------------------------------------------------
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = small_llm(seed=1).generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+    crowd = small_llm(seed=2).generate(
+        [{"prompt_token_ids": [9, 9, 9, 9]}, {"prompt_token_ids": [5, 6, 7]}],
+        [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True), params])[1].outputs[0].token_ids
+    assert alone == crowd
+    other = small_llm(seed=1).generate({"prompt_token_ids": [5, 6, 7]},
+                                       SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))[0]
+    assert other.outputs[0].token_ids != alone
+
+
+def test_parallel_sampling_n():
+    llm = small_llm()
+    hot = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
+                       SamplingParams(n=4, max_tokens=8, temperature=1.5, seed=7, ignore_eos=True))[0]
+    assert [c.index for c in hot.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in hot.outputs}) == 4
+    cold = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
+                        SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in cold.outputs}) == 1
+    assert cold.metrics.num_generated_tokens == 24
+
+
+def test_generate_accepts_a_list_of_sampling_params_and_checks_its_length():
+    llm = small_llm()
+    outs = llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=2, temperature=0.0),
+                                          SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)])
+    assert len(outs[1].outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate([[5], [6], [7]], [GREEDY, GREEDY])

@@ -1,0 +1,52 @@
+import sys
+import subprocess
+
+import pytest
+
+from framework import ALLOCATORS, BACKENDS, POLICIES, PREPARERS, Registry, SchedulerPolicy, UnknownNameError
+from framework.scheduler import Scheduler, Step
+
+
+def test_builtins_are_listed():
+    assert "fcfs" in POLICIES.list()
+    assert "paged" in ALLOCATORS.list()
+    assert "naive" in BACKENDS.list()
+    assert "v1" in PREPARERS.list()
+
+
+@pytest.mark.parametrize("registry", [POLICIES, ALLOCATORS, BACKENDS, PREPARERS])
+def test_unknown_name_lists_registered_ones(registry):
+    with pytest.raises(UnknownNameError) as err:
+        registry.get("no-such-thing")
+    message = str(err.value)
+    assert "no-such-thing" in message
+    for name in registry.list():
+        assert name in message
+
+
+def test_register_create_and_reject_duplicates():
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="framework.test-widgets")
+
+    @reg.register("mine")
+    class Mine(SchedulerPolicy):
+        def schedule(self, scheduler: Scheduler, step: Step) -> None:
+            pass
+
+    assert reg.list() == ["mine"]
+    assert isinstance(reg.create("mine"), Mine)
+    assert Mine.name == "mine"
+    with pytest.raises(ValueError, match="already registered"):
+        @reg.register("mine")
+        class Other(SchedulerPolicy):
+            def schedule(self, scheduler, step):
+                pass
+    with pytest.raises(TypeError, match="not a subclass"):
+        reg.register("bad")(int)
+
+
+def test_importing_framework_does_not_import_triton_or_flash_attn():
+    code = ("import sys, framework, policies, backends, models; "
+            "from framework import BACKENDS; BACKENDS.list(); "
+            "print('triton' in sys.modules, 'flash_attn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

@@ -1,0 +1,68 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from framework import LLM, SamplingParams
+from models import ModelConfig, resolve_model
+from tests.conftest import hf_greedy, make_hf_checkpoint
+
+
+def test_sharded_safetensors_and_bin_checkpoints_load_identically(tmp_path):
+    hf = make_hf_checkpoint(tmp_path / "single", "llama", seed=3)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    # Sharded: two files and an index, as save_pretrained writes for large models.
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    keys = sorted(state)
+    half = len(keys) // 2
+    weight_map = {}
+    for i, part in enumerate((keys[:half], keys[half:])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: state[k] for k in part}, str(sharded / name))
+        weight_map.update({k: name for k in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (sharded / "config.json").write_text((tmp_path / "single" / "config.json").read_text())
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    torch.save(state, binary / "pytorch_model.bin")
+    (binary / "config.json").write_text((tmp_path / "single" / "config.json").read_text())
+
+    prompt = [5, 9, 33, 2, 7, 120, 64]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = hf_greedy(hf, prompt, 10)
+    for path in (tmp_path / "single", sharded, binary):
+        out = LLM(model=str(path), max_model_len=64).generate({"prompt_token_ids": prompt}, params)[0]
+        assert out.outputs[0].token_ids == expected, path.name
+
+
+def test_missing_tensor_is_named(tmp_path):
+    hf = make_hf_checkpoint(tmp_path / "ok", "llama", seed=4)
+    state = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(bad / "model.safetensors"))
+    (bad / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    with pytest.raises(ValueError, match="layers.1.mlp.gate_up_proj"):
+        LLM(model=str(bad), max_model_len=64)
+
+
+def test_unknown_model_names_presets(tmp_path):
+    with pytest.raises(ValueError, match="tiny-llama"):
+        resolve_model(str(tmp_path / "nowhere"))
+
+
+def test_unsupported_architecture_is_rejected():
+    with pytest.raises(ValueError, match="supported: llama, qwen2, mistral"):
+        ModelConfig.from_hf({"model_type": "gpt2"})
+
+
+def test_config_parses_old_and_new_rope_formats():
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2)
+    old = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}})
+    assert old.rope_theta == new.rope_theta == 5e5
+    assert old.rope_scaling == new.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}).rope_scaling is None

@@ -1,0 +1,33 @@
+import math
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from models.rope import rope_inv_freq
+
+CASES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 16,
+                    "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_scaled_rope_matches_transformers(case):
+    scaling = CASES[case]
+    cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=2048,
+                                   rope_parameters={"rope_theta": 50000.0, **scaling})
+    ref_freq, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+    freq, scale = rope_inv_freq(64, 50000.0, scaling, 2048)
+    torch.testing.assert_close(freq, ref_freq, rtol=0, atol=0)
+    assert math.isclose(scale, ref_scale)
+
+
+def test_unknown_rope_type_names_supported_ones():
+    with pytest.raises(ValueError, match="llama3"):
+        rope_inv_freq(64, 1e4, {"rope_type": "warp-drive", "factor": 2.0}, 2048)
