@@ -249,6 +249,9 @@ class Scheduler:
                 if req.num_computed_tokens >= req.num_tokens:
                     raise RuntimeError(f"{req.request_id} finished its tokens but no token was sampled")
                 continue
+            if req.num_computed_tokens < req.num_tokens:
+                raise RuntimeError(f"{req.request_id} got a sampled token mid-prompt "
+                                   f"({req.num_computed_tokens} of {req.num_tokens} tokens computed)")
             req.append_output_token(token, now)
             progressed.append(req)
             status = req.check_stop()

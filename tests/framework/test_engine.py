@@ -198,3 +198,15 @@ def test_generate_accepts_a_list_of_sampling_params_and_checks_its_length():
     assert len(outs[1].outputs[0].token_ids) == 5
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate([[5], [6], [7]], [GREEDY, GREEDY])
+
+
+def test_scheduler_rejects_a_token_sampled_mid_prompt():
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128, max_num_batched_tokens=64,
+                                    policy="fcfs"))
+    engine.add_request("r", list(range(3, 40)), GREEDY)
+    out = engine.scheduler.schedule()
+    out.num_scheduled_tokens["r"] = 10  # pretend only a chunk ran, yet a token came back
+    with pytest.raises(RuntimeError, match="mid-prompt"):
+        engine.scheduler.update_from_output(out, {"r": 7})
+    engine.abort_request("r")
+    engine.step()
