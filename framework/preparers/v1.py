@@ -56,6 +56,10 @@ class FlatBatchPreparer(InputPreparer):
         total = int(counts.sum())
         if not total:
             return
+        if len(rows) == 1:  # one request (a typical arrival): a plain slice
+            start = int(starts[0])
+            table[rows[0], start:start + total] = np.fromiter(values, dtype=np.int64, count=total)
+            return
         arange = self._arange[:total] if total <= len(self._arange) else np.arange(total, dtype=np.int64)
         cols = np.repeat(starts - np.cumsum(counts) + counts, counts) + arange
         table[np.repeat(rows, counts), cols] = np.fromiter(values, dtype=np.int64, count=total)
@@ -103,7 +107,7 @@ class FlatBatchPreparer(InputPreparer):
         idx = np.flatnonzero(grow)
         if len(idx):
             if grow[idx].max() == 1:  # decodes: each gained its sampled token (all rows read at C speed)
-                lasts = np.array(list(map(_last, token_lists)), dtype=np.int64)
+                lasts = np.fromiter(map(_last, token_lists), dtype=np.int64, count=len(token_lists))
                 self.token_ids[rows[idx], old[idx]] = lasts[idx]
             else:
                 starts = old[idx]
@@ -140,12 +144,13 @@ class FlatBatchPreparer(InputPreparer):
             return None
         # The only per-request Python: one C-level pass reads what each request holds (map and
         # attrgetter are the cheapest way CPython has), then everything is array work.
+        n = len(reqs)
         ids, computed, token_lists, block_lists = zip(*map(_step_fields, reqs))
-        rows = np.array(list(map(self.row_of.__getitem__, ids)), dtype=np.int64)
-        num_sched = np.array(list(map(out.num_scheduled_tokens.__getitem__, ids)), dtype=np.int64)
+        rows = np.fromiter(map(self.row_of.__getitem__, ids), dtype=np.int64, count=n)
+        num_sched = np.fromiter(map(out.num_scheduled_tokens.__getitem__, ids), dtype=np.int64, count=n)
         num_computed = np.array(computed, dtype=np.int64)
-        num_tokens = np.array(list(map(len, token_lists)), dtype=np.int64)
-        num_blocks = np.array(list(map(len, block_lists)), dtype=np.int64)
+        num_tokens = np.fromiter(map(len, token_lists), dtype=np.int64, count=n)
+        num_blocks = np.fromiter(map(len, block_lists), dtype=np.int64, count=n)
         # Rows just (re)built already match their requests; extending them is a no-op.
         self._extend_rows(token_lists, block_lists, rows, num_tokens, num_blocks, replaced=bool(out.blocks_to_copy))
         host = self.build(rows, num_sched, num_computed, num_tokens)

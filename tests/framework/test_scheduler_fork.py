@@ -43,7 +43,7 @@ def test_fork_shares_blocks_and_announces_the_child_as_new():
     assert sched.schedule().new_requests == [], "announced once"
 
 
-def test_a_child_without_a_seat_waits_and_one_its_first_token_finishes_never_runs():
+def test_a_child_without_a_seat_waits_and_one_finished_by_its_first_token_never_runs():
     sched, alloc = setup(max_num_seqs=1)
     prompt = list(range(3, 9))
     leader, out = prefilled_leader(sched, prompt)
