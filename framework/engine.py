@@ -88,6 +88,10 @@ class LLMEngine:
         self.tokenizer = self.executor.tokenizer
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._parents: dict[str, list[Request]] = {}
+        # vLLM v0's parallel sampling (see InputPreparer.forks_parallel_samples): one leader per
+        # request with n > 1 prefills; the others are forked from it when it samples.
+        self._fork_samples = config.executor == "model" and PREPARERS.get(config.preparer).forks_parallel_samples
+        self._leaders: dict[str, Request] = {}
         self._generator_device = self.executor.device
         self.step_callbacks: list[Callable[[StepStats, SchedulerOutput], None]] = []
         self.num_steps = 0
@@ -155,6 +159,14 @@ class LLMEngine:
                 req.generator = torch.Generator(device=self._generator_device).manual_seed(child_params.seed)
             children.append(req)
         self._parents[request_id] = children
+        if len(children) > 1 and self._fork_samples:
+            leader = children[0]
+            leader.forks = children[1:]
+            self._leaders[leader.request_id] = leader
+            self.scheduler.add_request(leader)
+            if leader.is_finished:  # ignored on arrival
+                self._settle_forks(leader)
+            return
         for req in children:
             self.scheduler.add_request(req)
 
@@ -175,8 +187,13 @@ class LLMEngine:
         start = self.clock.now()
         out = self.scheduler.schedule()
         sampled = self.executor.execute(out).sampled if (out.scheduled or _has_block_ops(out)) else {}
+        if self._leaders:
+            self._fork_leaders(sampled)
         progressed = self.scheduler.update_from_output(out, sampled)
         done_elsewhere = self.scheduler.take_finished_outside_step()
+        for req in done_elsewhere:
+            if req.forks:
+                self._settle_forks(req)
         self._check_progress(out, done_elsewhere)
         outputs = self._make_outputs(progressed + done_elsewhere)
         self.num_steps += 1
@@ -185,6 +202,27 @@ class LLMEngine:
             for callback in self.step_callbacks:
                 callback(stats, out)
         return outputs
+
+    def _fork_leaders(self, sampled: dict[str, int]) -> None:
+        """Fork the other sequences of every leader that sampled its first token this step."""
+        for rid in [rid for rid in self._leaders if rid in sampled]:
+            leader = self._leaders.pop(rid)
+            for child in leader.forks:
+                token = sampled.get(child.request_id)
+                if token is None:
+                    raise RuntimeError(f"preparer {self.config.preparer!r} sampled no first token for "
+                                       f"{child.request_id}, a parallel sample of {rid}")
+                self.scheduler.fork(leader, child, token)
+            leader.forks = []
+
+    def _settle_forks(self, leader: Request) -> None:
+        """A leader that finished before sampling (ignored, aborted) takes its forks with it."""
+        for child in leader.forks:
+            child.status = leader.status
+            child.status_message = leader.status_message
+            child.finished_time = leader.finished_time
+        leader.forks = []
+        self._leaders.pop(leader.request_id, None)
 
     def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
         if out.scheduled or done or _has_block_ops(out) or not self.scheduler.has_unfinished_requests():

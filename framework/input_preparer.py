@@ -30,7 +30,8 @@ class SamplingMetadata:
 class ModelInput:
     """One forward pass: flat ``input_ids``/``positions`` of all scheduled tokens, the attention
     metadata, and which hidden states to sample from (``logits_indices``), for which requests.
-    ``host`` keeps the CPU arrays the preparer computed (for tests, debugging and simulators)."""
+    ``req_ids[i]`` is the request of the attention metadata's row ``i``. ``host`` keeps the CPU
+    arrays the preparer computed (for tests, debugging and simulators)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -39,17 +40,27 @@ class ModelInput:
     sample_req_ids: list[str]
     sampling: SamplingMetadata
     host: dict[str, np.ndarray] = field(default_factory=dict)
+    req_ids: list[str] = field(default_factory=list)
 
 
 class InputPreparer(ABC):
     """Builds model inputs from scheduler outputs, keeping whatever per-request state it likes
-    between steps. Contract: ``prepare`` returns None for an empty step; otherwise tokens appear
-    in ``SchedulerOutput.scheduled`` order, request ``i``'s new tokens at positions
-    ``num_computed_tokens .. num_computed_tokens + num_scheduled_tokens - 1``; a request samples
-    only when this step reaches its last known token (a chunk mid-prompt does not). It may not
-    modify the scheduler output or the requests."""
+    between steps. Contract: ``prepare`` returns None for an empty step; otherwise each scheduled
+    request's new tokens lie back to back, at positions ``num_computed_tokens ..
+    num_computed_tokens + num_scheduled_tokens - 1``, in an order the preparer chooses (``v1``:
+    ``SchedulerOutput.scheduled`` order; ``v0``: prefills first, then decodes) and reflected in
+    the attention metadata. A request samples only when this step reaches its last known token (a
+    chunk mid-prompt does not); ``sample_req_ids[i]`` is sampled from the hidden state at
+    ``logits_indices[i]``. It may not modify the scheduler output or the requests.
+
+    With ``forks_parallel_samples`` (vLLM v0's parallel sampling), a request whose ``forks`` list
+    is not empty samples once for itself and once for each fork from the same logits row when its
+    prompt completes; the engine then forks those requests from it (``Scheduler.fork``).
+    Otherwise the engine runs the ``n`` samples of a request as ``n`` independent requests.
+    """
 
     name: ClassVar[str] = ""
+    forks_parallel_samples: ClassVar[bool] = False
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
                  max_num_batched_tokens: int, device: torch.device | str = "cpu") -> None:
@@ -62,6 +73,48 @@ class InputPreparer(ABC):
 
     @abstractmethod
     def prepare(self, out: SchedulerOutput) -> ModelInput | None: ...
+
+    # -- shared by the implementations -----------------------------------------------------------
+    def model_input(self, host: dict[str, np.ndarray], req_ids: list[str], sample_req_ids: list[str],
+                    sampling: SamplingMetadata, num_prefills: int, num_prefill_tokens: int,
+                    num_decode_tokens: int) -> ModelInput:
+        """Wrap the step's int64 host arrays as device tensors: on the CPU without a copy (the
+        arrays are the step's own), elsewhere in one transfer from pinned memory. ``host`` holds
+        ``input_ids``, ``positions``, ``slot_mapping``, ``query_start_loc``, ``seq_lens``,
+        ``num_computed_tokens``, ``num_scheduled_tokens``, ``logits_indices`` and the 2-D
+        ``block_table`` (null-padded, C-contiguous)."""
+        block_table = host["block_table"]
+        parts = [host["input_ids"], host["positions"], host["slot_mapping"], host["query_start_loc"],
+                 host["seq_lens"], host["num_computed_tokens"], host["logits_indices"], block_table]
+        if self.device.type == "cpu":
+            tensors = [torch.from_numpy(p) for p in parts]
+        else:
+            flat = parts[:-1] + [block_table.ravel()]
+            packed = torch.from_numpy(np.concatenate(flat)).pin_memory().to(self.device, non_blocking=True)
+            tensors = list(torch.split(packed, [len(p) for p in flat]))
+            tensors[-1] = tensors[-1].view(block_table.shape)
+        input_ids, positions, slot_mapping, qsl, seq_lens, computed, logits_indices, table = tensors
+        meta = AttentionMetadata(
+            num_reqs=len(host["seq_lens"]), num_actual_tokens=len(host["input_ids"]),
+            max_query_len=int(host["num_scheduled_tokens"].max()), max_seq_len=int(host["seq_lens"].max()),
+            block_size=self.block_size, query_start_loc=qsl, seq_lens=seq_lens, num_computed_tokens=computed,
+            block_table=table, slot_mapping=slot_mapping,
+            query_start_loc_cpu=host["query_start_loc"], seq_lens_cpu=host["seq_lens"],
+            num_computed_tokens_cpu=host["num_computed_tokens"], block_table_cpu=block_table,
+            num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens)
+        return ModelInput(input_ids=input_ids, positions=positions, attn_metadata=meta,
+                          logits_indices=logits_indices, sample_req_ids=sample_req_ids, sampling=sampling, host=host,
+                          req_ids=req_ids)
+
+    def sampling_metadata(self, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                          generators: dict[int, torch.Generator]) -> SamplingMetadata:
+        """Per sampled row parameters on the device; top-k / top-p are None when no row uses them."""
+        dev = self.device
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temperature).to(dev),
+            top_k=torch.from_numpy(top_k).to(dev) if (top_k > 0).any() else None,
+            top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1.0).any() else None,
+            generators=generators, all_greedy=bool((temperature == 0).all()))
 
 
 PREPARERS: Registry[InputPreparer] = Registry(

@@ -52,7 +52,7 @@ class Request:
         "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "cpu_block_ids",
         "block_hashes", "stop_reason", "status_message", "eos_token_ids", "max_model_len",
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
-        "token_times", "finished_time", "num_preemptions", "num_swaps", "extra",
+        "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra",
     )
 
     def __init__(
@@ -94,6 +94,9 @@ class Request:
         self.finished_time: float | None = None
         self.num_preemptions = 0
         self.num_swaps = 0
+        #: Parallel samples still to fork from this request when its prompt completes (vLLM v0's
+        #: parallel sampling, see ``InputPreparer.forks_parallel_samples``); empty otherwise.
+        self.forks: list[Request] = []
         self.extra: dict[str, Any] = {}
 
     # -- sizes -----------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ SWAP = "swap"
 class SchedulerOutput:
     """What to run this step. The runner reads only this, never the scheduler's queues.
 
-    ``scheduled`` is the batch order. Rows of ``new_requests`` (first run) and
-    ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
+    ``scheduled`` is the batch order. Rows of ``new_requests`` (first run, forked sequences
+    included) and ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
     requests extend their row with the tokens and blocks added since the last step. Rows of
     ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped. Block lists
     are applied before the forward pass: swap-out, then swap-in, then copies.
@@ -159,6 +159,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._dropped_rows: set[str] = set()
         self._finished_outside_step: list[Request] = []
+        self._forked: list[Request] = []
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_steps = 0
@@ -224,6 +225,8 @@ class Scheduler:
         self.policy.schedule(self, step)
         out = step.out
         out.blocks_to_copy.extend(self.allocator.take_copies())
+        if self._forked:
+            self._announce_forks(out)
         for req in out.preempted + out.swapped_out:
             self._dropped_rows.add(req.request_id)
         # A request preempted and re-admitted in the same step keeps its (rebuilt) row.
@@ -379,6 +382,52 @@ class Scheduler:
         request.finished_time = self.clock.now()
         step.out.ignored.append(request)
         self._finished_outside_step.append(request)
+
+    # -- parallel sampling (vLLM v0) -------------------------------------------------------------
+    def fork(self, parent: Request, child: Request, first_token: int) -> None:
+        """vLLM v0's fork: ``parent`` computed the rest of its prompt in the step being finished,
+        and ``child`` (a request with the same prompt, not yet known to the scheduler) sampled
+        ``first_token`` from the same logits. Call it after the executor ran the step and before
+        ``update_from_output``, so ``parent`` still holds its blocks even if its own first token
+        finishes it.
+
+        The child then runs on ``parent``'s device blocks (reference counts go up; its first write
+        into the shared last block gets a private copy through ``blocks_to_copy``) and is listed in
+        the next output's ``new_requests``. With ``max_num_seqs`` sequences already running it
+        waits instead, to be prefilled on its own (the prefix cache still finds the prompt's full
+        blocks). A child that its first token finishes never runs."""
+        if parent.status != RequestStatus.RUNNING or parent.num_output_tokens:
+            raise ValueError(f"cannot fork from {parent.request_id}: it must be running and still at its prompt")
+        if (child.request_id in self.requests or child.status != RequestStatus.WAITING
+                or child.token_ids != parent.token_ids):
+            raise ValueError(f"{child.request_id} cannot be forked from {parent.request_id}: it must be a new "
+                             f"request with the same prompt")
+        now = self.clock.now()
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.append_output_token(first_token, now)
+        status = child.check_stop()
+        if status is not None:
+            child.status = status
+            child.finished_time = now
+            return
+        self.requests[child.request_id] = child
+        if len(self.running) >= self.max_num_seqs:
+            self.waiting.appendleft(child)
+            return
+        self.allocator.fork(parent, child)
+        child.num_computed_tokens = parent.num_prompt_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        self._forked.append(child)
+
+    def _announce_forks(self, out: SchedulerOutput) -> None:
+        # Forked requests enter the batch without passing through admission: list them as new
+        # so input preparers build their rows (unless preempted, or re-admitted, in this step).
+        for req in self._forked:
+            if req.status == RequestStatus.RUNNING and req not in out.resumed_requests:
+                out.new_requests.append(req)
+        self._forked = []
 
     # -- invariants ------------------------------------------------------------------------------
     def check_invariants(self, out: SchedulerOutput) -> None:

@@ -84,6 +84,23 @@ def hf_greedy(model, prompt: list[int], max_tokens: int, stop_at_eos: bool = Fal
     return out[0, len(prompt):].tolist()
 
 
+def runnable_backends(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                      dtype: torch.dtype = torch.float32) -> list[str]:
+    """Registered attention backends that build on this machine for that shape (those needing
+    CUDA, or another head size or block size, do not)."""
+    from framework.attention import BACKENDS
+
+    names = []
+    for name in BACKENDS.list():
+        try:
+            BACKENDS.create(name, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            scale=head_dim ** -0.5, block_size=block_size, dtype=dtype, device="cpu")
+        except (RuntimeError, ImportError, ValueError):
+            continue
+        names.append(name)
+    return names
+
+
 @pytest.fixture(autouse=True)
 def no_kv_block_leaks(monkeypatch):
     """Every engine a test builds must end with all KV blocks free (cached prefix blocks count as

@@ -1,13 +1,14 @@
 """Greedy outputs must equal Hugging Face transformers' for the same weights, while batches mix
-prefills and decodes and requests get preempted."""
+prefills and decodes and requests get preempted, whichever input preparer builds the batches."""
 import random
 
 import pytest
 
-from framework import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from framework import LLM, POLICIES, PREPARERS, SamplingParams
+from tests.conftest import TINY_HF, hf_greedy, runnable_backends
 
 MAX_TOKENS = 24
+BLOCK_SIZE = 8
 
 
 def parity_prompts(n=16, vocab=512, seed=0):
@@ -17,7 +18,7 @@ def parity_prompts(n=16, vocab=512, seed=0):
 
 def run_engine(path, **kwargs):
     stats = []
-    llm = LLM(model=str(path), block_size=8, max_model_len=160, max_num_batched_tokens=128,
+    llm = LLM(model=str(path), block_size=BLOCK_SIZE, max_model_len=160, max_num_batched_tokens=128,
               num_gpu_blocks_override=26, max_num_seqs=8, check_invariants=True, **kwargs)
     llm.engine.step_callbacks.append(lambda s, out: stats.append(s))
     prompts = parity_prompts()
@@ -26,15 +27,47 @@ def run_engine(path, **kwargs):
     return llm, prompts, outs, stats
 
 
+_REFERENCES: dict[str, list[list[int]]] = {}
+
+
+def reference(path, hf_model):
+    """transformers' greedy outputs for the parity prompts (computed once per checkpoint)."""
+    if str(path) not in _REFERENCES:
+        _REFERENCES[str(path)] = [hf_greedy(hf_model, p, MAX_TOKENS) for p in parity_prompts()]
+    return _REFERENCES[str(path)]
+
+
+@pytest.mark.parametrize("preparer", PREPARERS.list())
 @pytest.mark.parametrize("ckpt", ["llama_ckpt", "qwen2_ckpt", "mistral_ckpt"])
-def test_greedy_matches_transformers(ckpt, request):
+def test_greedy_matches_transformers(ckpt, preparer, request):
     path, hf_model = request.getfixturevalue(ckpt)
-    llm, prompts, outs, stats = run_engine(path)
+    llm, prompts, outs, stats = run_engine(path, preparer=preparer)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool should be small enough to force preemption"
     assert max(s.num_scheduled_reqs for s in stats) > 1, "batches should hold several requests"
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
-        assert out.outputs[0].finish_reason == "length"
+    assert [o.outputs[0].token_ids for o in outs] == reference(path, hf_model)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def policy_backend_pairs():
+    """Every policy with the reference backend and every backend with the default policy: the
+    preparer meets policies through the scheduler output and backends through the attention
+    metadata, independently, so the full cross product would only add (interpreted-Triton) time."""
+    head_dim = TINY_HF["hidden_size"] // TINY_HF["num_attention_heads"]
+    backends = runnable_backends(TINY_HF["num_attention_heads"], TINY_HF["num_key_value_heads"], head_dim, BLOCK_SIZE)
+    policies = POLICIES.list()
+    return sorted({(p, "naive") for p in policies} | {("fcfs", b) for b in backends})
+
+
+@pytest.mark.parametrize("policy, backend", policy_backend_pairs())
+def test_preparers_give_identical_greedy_outputs(policy, backend, llama_ckpt):
+    path, hf_model = llama_ckpt
+    outputs = {}
+    for preparer in PREPARERS.list():
+        _, _, outs, _ = run_engine(path, policy=policy, backend=backend, preparer=preparer)
+        outputs[preparer] = [o.outputs[0].token_ids for o in outs]
+    assert {"v0", "v1"} <= set(outputs)
+    for preparer, tokens in outputs.items():
+        assert tokens == reference(path, hf_model), f"preparer {preparer} under {policy}/{backend}"
 
 
 def test_text_prompts_use_the_checkpoint_tokenizer(llama_ckpt):

@@ -2,27 +2,12 @@
 import numpy as np
 
 from framework.preparers.v1 import FlatBatchPreparer
-from framework.request import Request, RequestStatus
-from framework.sampling_params import SamplingParams
-from framework.scheduler import SchedulerOutput
-
-
-def make_req(rid, num_tokens, block_ids, num_computed=0):
-    r = Request(rid, list(range(100, 100 + num_tokens)), SamplingParams(temperature=0.0), arrival_time=0.0)
-    r.block_ids = list(block_ids)
-    r.num_computed_tokens = num_computed
-    r.status = RequestStatus.RUNNING
-    return r
-
-
-def schedule(reqs, counts, new=()):
-    return SchedulerOutput(scheduled=list(reqs), num_scheduled_tokens={r.request_id: n for r, n in zip(reqs, counts)},
-                           new_requests=list(new))
+from tests.framework.preparers.support import make_req, schedule, seed_000_requests, seed_000_step_2
 
 
 def test_seed_000_steps_1_and_2():
     prep = FlatBatchPreparer(max_num_reqs=4, max_model_len=12, block_size=2, max_num_batched_tokens=10)
-    r0, r1, r2 = make_req("0", 3, [1, 2]), make_req("1", 2, [3]), make_req("2", 8, [4, 5, 6])
+    r0, r1, r2 = seed_000_requests()
     step1 = prep.prepare(schedule([r0, r1, r2], [3, 2, 5], new=[r0, r1, r2])).host
     assert step1["req_indices"].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2]
     assert step1["positions"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3, 4]
@@ -42,13 +27,7 @@ def test_seed_000_steps_1_and_2():
 
     # Step 2: requests 0 and 1 decode their sampled token, request 2 finishes its prompt; blocks
     # 7 and 8 are allocated to requests 1 and 2.
-    for r, n in ((r0, 3), (r1, 2), (r2, 5)):
-        r.num_computed_tokens = n
-    r0.token_ids.append(500)
-    r1.token_ids.append(501)
-    r1.block_ids.append(7)
-    r2.block_ids.append(8)
-    step2 = prep.prepare(schedule([r0, r1, r2], [1, 1, 3])).host
+    step2 = prep.prepare(seed_000_step_2(r0, r1, r2)).host
     assert prep.block_table[:3, :6].tolist() == [[1, 2, 0, 0, 0, 0], [3, 7, 0, 0, 0, 0], [4, 5, 6, 8, 0, 0]]
     assert step2["positions"].tolist() == [3, 2, 5, 6, 7]
     assert step2["input_ids"].tolist() == [500, 501, 105, 106, 107]
@@ -111,3 +90,19 @@ def test_rows_are_dropped_and_reused_with_null_padding():
     assert prep.row_of == {"b": 1, "c": 0}
     assert prep.block_table[0].tolist() == [5, 0, 0, 0]
     assert host["slot_mapping"].tolist() == [10, 11]
+
+
+def test_copy_on_write_replacement_rewrites_the_row():
+    prep = FlatBatchPreparer(max_num_reqs=2, max_model_len=8, block_size=2, max_num_batched_tokens=8)
+    r = make_req("r", 3, [1, 2], num_computed=2)
+    prep.prepare(schedule([r], [1], new=[r]))
+    # The step computed token 2; token 3 is sampled and goes into block 2, shared with another
+    # sequence: the allocator gave r a private copy (block 5) and queued the copy 2 -> 5.
+    r.num_computed_tokens = 3
+    r.token_ids.append(500)
+    r.block_ids[1] = 5
+    out = schedule([r], [1])
+    out.blocks_to_copy = [(2, 5)]
+    host = prep.prepare(out).host
+    assert prep.block_table[prep.row_of["r"]].tolist() == [1, 5, 0, 0]
+    assert host["slot_mapping"].tolist() == [11]

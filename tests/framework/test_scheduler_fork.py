@@ -1,0 +1,73 @@
+"""``Scheduler.fork``: the mechanism operation behind vLLM v0's parallel sampling."""
+import pytest
+
+from framework.allocators.paged import PagedBlockAllocator
+from framework.clock import VirtualClock
+from framework.config import EngineConfig
+from framework.request import Request, RequestStatus
+from framework.sampling_params import SamplingParams
+from framework.scheduler import POLICIES, Scheduler
+
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+def setup(max_num_seqs=4):
+    config = EngineConfig(block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
+                          check_invariants=True)
+    alloc = PagedBlockAllocator(num_blocks=20, block_size=4)
+    sched = Scheduler(config, POLICIES.create("fcfs"), alloc, VirtualClock())
+    return sched, alloc
+
+
+def prefilled_leader(sched, prompt):
+    leader = Request("p#0", prompt, PARAMS, 0.0)
+    sched.add_request(leader)
+    out = sched.schedule()
+    assert out.scheduled == [leader]
+    return leader, out
+
+
+def test_fork_shares_blocks_and_announces_the_child_as_new():
+    sched, alloc = setup()
+    prompt = list(range(3, 9))
+    leader, out = prefilled_leader(sched, prompt)
+    child = Request("p#1", prompt, PARAMS, 0.0)
+    sched.fork(leader, child, 77)
+    sched.update_from_output(out, {"p#0": 50})
+    assert child.status == RequestStatus.RUNNING and child.block_ids == leader.block_ids
+    assert child.token_ids == prompt + [77] and child.num_computed_tokens == 6
+    assert [alloc._blocks[b].ref_count for b in leader.block_ids] == [2, 2]
+    out = sched.schedule()  # both decode; the first writer into the shared partial block copies it
+    assert child in out.new_requests and leader not in out.new_requests
+    assert len(out.blocks_to_copy) == 1 and leader.block_ids[1] != child.block_ids[1]
+    assert sched.schedule().new_requests == [], "announced once"
+
+
+def test_a_child_without_a_seat_waits_and_one_finished_by_its_first_token_never_runs():
+    sched, alloc = setup(max_num_seqs=1)
+    prompt = list(range(3, 9))
+    leader, out = prefilled_leader(sched, prompt)
+    waiting = Request("p#1", prompt, PARAMS, 0.0)
+    sched.fork(leader, waiting, 77)
+    assert waiting.status == RequestStatus.WAITING and not waiting.block_ids and waiting.num_computed_tokens == 0
+    assert sched.waiting[0] is waiting and waiting.token_ids == prompt + [77]
+    done = Request("p#2", prompt, SamplingParams(max_tokens=1), 0.0)
+    sched.fork(leader, done, 78)
+    assert done.status == RequestStatus.FINISHED_LENGTH_CAPPED and done.output_token_ids == [78]
+    assert "p#2" not in sched.requests
+    sched.update_from_output(out, {"p#0": 50})
+    sched.check_invariants(sched.schedule())
+
+
+@pytest.mark.parametrize("case", ["parent has output", "child known", "other prompt"])
+def test_fork_rejects_misuse(case):
+    sched, _ = setup()
+    prompt = list(range(3, 9))
+    leader, out = prefilled_leader(sched, prompt)
+    child = Request("p#1", prompt if case != "other prompt" else prompt[:-1] + [99], PARAMS, 0.0)
+    if case == "parent has output":
+        sched.update_from_output(out, {"p#0": 50})
+    if case == "child known":
+        sched.add_request(child)
+    with pytest.raises(ValueError, match="fork"):
+        sched.fork(leader, child, 7)
