@@ -2,8 +2,8 @@
 and the plots of a run.
 
 Offline unless told otherwise: ``mode`` in the logger config wins, then ``WANDB_MODE``, then
-online when an API key is configured (``WANDB_API_KEY`` or a ``~/.netrc`` entry for the W&B
-host), else offline. Offline runs land in ``<run dir>/wandb/offline-run-*`` (upload them later
+online when an API key is configured (``WANDB_API_KEY`` or a ``~/.netrc`` / ``$NETRC`` entry
+for the W&B host), else offline. Offline runs land in ``<run dir>/wandb/offline-run-*`` (upload them later
 with ``wandb sync``). If an online start fails (no network, bad key) the run logs offline
 instead; any later failure switches the logger off (``framework/run_logger.py: Guarded``).
 """
@@ -37,8 +37,8 @@ def _has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    try:
-        return netrc.netrc().authenticators(host) is not None
+    try:  # W&B, like curl, reads the file NETRC names, else ~/.netrc
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
 

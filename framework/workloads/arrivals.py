@@ -25,8 +25,10 @@ def arrival_times(n: int, rate: float | None, burstiness: float, rng: np.random.
     divided by ``rate``, so the same seed at another rate gives the same requests, only scaled
     in time: a rate sweep changes nothing but the load.
     """
-    check_rate(None if rate is None or math.isinf(rate) else rate, burstiness)
-    if rate is None or math.isinf(rate):
+    if isinstance(rate, float) and math.isinf(rate):
+        rate = None
+    check_rate(rate, burstiness)
+    if rate is None:
         return np.zeros(n)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / burstiness, size=n)
     return np.cumsum(gaps) / rate

@@ -14,12 +14,17 @@ A length is given in the workload config as
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 DISTRIBUTIONS = ("fixed", "uniform", "normal", "lognormal", "zipf")
+#: Required and optional keys of each distribution's dict form.
+_KEYS = {"fixed": ({"value"}, set()), "uniform": ({"min", "max"}, set()),
+         "normal": ({"mean", "std"}, {"min", "max"}), "lognormal": ({"mean", "std"}, {"min", "max"}),
+         "zipf": ({"a", "max"}, {"min"})}
 
 
 @dataclass(frozen=True)
@@ -39,23 +44,24 @@ class LengthDist:
             raise ValueError(f"{what}: expected a length, got {spec!r}")
         if isinstance(spec, int):
             return cls._checked(what, dist="fixed", value=spec, min=spec, max=spec)
-        if isinstance(spec, (list, tuple)):
+        if isinstance(spec, Sequence) and not isinstance(spec, str):
             if len(spec) != 2:
                 raise ValueError(f"{what}: a range is [min, max], got {list(spec)!r}")
             return cls._checked(what, dist="uniform", min=spec[0], max=spec[1])
-        if isinstance(spec, dict):
+        if isinstance(spec, Mapping):
             spec = dict(spec)
             dist = spec.pop("dist", None)
             if dist not in DISTRIBUTIONS:
                 raise ValueError(f"{what}: dist must be one of {', '.join(DISTRIBUTIONS)}; got {dist!r}")
-            allowed = {"fixed": {"value"}, "uniform": {"min", "max"}, "normal": {"mean", "std", "min", "max"},
-                       "lognormal": {"mean", "std", "min", "max"}, "zipf": {"a", "min", "max"}}[dist]
-            unknown = set(spec) - allowed
+            required, optional = _KEYS[dist]
+            unknown = set(spec) - required - optional
             if unknown:
-                raise ValueError(f"{what}: unknown key(s) {sorted(unknown)} for dist {dist}; valid: {sorted(allowed)}")
+                raise ValueError(f"{what}: unknown key(s) {sorted(unknown)} for dist {dist}; "
+                                 f"valid: {sorted(required | optional)}")
+            missing = required - set(spec)
+            if missing:
+                raise ValueError(f"{what}: dist {dist} needs {', '.join(repr(k) for k in sorted(missing))}")
             if dist == "fixed":
-                if "value" not in spec:
-                    raise ValueError(f"{what}: dist fixed needs 'value'")
                 return cls._checked(what, dist="fixed", value=spec["value"], min=spec["value"], max=spec["value"])
             return cls._checked(what, dist=dist, **spec)
         raise ValueError(f"{what}: expected an int, [min, max] or {{dist: ...}}; got {spec!r}")
@@ -72,7 +78,7 @@ class LengthDist:
         if d.max is not None and d.max < d.min:
             raise ValueError(f"{what}: max={d.max} is below min={d.min}")
         if d.dist in ("uniform", "zipf") and d.max is None:
-            raise ValueError(f"{what}: dist {d.dist} needs 'max'")
+            raise ValueError(f"{what}: dist {d.dist} needs 'max'")  # the [min, max] form can give None
         if d.dist in ("normal", "lognormal") and not (d.mean > 0 and d.std >= 0):
             raise ValueError(f"{what}: dist {d.dist} needs mean > 0 and std >= 0, got mean={d.mean}, std={d.std}")
         if d.dist == "zipf" and not d.a > 0:
