@@ -74,7 +74,7 @@ def timeline(steps: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[str, str]], path: str | Path,
-                title: str) -> Path:
+                title: str, xlabel: str | None = None) -> Path:
     """One panel per ``(key, label)`` metric: a line per ``rows[i]['label']`` against ``x``
     (bars per label when no row has a numeric ``x``)."""
     plt = _pyplot()
@@ -87,7 +87,7 @@ def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[
                 pts = sorted((r[x], r[key]) for r in numeric if r["label"] == label and r.get(key) is not None)
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=label)
-            ax.set_xlabel(x)
+            ax.set_xlabel(xlabel or x)
         else:
             vals = [next((r[key] for r in rows if r["label"] == lb and r.get(key) is not None), np.nan) for lb in labels]
             ax.bar(range(len(labels)), vals, color=[f"C{i}" for i in range(len(labels))])
