@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 COLUMNS = ["label", "x", "status", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
            "total_token_throughput", "request_goodput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
            "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "mean_queueing_delay_ms", "prefix_cache_hit_rate",
-           "num_preemptions", "num_swaps"]
+           "num_preemptions", "num_swaps", "total_prefill_tokens", "blocks_swapped_out"]
 #: Config keys that never tell configurations apart.
 IGNORED_PREFIXES = ("hydra.", "logger.", "progress", "plots", "clock")
 THROUGHPUT = [("output_throughput", "output tokens/s"), ("request_throughput", "requests/s")]
@@ -195,8 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class CompareCallback(Callback):
-    """Hydra callback: at the end of a multirun, compare its runs at the sweep's root. Never
-    fails the sweep."""
+    """Hydra callback: at the end of a multirun, compare its runs at the sweep's root (a
+    failure to compare only warns), then exit with status 1 if any run failed."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -207,6 +207,10 @@ class CompareCallback(Callback):
             return
         print(paths["markdown"].read_text())
         print(f"comparison: {paths['markdown']} (and .csv, plots) in {sweep_dir}")
+        failed = [r["run_dir"] for r in comparison_rows([sweep_dir]) if r["status"] == "failed"]
+        if failed:
+            print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their summary.json and logs)", file=sys.stderr)
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -148,8 +148,15 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None
     summary["cached_prompt_fraction"] = cached / in_tokens if in_tokens else None
     if steps:
         usage = np.array([s["kv_usage"] for s in steps], dtype=np.float64)
+        total = lambda key: int(sum(s[key] for s in steps))  # noqa: E731
+        # Work done, independent of timing noise: recompute preemption shows up as extra prefill
+        # tokens, swapping as block copies, prefix caching as prefill tokens saved.
         summary.update(num_steps=len(steps), mean_kv_usage=float(usage.mean()), max_kv_usage=float(usage.max()),
-                       mean_tokens_per_step=float(np.mean([s["num_scheduled_tokens"] for s in steps])))
+                       mean_tokens_per_step=total("num_scheduled_tokens") / len(steps),
+                       total_scheduled_tokens=total("num_scheduled_tokens"),
+                       total_prefill_tokens=total("num_prefill_tokens"),
+                       blocks_swapped_out=total("num_swapped_out_blocks"),
+                       blocks_swapped_in=total("num_swapped_in_blocks"))
     priorities = sorted({r.priority for r in done})
     if len(priorities) > 1:
         for p in priorities:

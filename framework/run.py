@@ -7,7 +7,9 @@ with ``-m``), writing its files to Hydra's run directory (``outputs/DATE/TIME`` 
 (``comparison.md``/``.csv`` and plots) at its root.
 
 A configuration error (an unknown policy, a bad option value) prints one clear line and exits
-with status 2; Ctrl-C stops the run, keeps what it measured and exits with status 130.
+with status 2; Ctrl-C stops the run, keeps what it measured and exits with status 130. In a
+sweep, a job that fails is logged and marked ``failed`` in its summary; the other jobs run,
+the comparison is written, and the sweep exits with status 1.
 """
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from framework.experiment import engine_config, run_experiment
 
 __all__ = ["engine_config", "main"]
+
+log = logging.getLogger("framework.run")
 
 EXIT_CONFIG_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -38,9 +43,16 @@ def main(cfg: DictConfig) -> None:
     try:
         summary = run_experiment(cfg, hc.runtime.output_dir, run_name=_run_name(hc))
     except ValueError as exc:  # configuration errors from the registries, the engine and the workloads
-        logging.getLogger("framework.run").debug("configuration error", exc_info=True)
+        log.debug("configuration error", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    except Exception:
+        if hc.mode != RunMode.MULTIRUN:
+            raise
+        # One failed job must not cost the sweep its other runs and its comparison: the job's
+        # summary.json says "failed", and the sweep exits non-zero at the end (CompareCallback).
+        log.exception("run failed (%s); the sweep goes on", hc.runtime.output_dir)
+        return
     if summary.get("interrupted"):
         print(f"interrupted: what was measured is in {hc.runtime.output_dir}", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)

@@ -114,3 +114,19 @@ def test_tiny_multirun_end_to_end(tmp_path):
     paths = write_comparison([sweep_dir], tmp_path / "cmp")
     assert [r["label"] for r in comparison_rows([sweep_dir])] == ["preemption_mode=recompute"] * 2 + ["preemption_mode=swap"] * 2
     assert paths["throughput"].read_bytes()[:8] == PNG and paths["p99_latency"].read_bytes()[:8] == PNG
+
+
+def test_multirun_callback_compares_and_fails_the_sweep_if_a_run_failed(sweep, capsys):
+    from omegaconf import OmegaConf
+
+    from framework.compare import CompareCallback
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    CompareCallback().on_multirun_end(config)
+    assert (sweep / "comparison.md").exists()
+    summary = json.loads((sweep / "3" / "summary.json").read_text())
+    (sweep / "3" / "summary.json").write_text(json.dumps({**summary, "status": "failed"}))
+    with pytest.raises(SystemExit) as exc:
+        CompareCallback().on_multirun_end(config)
+    assert exc.value.code == 1 and "1 run(s) failed" in capsys.readouterr().err
+    assert "| failed |" in (sweep / "comparison.md").read_text()

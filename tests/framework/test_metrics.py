@@ -94,12 +94,17 @@ def test_failed_requests_are_counted_but_not_in_latencies():
 
 
 def test_per_priority_breakdown_and_step_statistics():
-    steps = [{"kv_usage": 0.25, "num_scheduled_tokens": 30}, {"kv_usage": 0.75, "num_scheduled_tokens": 2}]
+    steps = [{"kv_usage": 0.25, "num_scheduled_tokens": 30, "num_prefill_tokens": 30, "num_swapped_out_blocks": 0,
+              "num_swapped_in_blocks": 3},
+             {"kv_usage": 0.75, "num_scheduled_tokens": 2, "num_prefill_tokens": 0, "num_swapped_out_blocks": 3,
+              "num_swapped_in_blocks": 0}]
     s = summarize(records(), 2.0, steps=steps, prefix_cache_hit_rate=0.5)
     assert s["prio0_completed"] == 2 and s["prio1_completed"] == 1
     assert s["prio0_mean_ttft_ms"] == pytest.approx(250) and s["prio1_mean_ttft_ms"] == pytest.approx(200)
     assert s["prio1_p99_e2el_ms"] == pytest.approx(300)
     assert (s["num_steps"], s["mean_kv_usage"], s["max_kv_usage"], s["mean_tokens_per_step"]) == (2, 0.5, 0.75, 16.0)
+    assert (s["total_scheduled_tokens"], s["total_prefill_tokens"], s["blocks_swapped_out"], s["blocks_swapped_in"]) == \
+        (32, 30, 3, 3)
     assert s["prefix_cache_hit_rate"] == 0.5
     assert "prio0_completed" not in summarize(records()[:1], 1.0)
 
