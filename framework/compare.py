@@ -171,9 +171,9 @@ def write_comparison(dirs: Sequence[str | Path], out: str | Path | None = None, 
         writer.writerows([r.get(c) for c in columns] for r in rows)
     xname = x.split(".")[-1]
     paths["throughput"] = metric_vs_x(rows, "x", THROUGHPUT, out / f"throughput_vs_{xname}.png",
-                                      f"Throughput against {x}", xlabel=x)
+                                      "Throughput", xlabel=x)
     paths["p99_latency"] = metric_vs_x(rows, "x", P99, out / f"p99_latency_vs_{xname}.png",
-                                       f"p99 latency against {x}", xlabel=x)
+                                       "p99 latency", xlabel=x)
     return paths
 
 

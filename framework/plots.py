@@ -76,11 +76,12 @@ def timeline(steps: Sequence[dict[str, Any]], path: str | Path) -> Path:
 def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[str, str]], path: str | Path,
                 title: str, xlabel: str | None = None) -> Path:
     """One panel per ``(key, label)`` metric: a line per ``rows[i]['label']`` against ``x``
-    (bars per label when no row has a numeric ``x``)."""
+    (bars per label when no row has a numeric ``x``). ``title`` names what is plotted."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     labels = list(dict.fromkeys(r["label"] for r in rows))
     numeric = [r for r in rows if isinstance(r.get(x), (int, float)) and not isinstance(r.get(x), bool)]
+    height = 4 if numeric else 1.5 + 0.4 * len(labels)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), height), squeeze=False)
     for ax, (key, ylabel) in zip(axes[0], metrics):
         if numeric:
             for label in labels:
@@ -88,15 +89,19 @@ def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=label)
             ax.set_xlabel(xlabel or x)
-        else:
+        else:  # horizontal bars, so long labels stay readable
             vals = [next((r[key] for r in rows if r["label"] == lb and r.get(key) is not None), np.nan) for lb in labels]
-            ax.bar(range(len(labels)), vals, color=[f"C{i}" for i in range(len(labels))])
-            ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+            ax.barh(range(len(labels)), vals, color=[f"C{i}" for i in range(len(labels))])
+            ax.set_yticks(range(len(labels)), labels if ax is axes[0][0] else [""] * len(labels), fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(ylabel)
+            ax.grid(alpha=0.3)
+            continue
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     if numeric and len(labels) > 1:
         axes[0][0].legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(f"{title} against {xlabel or x}" if numeric else f"{title} by configuration")
     return _save(fig, path)
 
 
