@@ -83,13 +83,14 @@ def describe(cfg: DictConfig, config: EngineConfig) -> dict[str, Any]:
 
 
 def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
-                   run_name: str | None = None,
+                   run_name: str | None = None, group: str | None = None,
                    on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
     """Run the experiment ``cfg`` describes, writing its files to ``run_dir``; return the summary.
 
     Configuration errors raise ValueError before anything runs. A KeyboardInterrupt while
     requests run stops the run, keeps what was measured and returns a summary with
-    ``status: interrupted``. ``clock`` overrides the config's ``clock``; ``on_engine`` sees the
+    ``status: interrupted``. ``run_name`` / ``group`` name the run and its sweep for loggers.
+    ``clock`` overrides the config's ``clock``; ``on_engine`` sees the
     engine once it is built (to add step callbacks, e.g. one that advances a ``VirtualClock``).
     """
     config = engine_config(cfg)
@@ -114,7 +115,7 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     recorder.write_workload(requests)
     meta = {**identity, "run_dir": str(run_dir), "num_requests": len(requests)}
     recorder.write_summary({"status": "running", "interrupted": False, **meta})
-    run_logger.start({**resolved, "engine_config": config.to_dict()}, run_dir, run_name)
+    run_logger.start({**resolved, "engine_config": config.to_dict()}, run_dir, run_name, group)
 
     records: list[RequestRecord] = []
     steps: list[dict[str, Any]] = []

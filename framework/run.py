@@ -41,7 +41,8 @@ def _run_name(hc: object) -> str | None:
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     try:
-        summary = run_experiment(cfg, hc.runtime.output_dir, run_name=_run_name(hc))
+        group = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+        summary = run_experiment(cfg, hc.runtime.output_dir, run_name=_run_name(hc), group=group)
     except ValueError as exc:  # configuration errors from the registries, the engine and the workloads
         log.debug("configuration error", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)

@@ -24,7 +24,8 @@ class RunLogger:
 
     name: ClassVar[str] = ""
 
-    def start(self, config: dict[str, Any], run_dir: Path, run_name: str) -> None: ...
+    def start(self, config: dict[str, Any], run_dir: Path, run_name: str, group: str | None = None) -> None:
+        """``group`` names the sweep a run belongs to (None for a single run)."""
 
     def log_step(self, row: dict[str, Any]) -> None: ...
 

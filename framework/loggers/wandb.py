@@ -45,7 +45,7 @@ def _has_api_key() -> bool:
 
 @LOGGERS.register("wandb")
 class WandbLogger(RunLogger):
-    """Options: ``project``, ``entity``, ``group`` (default: the multirun's folder), ``tags``,
+    """Options: ``project``, ``entity``, ``group`` (default: the sweep's folder), ``tags``,
     ``mode`` (online / offline / disabled; null: decide as above), ``init_timeout`` (seconds)."""
 
     def __init__(self, project: str = "servelab", entity: str | None = None, group: str | None = None,
@@ -56,11 +56,11 @@ class WandbLogger(RunLogger):
         self.mode, self.init_timeout = mode, init_timeout
         self.run: Any = None
 
-    def start(self, config: dict[str, Any], run_dir: Path, run_name: str) -> None:
+    def start(self, config: dict[str, Any], run_dir: Path, run_name: str, group: str | None = None) -> None:
         import wandb
 
         mode = resolve_mode(self.mode)
-        kwargs = dict(project=self.project, entity=self.entity, group=self.group, tags=self.tags, name=run_name,
+        kwargs = dict(project=self.project, entity=self.entity, group=self.group or group, tags=self.tags, name=run_name,
                       config=config, dir=str(run_dir))
         settings = wandb.Settings(init_timeout=self.init_timeout, console="off", silent=True, disable_git=True)
         try:

@@ -1,6 +1,7 @@
 """W&B logging: an offline run directory holding what was logged; nothing W&B without it; a
 failing W&B never fails the run."""
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,25 @@ def wandb_records(path):
             yield record
 
 
+def complete_records(run_file, timeout=30.0):
+    """The run's records once its ``exit`` record is on disk: W&B's service process writes the
+    log asynchronously and may still be flushing when ``finish()`` returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(wandb_records(run_file))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def logged_keys(run_file):
-    keys = {"config": set(), "history": set(), "summary": set()}
-    for r in wandb_records(run_file):
+    keys = {"config": set(), "history": set(), "summary": set(), "group": set(), "kinds": []}
+    for r in complete_records(run_file):
         kind = r.WhichOneof("record_type")
+        keys["kinds"].append(kind)
         if kind == "run":
             keys["config"] |= {i.key for i in r.run.config.update}
+            keys["group"].add(r.run.run_group)
         elif kind == "config":
             keys["config"] |= {i.key for i in r.config.update}
         elif kind == "history":
@@ -65,16 +79,19 @@ def test_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     clock = VirtualClock()
     summary = run_experiment(config("logger=wandb", "logger.project=servelab-test"), run_dir, clock=clock,
-                             on_engine=lambda e: e.step_callbacks.append(lambda s, o: clock.advance(0.01)))
+                             on_engine=lambda e: e.step_callbacks.append(lambda s, o: clock.advance(0.01)),
+                             group="multirun/sweep-1")
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, list((run_dir / "wandb").iterdir())
     keys = logged_keys(next(offline[0].glob("run-*.wandb")))
-    assert {"engine", "workload", "slo", "logger", "engine_config"} <= keys["config"]
+    assert "exit" in keys["kinds"], keys["kinds"]
+    assert {"engine", "workload", "slo", "logger", "engine_config"} <= keys["config"], keys["kinds"]
     assert {"step/time_s", "step/num_scheduled_tokens", "step/kv_usage", "step/num_running"} <= keys["history"]
     assert any(k.startswith("requests") for k in keys["history"])  # the per-request table
     assert {"plots/latency_cdf", "plots/timeline"} <= {k.split("/")[0] + "/" + k.split("/")[1]
                                                        for k in keys["history"] if k.startswith("plots/")}
     assert {"request_throughput", "mean_ttft_ms", "p99_e2el_ms", "interrupted"} <= keys["summary"]
+    assert keys["group"] == {"multirun/sweep-1"}
     assert summary["status"] == "completed"
 
 
