@@ -1,87 +1,62 @@
-"""``python -m framework.run [+policy=NAME] [backend=NAME] [key=value ...]``: one experiment.
+"""``python -m framework.run [+policy=NAME] [backend=NAME] [workload=NAME] [key=value ...]``.
 
-Composes ``conf/config.yaml`` with Hydra, builds the engine from the selected parts, runs the
-workload and prints a summary.
+Composes ``conf/config.yaml`` with Hydra and runs one experiment per composed config (several
+with ``-m``), writing its files to Hydra's run directory (``outputs/DATE/TIME`` or
+``multirun/DATE/TIME/N``): ``config.yaml``, ``workload.jsonl``, ``summary.json``,
+``requests.csv``, ``steps.csv`` and the plots. A multirun also gets a comparison of its runs
+(``comparison.md``/``.csv`` and plots) at its root.
+
+A configuration error (an unknown policy, a bad option value) prints one clear line and exits
+with status 2; Ctrl-C stops the run, keeps what it measured and exits with status 130. In a
+sweep, a job that fails is logged and marked ``failed`` in its summary; the other jobs run,
+the comparison is written, and the sweep exits with status 1.
 """
 from __future__ import annotations
 
-import random
-import time
-from typing import Any
+import logging
+import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
 
-from framework.config import EngineConfig
-from framework.engine import LLMEngine
-from framework.sampling_params import SamplingParams
+from framework.experiment import engine_config, run_experiment
 
+__all__ = ["engine_config", "main"]
 
-def _split(group: Any, default_name: str) -> tuple[str, dict[str, Any]]:
-    """A config group node is ``{name: ..., **options}``."""
-    if group is None:
-        return default_name, {}
-    d = OmegaConf.to_container(group, resolve=True) if isinstance(group, DictConfig) else dict(group)
-    name = d.pop("name", default_name)
-    return name, d
+log = logging.getLogger("framework.run")
+
+EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
-def engine_config(cfg: DictConfig) -> EngineConfig:
-    """The ``EngineConfig`` a composed Hydra config describes."""
-    policy, policy_options = _split(cfg.get("policy"), "fcfs")
-    backend, backend_options = _split(cfg.get("backend"), "naive")
-    allocator, allocator_options = _split(cfg.get("allocator"), "paged")
-    preparer, preparer_options = _split(cfg.get("preparer"), "v1")
-    model, model_options = _split(cfg.get("model"), "tiny-llama")
-    engine = OmegaConf.to_container(cfg.engine, resolve=True)
-    return EngineConfig(model=model, model_seed=model_options.get("seed", 0), policy=policy, policy_options=policy_options, backend=backend,
-                        backend_options=backend_options, allocator=allocator, allocator_options=allocator_options,
-                        preparer=preparer, preparer_options=preparer_options, **engine)
-
-
-def synthetic_prompts(w: DictConfig, vocab_size: int) -> list[tuple[list[int], SamplingParams]]:
-    rng = random.Random(w.seed)
-    out = []
-    for _ in range(w.num_requests):
-        n = rng.randint(*w.prompt_len)
-        prompt = [rng.randrange(3, vocab_size) for _ in range(n)]
-        params = SamplingParams(max_tokens=rng.randint(*w.output_len), temperature=w.temperature, ignore_eos=True)
-        out.append((prompt, params))
-    return out
-
-
-def run(cfg: DictConfig) -> dict[str, float]:
-    engine = LLMEngine(engine_config(cfg))
-    work = synthetic_prompts(cfg.workload, engine.model_config.vocab_size)
-    start = time.perf_counter()
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(str(i), prompt, params, arrival_time=engine.clock.now())
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [o for o in engine.step() if o.finished]
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
-    ttft = [o.metrics.ttft for o in finished if o.metrics.ttft is not None]
-    tpot = [o.metrics.tpot for o in finished if o.metrics.tpot is not None]
-    summary = {
-        "requests": len(finished),
-        "output_tokens": out_tokens,
-        "elapsed_s": elapsed,
-        "output_throughput_tok_s": out_tokens / elapsed,
-        "mean_ttft_ms": 1000 * sum(ttft) / max(len(ttft), 1),
-        "mean_tpot_ms": 1000 * sum(tpot) / max(len(tpot), 1),
-        "preemptions": engine.scheduler.num_preemptions,
-    }
-    c = engine.config
-    print(f"policy={c.policy} backend={c.backend} allocator={c.allocator} preparer={c.preparer} model={c.model}")
-    for k, v in summary.items():
-        print(f"  {k:26s} {v:.2f}" if isinstance(v, float) else f"  {k:26s} {v}")
-    return summary
+def _run_name(hc: object) -> str | None:
+    """A readable name for a sweep job: its overrides (``+policy=fcfs,workload.rate=4``)."""
+    name = hc.job.override_dirname  # type: ignore[attr-defined]
+    return name or None
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    hc = HydraConfig.get()
+    try:
+        group = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+        summary = run_experiment(cfg, hc.runtime.output_dir, run_name=_run_name(hc), group=group)
+    except ValueError as exc:  # configuration errors from the registries, the engine and the workloads
+        log.debug("configuration error", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    except Exception:
+        if hc.mode != RunMode.MULTIRUN:
+            raise
+        # One failed job must not cost the sweep its other runs and its comparison: the job's
+        # summary.json says "failed", and the sweep exits non-zero at the end (CompareCallback).
+        log.exception("run failed (%s); the sweep goes on", hc.runtime.output_dir)
+        return
+    if summary.get("interrupted"):
+        print(f"interrupted: what was measured is in {hc.runtime.output_dir}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

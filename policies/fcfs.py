@@ -13,9 +13,27 @@ class FCFSPolicy(SchedulerPolicy):
 
     A request preempted by recompute may have grown beyond the token budget; it is then
     re-prefilled in budget-sized chunks on its own, so it can never get stuck.
+
+    With ``preemption_mode=swap``, as in vLLM v0: no new prompt is admitted while requests are
+    swapped out; swapped requests come back (oldest first, while blocks allow) in a decode step
+    that preempted nobody, and decode in that same step.
     """
 
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
+        if not scheduler.swapped:
+            self._admit_waiting(scheduler, step)
+            if step.num_scheduled_reqs:
+                return
+        num_preempted = len(step.out.preempted) + len(step.out.swapped_out)
+        for req in list(scheduler.running):
+            if req.status != RequestStatus.RUNNING or step.is_scheduled(req) or step.token_budget == 0:
+                continue
+            n = self.num_new_tokens(req, step.token_budget)
+            scheduler.schedule_or_preempt(step, req, n)
+        if len(step.out.preempted) + len(step.out.swapped_out) == num_preempted:
+            self._swap_in(scheduler, step)
+
+    def _admit_waiting(self, scheduler: Scheduler, step: Step) -> None:
         for req in self.waiting_order(scheduler.waiting):
             prefix = scheduler.find_prefix(req)
             n = req.num_tokens - req.num_computed_tokens - prefix.num_tokens
@@ -25,10 +43,10 @@ class FCFSPolicy(SchedulerPolicy):
                 n = step.token_budget
             if not scheduler.schedule_request(step, req, n, prefix):
                 break
-        if step.num_scheduled_reqs:
-            return
-        for req in list(scheduler.running):
-            if req.status != RequestStatus.RUNNING or step.is_scheduled(req) or step.token_budget == 0:
-                continue
-            n = self.num_new_tokens(req, step.token_budget)
-            scheduler.schedule_or_preempt(step, req, n)
+
+    def _swap_in(self, scheduler: Scheduler, step: Step) -> None:
+        for req in list(scheduler.swapped):
+            if step.token_budget == 0 or not scheduler.swap_in(step, req):
+                break
+            # If its next block does not fit now, it stays running and decodes next step.
+            scheduler.schedule_request(step, req, self.num_new_tokens(req, step.token_budget))

@@ -1,18 +1,25 @@
 """Every YAML file under conf/ composes, and every group option builds a working engine on CPU."""
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from framework.engine import LLMEngine
-from framework.run import engine_config
+from framework.experiment import engine_config
+from framework.run import engine_config as cli_engine_config
+from framework.run_logger import LOGGERS, create_logger
+from framework.workload import WorkloadContext, create_workload
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 #: Groups not in the defaults list are added with '+'.
-OPTIONAL_GROUPS = {"policy", "experiment", "logger", "executor", "hardware", "cluster"}
+OPTIONAL_GROUPS = {"policy", "experiment", "executor", "hardware", "cluster"}
 #: Options that need hardware CI does not have; they must fail with a clear message instead.
 NEEDS_CUDA = {("backend", "flash_attn")}
+#: Groups that shape runs rather than the engine; each builds what it describes instead.
+RUN_GROUPS = {"workload", "logger", "hardware", "cluster", "executor"}
 
 
 def group_options():
@@ -25,26 +32,86 @@ def overrides_for(group, option):
     return [f"{prefix}{group}={option}"]
 
 
-def compose_with(overrides):
+def compose_with(overrides, return_hydra_config=False):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
 
 
 def test_root_config_composes():
     cfg = compose_with([])
     assert engine_config(cfg).policy == "fcfs"
+    assert cli_engine_config is engine_config  # framework.run keeps exporting it
+    assert cfg.logger.name == "none" and cfg.workload.rate is None
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(CONF)) for p in CONF.rglob("*.yaml")))
+def test_every_yaml_file_composes(path):
+    """Parametrised over the files themselves, so a file in a new folder is not missed."""
+    parts = Path(path).with_suffix("").parts
+    if len(parts) == 1:
+        cfg = compose_with([])
+        assert cfg.engine.block_size
+    elif parts[0] == "hydra":
+        cfg = compose_with(["/".join(parts[:-1]) + f"={parts[-1]}"], return_hydra_config=True)
+        node = cfg.hydra
+        for key in parts[1:-1]:
+            node = node[key]
+        assert node._target_
+    else:
+        cfg = compose_with(overrides_for("/".join(parts[:-1]), parts[-1]))
+        engine_config(cfg)
+
+
+def build_workload(cfg, config):
+    workload, _ = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+    requests = workload.generate(WorkloadContext(vocab_size=1024, max_model_len=config.max_model_len))
+    assert requests and all(r.prompt_len >= 1 for r in requests)
+    return requests
 
 
 @pytest.mark.parametrize("group, option", list(group_options()))
 def test_every_group_option_composes_and_builds(group, option):
     cfg = compose_with(overrides_for(group, option))
     config = engine_config(cfg)
-    if group in ("workload", "logger", "experiment", "hardware", "cluster", "executor"):
-        return  # these shape runs, not the engine; their own tests run them
+    if group == "workload":
+        build_workload(cfg, config)
+        return
+    if group == "logger":
+        assert isinstance(create_logger(OmegaConf.to_container(cfg.logger)), LOGGERS.get(option))
+        return
+    if group in RUN_GROUPS:
+        return  # their own tests run them
+    if group == "experiment":
+        build_workload(cfg, config)
+        create_logger(OmegaConf.to_container(cfg.logger))
     config.max_model_len = min(config.max_model_len or 256, 256)
-    config.num_gpu_blocks_override = 64
+    config.num_gpu_blocks_override = config.num_gpu_blocks_override or 64
     if (group, option) in NEEDS_CUDA and not torch.cuda.is_available():
         with pytest.raises((RuntimeError, ImportError, ValueError), match="(?i)cuda|flash"):
             LLMEngine(config)
         return
     LLMEngine(config)
+
+
+def sweep_jobs():
+    """(experiment, overrides) for every job an experiment's own sweep would launch."""
+    for path in sorted(CONF.glob("experiment/*.yaml")):
+        cfg = compose_with([f"+experiment={path.stem}"], return_hydra_config=True)
+        params = cfg.hydra.sweeper.get("params") or {}
+        axes = [[f"{key}={v.strip()}" for v in str(values).split(",")] for key, values in params.items()]
+        for combo in itertools.product(*axes):
+            yield path.stem, list(combo)
+
+
+@pytest.mark.parametrize("experiment, overrides", list(sweep_jobs()))
+def test_every_experiment_sweep_job_composes(experiment, overrides):
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if key in OPTIONAL_GROUPS and not (CONF / key / f"{value}.yaml").exists():
+            pytest.skip(f"conf/{key}/{value}.yaml is not in this checkout (another branch adds it)")
+    cfg = compose_with([f"+experiment={experiment}", *overrides])
+    config = engine_config(cfg)
+    for o in overrides:
+        key, value = o.split("=", 1)
+        got = config.policy if key == "policy" else cfg[key.split(".")[0]][key.split(".", 1)[1]] if "." in key else None
+        assert str(got).lower() == value.lower(), (o, got)

@@ -1,0 +1,217 @@
+"""``python -m framework.compare DIR... [--out OUT] [--x KEY] [--label KEY,...]``: compare runs.
+
+Reads every run under the given directories (a run is a folder holding ``summary.json``; a
+single run, a multirun tree or a folder of several) and writes to ``OUT`` (default: the only
+DIR given, else ``./comparison``):
+
+- ``comparison.md`` and ``comparison.csv``: one row per run;
+- ``throughput_vs_rate.png`` and ``p99_latency_vs_rate.png``: the metrics against ``--x``
+  (default ``workload.rate``), one line per configuration.
+
+A configuration is labelled by the config keys whose values differ between the runs (other
+than ``--x``), e.g. ``policy=chunked`` or ``enable_prefix_caching=False``; ``--label`` picks
+the keys instead. A multirun writes its own comparison at the end (``CompareCallback``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ["label", "x", "status", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
+           "total_token_throughput", "request_goodput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+           "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "mean_queueing_delay_ms", "prefix_cache_hit_rate",
+           "num_preemptions", "num_swaps", "total_prefill_tokens", "blocks_swapped_out"]
+#: Config keys that never tell configurations apart.
+IGNORED_PREFIXES = ("hydra.", "logger.", "progress", "plots", "clock")
+THROUGHPUT = [("output_throughput", "output tokens/s"), ("request_throughput", "requests/s")]
+P99 = [("p99_ttft_ms", "p99 TTFT (ms)"), ("p99_tpot_ms", "p99 TPOT (ms)"), ("p99_e2el_ms", "p99 E2EL (ms)")]
+
+
+def find_runs(dirs: Sequence[str | Path]) -> list[Path]:
+    runs: list[Path] = []
+    for d in dirs:
+        d = Path(d)
+        if not d.is_dir():
+            raise ValueError(f"{d} is not a directory")
+        runs += sorted((p.parent for p in d.rglob("summary.json")), key=_natural)
+    if not runs:
+        raise ValueError(f"no runs (folders holding summary.json) under {', '.join(map(str, dirs))}")
+    return list(dict.fromkeys(runs))
+
+
+def _natural(p: Path) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in p.parts]
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if not isinstance(v, list) else json.dumps(v)
+    return out
+
+
+def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(summary, flat config)`` of one run; the parts' names come from the summary, since a
+    config without ``+policy`` has no policy node."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config_path = run_dir / "config.yaml"
+    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    flat = flatten(config or {})
+    for part in ("policy", "backend", "allocator", "preparer", "executor"):
+        if summary.get(part) is not None:
+            flat[f"{part}.name"] = summary[part]
+    return summary, flat
+
+
+def short_names(keys: Sequence[str]) -> dict[str, str]:
+    """``policy.name`` -> ``policy``, ``engine.enable_prefix_caching`` -> ``enable_prefix_caching``;
+    the full key where two short names would clash."""
+    short = {k: (k.split(".")[-2] if k.endswith(".name") and "." in k else k.split(".")[-1]) for k in keys}
+    return {k: s if list(short.values()).count(s) == 1 else k for k, s in short.items()}
+
+
+def label_keys(flats: Sequence[dict[str, Any]], x: str) -> list[str]:
+    """Config keys whose values differ between runs, other than ``x`` and bookkeeping keys."""
+    keys = sorted({k for f in flats for k in f})
+    varying = [k for k in keys if k != x and not k.startswith(IGNORED_PREFIXES)
+               and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+    # A part's options follow its name; the name alone tells the parts apart.
+    names = {k[: -len(".name")] for k in varying if k.endswith(".name")}
+    return [k for k in varying if k.endswith(".name") or k.split(".")[0] not in names]
+
+
+def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
+                    label: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    runs = find_runs(dirs)
+    loaded = [load_run(r) for r in runs]
+    flats = [f for _, f in loaded]
+    if label:
+        keys = [_resolve_key(k, flats) for k in label]
+    else:
+        keys = label_keys(flats, x)
+    names = short_names(keys)
+    rows = []
+    for run_dir, (summary, flat) in zip(runs, loaded):
+        if keys:
+            text = ", ".join(f"{names[k]}={flat.get(k)}" for k in keys)
+        else:
+            text = f"{flat.get('policy.name')}/{flat.get('backend.name')}"
+        row = {c: summary.get(c) for c in COLUMNS}
+        row.update({k: v for k, v in summary.items() if k.startswith("prio")})
+        row.update(label=text, x=flat.get(x, summary.get(x.split(".")[-1])), run_dir=str(run_dir))
+        rows.append(row)
+    rows.sort(key=lambda r: (r["label"], r["x"] is None, r["x"] if isinstance(r["x"], (int, float)) else 0))
+    return rows
+
+
+def _resolve_key(key: str, flats: Sequence[dict[str, Any]]) -> str:
+    known = {k for f in flats for k in f}
+    for candidate in (key, f"{key}.name"):
+        if candidate in known:
+            return candidate
+    matches = sorted(k for k in known if k.split(".")[-1] == key)
+    if len(matches) == 1:
+        return matches[0]
+    raise ValueError(f"--label key {key!r} is not in the runs' configs" +
+                     (f" (ambiguous: {', '.join(matches)})" if matches else ""))
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def markdown(rows: Sequence[dict[str, Any]], x: str) -> str:
+    columns = _columns(rows)
+    header = [x if c == "x" else c for c in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    extra = sorted({k for r in rows for k in r if k.startswith("prio")})
+    return COLUMNS + extra + ["run_dir"]
+
+
+def write_comparison(dirs: Sequence[str | Path], out: str | Path | None = None, x: str = "workload.rate",
+                     label: Sequence[str] | None = None) -> dict[str, Path]:
+    """Write the table and plots of the runs under ``dirs`` to ``out``; return the paths."""
+    from framework.plots import metric_vs_x
+
+    rows = comparison_rows(dirs, x, label)
+    out = Path(out) if out is not None else (Path(dirs[0]) if len(dirs) == 1 else Path("comparison"))
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out / "comparison.md", "csv": out / "comparison.csv"}
+    paths["markdown"].write_text(markdown(rows, x))
+    columns = _columns(rows)
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([x if c == "x" else c for c in columns])
+        writer.writerows([r.get(c) for c in columns] for r in rows)
+    xname = x.split(".")[-1]
+    paths["throughput"] = metric_vs_x(rows, "x", THROUGHPUT, out / f"throughput_vs_{xname}.png",
+                                      "Throughput", xlabel=x)
+    paths["p99_latency"] = metric_vs_x(rows, "x", P99, out / f"p99_latency_vs_{xname}.png",
+                                       "p99 latency", xlabel=x)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m framework.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dirs", nargs="+", help="run directories, multirun trees, or folders holding them")
+    parser.add_argument("--out", help="where to write the table and plots")
+    parser.add_argument("--x", default="workload.rate", help="config key on the x axis (default: workload.rate)")
+    parser.add_argument("--label", help="comma-separated config keys that name a configuration")
+    args = parser.parse_args(argv)
+    try:
+        paths = write_comparison(args.dirs, args.out, args.x, args.label.split(",") if args.label else None)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+class CompareCallback(Callback):
+    """Hydra callback: at the end of a multirun, compare its runs at the sweep's root (a
+    failure to compare only warns), then exit with status 1 if any run failed."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            paths = write_comparison([sweep_dir], sweep_dir)
+        except Exception as exc:
+            log.warning("could not compare the runs in %s: %s", sweep_dir, exc)
+            return
+        print(paths["markdown"].read_text())
+        print(f"comparison: {paths['markdown']} (and .csv, plots) in {sweep_dir}")
+        failed = [r["run_dir"] for r in comparison_rows([sweep_dir]) if r["status"] == "failed"]
+        if failed:
+            print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their summary.json and logs)", file=sys.stderr)
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Weights & Biases: the resolved config, the step timeline, the summary, the per-request table
+and the plots of a run.
+
+Offline unless told otherwise: ``mode`` in the logger config wins, then ``WANDB_MODE``, then
+online when an API key is configured (``WANDB_API_KEY`` or a ``~/.netrc`` / ``$NETRC`` entry
+for the W&B host), else offline. Offline runs land in ``<run dir>/wandb/offline-run-*`` (upload them later
+with ``wandb sync``). If an online start fails (no network, bad key) the run logs offline
+instead; any later failure switches the logger off (``framework/run_logger.py: Guarded``).
+"""
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from framework.run_logger import LOGGERS, RunLogger
+
+logger = logging.getLogger(__name__)
+
+MODES = ("online", "offline", "disabled")
+
+
+def resolve_mode(mode: str | None) -> str:
+    """The W&B mode a run uses (see the module docstring for the order)."""
+    if mode is not None:
+        return mode
+    env = os.environ.get("WANDB_MODE")
+    if env:
+        return "offline" if env == "dryrun" else ("disabled" if env == "disabled" else env)
+    return "online" if _has_api_key() else "offline"
+
+
+def _has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:  # W&B, like curl, reads the file NETRC names, else ~/.netrc
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+@LOGGERS.register("wandb")
+class WandbLogger(RunLogger):
+    """Options: ``project``, ``entity``, ``group`` (default: the sweep's folder), ``tags``,
+    ``mode`` (online / offline / disabled; null: decide as above), ``init_timeout`` (seconds)."""
+
+    def __init__(self, project: str = "servelab", entity: str | None = None, group: str | None = None,
+                 tags: list[str] | None = None, mode: str | None = None, init_timeout: float = 60.0) -> None:
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"logger.mode must be one of {', '.join(MODES)} or null, got {mode!r}")
+        self.project, self.entity, self.group, self.tags = project, entity, group, list(tags or [])
+        self.mode, self.init_timeout = mode, init_timeout
+        self.run: Any = None
+
+    def start(self, config: dict[str, Any], run_dir: Path, run_name: str, group: str | None = None) -> None:
+        import wandb
+
+        mode = resolve_mode(self.mode)
+        kwargs = dict(project=self.project, entity=self.entity, group=self.group or group, tags=self.tags, name=run_name,
+                      config=config, dir=str(run_dir))
+        settings = wandb.Settings(init_timeout=self.init_timeout, console="off", silent=True, disable_git=True)
+        try:
+            self.run = wandb.init(mode=mode, settings=settings, **kwargs)
+        except Exception as exc:
+            if mode != "online":
+                raise
+            logger.warning("W&B online start failed (%s); logging offline to %s/wandb instead", exc, run_dir)
+            self.run = wandb.init(mode="offline", settings=settings, **kwargs)
+        # Plot the timeline against run time rather than W&B's own step counter.
+        self.run.define_metric("step/time_s")
+        self.run.define_metric("step/*", step_metric="step/time_s")
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        self.run.log({f"step/{k}": v for k, v in row.items()})
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update({k: v for k, v in summary.items() if v is not None})
+
+    def log_requests(self, columns: list[str], rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+        self.run.log({"requests": table})
+
+    def log_plots(self, plots: dict[str, Path]) -> None:
+        import wandb
+
+        if plots:
+            self.run.log({f"plots/{name}": wandb.Image(str(path)) for name, path in plots.items()})
+
+    def finish(self, interrupted: bool) -> None:
+        if self.run is not None:
+            self.run.summary["interrupted"] = interrupted
+            self.run.finish(exit_code=130 if interrupted else 0)
+            self.run = None

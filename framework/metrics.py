@@ -1,0 +1,169 @@
+"""Serving metrics in ``vllm bench serve``'s vocabulary, computed from what the engine recorded.
+
+Per request (``RequestRecord``): TTFT (arrival to first token), TPOT (mean gap between output
+tokens after the first), ITL (every gap), E2EL (arrival to finish), queueing delay (arrival to
+first scheduled), preemptions and swaps. Per run (``summarize``): request, output and total
+token throughput over the run's duration; mean / median / std / p90 / p99 of each latency (numpy
+definitions: population std, linearly interpolated percentiles; ITL pools every gap of every
+request); goodput (completed requests per second meeting every SLO given); prefix-cache hit
+rate; preemption and swap counts; and a per-priority breakdown when priorities differ.
+Latencies are reported in milliseconds, like vLLM; records keep seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from framework.engine import StepStats
+from framework.outputs import RequestOutput
+
+LATENCIES = ("ttft", "tpot", "itl", "e2el", "queueing_delay")
+PERCENTILES = (90, 99)
+
+
+@dataclass
+class RequestRecord:
+    """One finished request; times in seconds, relative to the start of the run."""
+
+    request_id: str
+    status: str  # "length" / "stop" (completed), "ignored" (never fit), "abort"
+    priority: int = 0
+    arrival_time: float = 0.0
+    prompt_len: int = 0
+    output_len: int = 0
+    cached_tokens: int = 0
+    queueing_delay: float | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    e2el: float | None = None
+    itl: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    message: str = ""
+
+    @property
+    def completed(self) -> bool:
+        return self.status in ("length", "stop") and self.output_len > 0
+
+    @classmethod
+    def from_output(cls, out: RequestOutput, run_start: float = 0.0) -> RequestRecord:
+        m = out.metrics
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        status = "abort" if reason == "abort" else ("ignored" if out.status_message and not m.num_generated_tokens
+                                                     else (reason or "unfinished"))
+        return cls(out.request_id, status, out.priority, m.arrival_time - run_start, m.num_prompt_tokens,
+                   m.num_generated_tokens, m.num_cached_tokens, m.time_in_queue, m.ttft, m.tpot, m.e2el, m.itl,
+                   m.num_preemptions, m.num_swaps, out.status_message or "")
+
+    def row(self) -> dict[str, Any]:
+        """A ``requests.csv`` row: latencies in ms, the ITLs as space-separated ms."""
+        ms = lambda v: None if v is None else round(v * 1000, 4)  # noqa: E731
+        return {"request_id": self.request_id, "status": self.status, "priority": self.priority,
+                "arrival_s": round(self.arrival_time, 6), "prompt_len": self.prompt_len, "output_len": self.output_len,
+                "cached_tokens": self.cached_tokens, "queueing_delay_ms": ms(self.queueing_delay),
+                "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
+                "num_preemptions": self.num_preemptions, "num_swaps": self.num_swaps,
+                "itl_ms": " ".join(f"{1000 * g:.4f}" for g in self.itl), "message": self.message}
+
+
+REQUEST_COLUMNS = list(RequestRecord("", "").row())
+STEP_COLUMNS = ["time_s"] + [f.name for f in dataclasses.fields(StepStats)]
+
+
+def step_row(stats: StepStats, run_start: float) -> dict[str, Any]:
+    """A ``steps.csv`` row: the step's stats and its start in seconds since the run began."""
+    return {"time_s": round(stats.start_time - run_start, 6), **dataclasses.asdict(stats)}
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives in ms; None leaves that latency unconstrained."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"slo.{name} must be a positive number of milliseconds or null, got {v!r}")
+
+    @property
+    def configured(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
+
+    def met(self, r: RequestRecord) -> bool:
+        """As vLLM: a request with a single output token has no TPOT and meets any TPOT SLO."""
+        checks = ((self.ttft_ms, r.ttft), (self.tpot_ms, r.tpot or 0.0), (self.e2el_ms, r.e2el))
+        return all(slo is None or (v is not None and 1000 * v <= slo) for slo, v in checks)
+
+
+def latency_stats(name: str, values_s: Sequence[float]) -> dict[str, float | None]:
+    """``mean_/median_/std_/p90_/p99_{name}_ms`` of latencies given in seconds (None if empty)."""
+    keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms"] + [f"p{p}_{name}_ms" for p in PERCENTILES]
+    if not len(values_s):
+        return dict.fromkeys(keys)
+    v = np.asarray(values_s, dtype=np.float64) * 1000
+    stats = [v.mean(), np.median(v), v.std()] + [np.percentile(v, p) for p in PERCENTILES]
+    return {k: float(s) for k, s in zip(keys, stats)}
+
+
+def latencies(records: Sequence[RequestRecord], name: str) -> list[float]:
+    if name == "itl":
+        return [g for r in records for g in r.itl]
+    return [getattr(r, name) for r in records if getattr(r, name) is not None]
+
+
+def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None = None,
+              steps: Sequence[dict[str, Any]] = (), prefix_cache_hit_rate: float | None = None) -> dict[str, Any]:
+    """Run-level metrics over ``duration`` seconds. Latencies and throughputs count completed
+    requests only; ignored and aborted ones are counted as ``failed``."""
+    slo = slo or SLO()
+    done = [r for r in records if r.completed]
+    dur = duration if duration > 0 else float("nan")
+    out_tokens = sum(r.output_len for r in done)
+    in_tokens = sum(r.prompt_len for r in done)
+    summary: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / dur,
+        "output_throughput": out_tokens / dur,
+        "total_token_throughput": (in_tokens + out_tokens) / dur,
+        "request_goodput": sum(slo.met(r) for r in done) / dur if slo.configured else None,
+    }
+    for name in LATENCIES:
+        summary.update(latency_stats(name, latencies(done, name)))
+    summary["num_preemptions"] = sum(r.num_preemptions for r in records)
+    summary["num_swaps"] = sum(r.num_swaps for r in records)
+    summary["prefix_cache_hit_rate"] = prefix_cache_hit_rate
+    cached = sum(r.cached_tokens for r in done)
+    summary["cached_prompt_fraction"] = cached / in_tokens if in_tokens else None
+    if steps:
+        usage = np.array([s["kv_usage"] for s in steps], dtype=np.float64)
+        total = lambda key: int(sum(s[key] for s in steps))  # noqa: E731
+        # Work done, independent of timing noise: recompute preemption shows up as extra prefill
+        # tokens, swapping as block copies, prefix caching as prefill tokens saved.
+        summary.update(num_steps=len(steps), mean_kv_usage=float(usage.mean()), max_kv_usage=float(usage.max()),
+                       mean_tokens_per_step=total("num_scheduled_tokens") / len(steps),
+                       total_scheduled_tokens=total("num_scheduled_tokens"),
+                       total_prefill_tokens=total("num_prefill_tokens"),
+                       blocks_swapped_out=total("num_swapped_out_blocks"),
+                       blocks_swapped_in=total("num_swapped_in_blocks"))
+    priorities = sorted({r.priority for r in done})
+    if len(priorities) > 1:
+        for p in priorities:
+            group = [r for r in done if r.priority == p]
+            summary[f"prio{p}_completed"] = len(group)
+            for name in ("ttft", "tpot", "e2el"):
+                stats = latency_stats(name, latencies(group, name))
+                summary[f"prio{p}_mean_{name}_ms"] = stats[f"mean_{name}_ms"]
+                summary[f"prio{p}_p99_{name}_ms"] = stats[f"p99_{name}_ms"]
+    return summary

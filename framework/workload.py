@@ -1,0 +1,84 @@
+"""The ``Workload`` interface: what requests an experiment sends, and when.
+
+A workload turns its options (the Hydra ``workload`` group's keys) into a list of
+``WorkloadRequest``: prompt tokens, output length, priority and an arrival time in seconds after
+the run starts. The driver (``framework/driver.py``) feeds them to the engine when their time
+comes. Generation is deterministic: the same options and seed give the same requests.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from framework.registry import Registry
+from framework.sampling_params import SamplingParams
+
+
+@dataclass
+class WorkloadRequest:
+    """One request to send. ``arrival_time`` is seconds after the start of the run; ``priority``
+    follows vLLM (a lower value is more urgent); ``output_len`` is exact when ``ignore_eos``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival_time: float = 0.0
+    priority: int = 0
+    prompt: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class WorkloadContext:
+    """What a workload may know about the model: its vocabulary (to draw random token ids), its
+    tokenizer (None for presets) and the longest sequence the engine accepts."""
+
+    vocab_size: int
+    tokenizer: Any | None = None
+    max_model_len: int | None = None
+    #: Lowest token id random prompts use; ids below it are special tokens in every preset.
+    first_token_id: int = 3
+
+
+class Workload(ABC):
+    """Contract: ``generate`` returns requests sorted by arrival time (ties keep their order),
+    with unique ids, every prompt non-empty and every token id in ``[0, vocab_size)``. It draws
+    randomness only from its own seed. Bad options raise ValueError naming the option."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]: ...
+
+
+WORKLOADS: Registry[Workload] = Registry(
+    "workload", Workload, entry_point_group="framework.workloads", builtin="framework.workloads")
+
+
+#: Workload keys that shape sampling rather than the requests; every workload accepts them.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "ignore_eos")
+
+
+def sampling_params(request: WorkloadRequest, sampling: dict[str, Any]) -> SamplingParams:
+    """Sampling for one request: exactly ``output_len`` tokens unless ``ignore_eos`` is false."""
+    options = {"temperature": 0.0, "ignore_eos": True, **sampling}
+    return SamplingParams(max_tokens=request.output_len, **options)
+
+
+def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
+    """The workload a Hydra ``workload`` node describes (``{name: ..., **options}``) and the
+    sampling options (``SAMPLING_KEYS``) split off from it."""
+    options = dict(options)
+    sampling = {k: options.pop(k) for k in SAMPLING_KEYS if k in options}
+    name = options.pop("name", None)
+    if name is None:
+        raise ValueError(f"a workload needs a 'name' (one of {', '.join(WORKLOADS.list())})")
+    cls = WORKLOADS.get(name)
+    try:
+        return cls(**options), sampling
+    except TypeError as exc:  # an unknown or missing option
+        raise ValueError(f"workload {name!r}: {exc}") from exc

@@ -1,0 +1,156 @@
+"""Synthetic workloads: random prompts with chosen length distributions, arrival process,
+shared prefixes and priority classes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
+from framework.workloads.arrivals import arrival_times, check_rate
+from framework.workloads.lengths import LengthDist
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """``fraction`` of the requests start with one of ``num_prefixes`` system prompts of
+    ``prefix_len`` tokens (picked uniformly); their own ``prompt_len`` tokens follow it."""
+
+    fraction: float
+    num_prefixes: int
+    prefix_len: int
+
+    @classmethod
+    def parse(cls, spec: dict[str, Any]) -> SharedPrefix:
+        unknown = set(spec) - {"fraction", "num_prefixes", "prefix_len"}
+        if unknown:
+            raise ValueError(f"shared_prefix: unknown key(s) {sorted(unknown)}; valid: fraction, num_prefixes, prefix_len")
+        sp = cls(float(spec.get("fraction", 1.0)), int(spec.get("num_prefixes", 1)), int(spec.get("prefix_len", 0)))
+        if not 0.0 <= sp.fraction <= 1.0:
+            raise ValueError(f"shared_prefix.fraction must be in [0, 1], got {sp.fraction}")
+        if sp.num_prefixes < 1 or sp.prefix_len < 1:
+            raise ValueError(f"shared_prefix needs num_prefixes >= 1 and prefix_len >= 1, got {spec}")
+        return sp
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    """Requests of one priority. Its rate is ``rate`` when given, else ``share`` of the
+    workload's rate (shares are normalised); its lengths default to the workload's."""
+
+    priority: int
+    rate: float | None
+    share: float
+    prompt_len: LengthDist
+    output_len: LengthDist
+
+
+@WORKLOADS.register("synthetic")
+class SyntheticWorkload(Workload):
+    """``num_requests`` requests with random token ids.
+
+    Options: ``rate`` (requests/s, null = all at t=0), ``burstiness`` (gamma shape, 1 = Poisson),
+    ``prompt_len`` / ``output_len`` (see ``framework/workloads/lengths.py``), ``shared_prefix``
+    (``{fraction, num_prefixes, prefix_len}``), ``priority_classes`` (a list of ``{priority,
+    rate | share, prompt_len?, output_len?}``), ``seed``. Every aspect draws from its own
+    random stream, so e.g. changing the rate leaves the prompts and lengths unchanged.
+    """
+
+    def __init__(self, num_requests: int = 32, rate: float | None = None, burstiness: float = 1.0,
+                 prompt_len: Any = (16, 128), output_len: Any = (16, 64),
+                 shared_prefix: dict[str, Any] | None = None,
+                 priority_classes: list[dict[str, Any]] | None = None, seed: int = 0) -> None:
+        if not isinstance(num_requests, int) or num_requests < 1:
+            raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}")
+        check_rate(rate, burstiness)
+        self.num_requests = num_requests
+        self.rate = rate
+        self.burstiness = burstiness
+        self.prompt_len = LengthDist.parse(list(prompt_len) if isinstance(prompt_len, tuple) else prompt_len, "prompt_len")
+        self.output_len = LengthDist.parse(list(output_len) if isinstance(output_len, tuple) else output_len, "output_len")
+        self.shared_prefix = SharedPrefix.parse(shared_prefix) if shared_prefix else None
+        self.classes = self._parse_classes(priority_classes) if priority_classes else None
+        self.seed = seed
+
+    def _parse_classes(self, specs: list[dict[str, Any]]) -> list[PriorityClass]:
+        classes = []
+        for i, spec in enumerate(specs):
+            what = f"priority_classes[{i}]"
+            unknown = set(spec) - {"priority", "rate", "share", "prompt_len", "output_len"}
+            if unknown:
+                raise ValueError(f"{what}: unknown key(s) {sorted(unknown)}; valid: priority, rate, share, prompt_len, output_len")
+            if "priority" not in spec:
+                raise ValueError(f"{what}: needs a 'priority'")
+            rate, share = spec.get("rate"), spec.get("share", 1.0)
+            check_rate(rate, self.burstiness, f"{what}.rate")
+            if not share > 0:
+                raise ValueError(f"{what}.share must be > 0, got {share!r}")
+            classes.append(PriorityClass(
+                int(spec["priority"]), rate, float(share),
+                LengthDist.parse(spec["prompt_len"], f"{what}.prompt_len") if "prompt_len" in spec else self.prompt_len,
+                LengthDist.parse(spec["output_len"], f"{what}.output_len") if "output_len" in spec else self.output_len))
+        explicit = [c.rate is not None for c in classes]
+        if any(explicit) and not all(explicit):
+            raise ValueError("priority_classes: give every class a rate, or none (then they share the workload's rate)")
+        if all(explicit) and self.rate is not None:
+            raise ValueError("priority_classes have their own rates: set the workload's rate to null")
+        return classes
+
+    def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:
+        n = self.num_requests
+        seeds = np.random.SeedSequence(self.seed).spawn(6)
+        arrival_rng, class_rng, prompt_rng, output_rng, token_rng, prefix_rng = (np.random.default_rng(s) for s in seeds)
+        times, class_of = self._arrivals(arrival_rng, class_rng)
+        classes = self.classes or [PriorityClass(0, self.rate, 1.0, self.prompt_len, self.output_len)]
+        prompt_lens = np.zeros(n, dtype=np.int64)
+        output_lens = np.zeros(n, dtype=np.int64)
+        for c, cls in enumerate(classes):
+            members = np.flatnonzero(class_of == c)
+            prompt_lens[members] = cls.prompt_len.sample(prompt_rng, n)[: len(members)]
+            output_lens[members] = cls.output_len.sample(output_rng, n)[: len(members)]
+        prefixes = self._prefix_assignment(prefix_rng, ctx)
+        low, high = ctx.first_token_id, ctx.vocab_size
+        if not 0 <= low < high:
+            raise ValueError(f"vocabulary of {high} tokens leaves no ids for random prompts (first id {low})")
+        requests = []
+        for i in range(n):
+            tokens = token_rng.integers(low, high, size=int(prompt_lens[i])).tolist()
+            if prefixes[i] is not None:
+                tokens = prefixes[i] + tokens
+            requests.append(WorkloadRequest(str(i), tokens, int(output_lens[i]), float(times[i]),
+                                            classes[class_of[i]].priority))
+        return requests
+
+    def _arrivals(self, arrival_rng: np.random.Generator, class_rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Arrival times (sorted) and the class index of each request."""
+        n = self.num_requests
+        if not self.classes:
+            return arrival_times(n, self.rate, self.burstiness, arrival_rng), np.zeros(n, dtype=np.int64)
+        shares = np.array([c.share for c in self.classes])
+        shares /= shares.sum()
+        rates = [c.rate for c in self.classes] if self.classes[0].rate is not None else (
+            [None] * len(shares) if self.rate is None else [self.rate * s for s in shares])
+        if rates[0] is None:  # all at once: classes mixed in the given proportions
+            return np.zeros(n), class_rng.choice(len(shares), size=n, p=shares)
+        # Superpose one arrival stream per class, each long enough alone, and keep the first n.
+        streams = [arrival_times(n, r, self.burstiness, np.random.default_rng(s))
+                   for r, s in zip(rates, arrival_rng.bit_generator.seed_seq.spawn(len(rates)))]
+        times = np.concatenate(streams)
+        labels = np.repeat(np.arange(len(streams)), n)
+        order = np.argsort(times, kind="stable")[:n]
+        return times[order], labels[order]
+
+    def _prefix_assignment(self, rng: np.random.Generator, ctx: WorkloadContext) -> list[list[int] | None]:
+        n = self.num_requests
+        sp = self.shared_prefix
+        if sp is None:
+            return [None] * n
+        prompts = [rng.integers(ctx.first_token_id, ctx.vocab_size, size=sp.prefix_len).tolist()
+                   for _ in range(sp.num_prefixes)]
+        chosen = rng.permutation(n)[: round(sp.fraction * n)]
+        which = rng.integers(0, sp.num_prefixes, size=len(chosen))
+        out: list[list[int] | None] = [None] * n
+        for i, k in zip(chosen, which):
+            out[i] = prompts[k]
+        return out

@@ -1,0 +1,169 @@
+"""Trace replay: requests read from a JSON or JSONL file.
+
+Each entry is an object with ``output_len`` (required), one of ``prompt_token_ids`` (a list of
+ids), ``prompt`` (text, tokenised with the checkpoint's tokenizer) or ``prompt_len`` (random
+ids of that length, drawn from the workload's seed), and optionally ``arrival_time`` (seconds,
+default 0), ``priority`` (default 0) and ``request_id`` (default: the entry's position).
+
+A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
+skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Every run
+saves the requests it sent as ``workload.jsonl`` in this format, so any workload can be
+replayed exactly.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
+from framework.workloads.arrivals import check_rate
+from framework.workloads.text import tokenize
+
+logger = logging.getLogger(__name__)
+
+_KEYS = {"arrival_time", "prompt_len", "prompt_token_ids", "prompt", "output_len", "priority", "request_id"}
+#: Where relative paths are also looked for: the project root (the folder holding conf/).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class TraceError(ValueError):
+    """A malformed trace entry; the message names the file and the line (or entry)."""
+
+
+def resolve_path(path: str | Path) -> Path:
+    """``path`` as given if it exists, else relative to the project root; an error names both."""
+    p = Path(path).expanduser()
+    if p.exists() or p.is_absolute():
+        if not p.exists():
+            raise ValueError(f"workload file {str(p)!r} does not exist")
+        return p
+    alt = PROJECT_ROOT / p
+    if alt.exists():
+        return alt
+    raise ValueError(f"workload file {str(path)!r} not found (looked in {Path.cwd()} and {PROJECT_ROOT})")
+
+
+def read_entries(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, entry)`` pairs, ``where`` naming the line (JSONL) or entry (JSON) for errors."""
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        entries = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                entries.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        return entries
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if isinstance(data, dict) and isinstance(data.get("requests"), list):
+        data = data["requests"]
+    if not isinstance(data, list):
+        raise TraceError(f"{path}: expected a JSON array of requests (or {{\"requests\": [...]}})")
+    return [(f"{path}: entry {i}", entry) for i, entry in enumerate(data)]
+
+
+def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
+                rng: np.random.Generator) -> WorkloadRequest:
+    if not isinstance(entry, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(entry).__name__}")
+    unknown = set(entry) - _KEYS
+    if unknown:
+        raise TraceError(f"{where}: unknown key(s) {sorted(unknown)}; valid: {', '.join(sorted(_KEYS))}")
+    given = [k for k in ("prompt_token_ids", "prompt", "prompt_len") if k in entry]
+    if len(given) != 1:
+        raise TraceError(f"{where}: give exactly one of prompt_token_ids, prompt, prompt_len (got {given or 'none'})")
+    output_len = entry.get("output_len")
+    if not _is_int(output_len) or output_len < 1:
+        raise TraceError(f"{where}: output_len must be an integer >= 1, got {output_len!r}")
+    arrival = entry.get("arrival_time", 0.0)
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or arrival < 0:
+        raise TraceError(f"{where}: arrival_time must be a number >= 0 (seconds), got {arrival!r}")
+    priority = entry.get("priority", 0)
+    if not _is_int(priority):
+        raise TraceError(f"{where}: priority must be an integer, got {priority!r}")
+    text = None
+    if "prompt_token_ids" in entry:
+        ids = entry["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t < ctx.vocab_size for t in ids):
+            raise TraceError(f"{where}: prompt_token_ids must be a non-empty list of ids in [0, {ctx.vocab_size})")
+    elif "prompt" in entry:
+        text = entry["prompt"]
+        if not isinstance(text, str) or not text:
+            raise TraceError(f"{where}: prompt must be non-empty text")
+        ids = tokenize(text, ctx)
+        if not ids:
+            raise TraceError(f"{where}: prompt tokenises to nothing")
+    else:
+        n = entry["prompt_len"]
+        if not _is_int(n) or n < 1:
+            raise TraceError(f"{where}: prompt_len must be an integer >= 1, got {n!r}")
+        ids = rng.integers(ctx.first_token_id, ctx.vocab_size, size=n).tolist()
+    rid = str(entry.get("request_id", index))
+    return WorkloadRequest(rid, [int(t) for t in ids], int(output_len), float(arrival), int(priority), text)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[WorkloadRequest]:
+    """Every request of a trace file, sorted by arrival time (ties keep file order)."""
+    path = resolve_path(path)
+    entries = read_entries(path)
+    if not entries:
+        raise TraceError(f"{path}: the trace holds no requests")
+    if ctx.tokenizer is None and any(isinstance(e, dict) and "prompt" in e for _, e in entries):
+        logger.warning("%s has text prompts but the model has no tokenizer: using one id per word", path)
+    rng = np.random.default_rng(seed)
+    requests = [parse_entry(where, e, i, ctx, rng) for i, (where, e) in enumerate(entries)]
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise TraceError(f"{path}: request_id {dup!r} appears more than once")
+    return sorted(requests, key=lambda r: r.arrival_time)
+
+
+def save_trace(path: str | Path, requests: list[WorkloadRequest]) -> None:
+    """Write ``requests`` as JSONL that ``load_trace`` reads back to the same requests."""
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps({"request_id": r.request_id, "arrival_time": r.arrival_time, "priority": r.priority,
+                                "output_len": r.output_len, "prompt_token_ids": r.prompt_token_ids}) + "\n")
+
+
+@WORKLOADS.register("trace")
+class TraceWorkload(Workload):
+    """Replay ``path``. ``rate`` null keeps the recorded times; a rate rescales them so the
+    trace's mean rate (requests / last arrival) is ``rate``. ``max_requests`` keeps the first
+    ones; ``seed`` draws the ids of ``prompt_len`` entries."""
+
+    def __init__(self, path: str, rate: float | None = None, max_requests: int | None = None, seed: int = 0) -> None:
+        check_rate(rate, 1.0)
+        if max_requests is not None and (not _is_int(max_requests) or max_requests < 1):
+            raise ValueError(f"max_requests must be a positive integer or null, got {max_requests!r}")
+        self.path, self.rate, self.max_requests, self.seed = path, rate, max_requests, seed
+
+    def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:
+        requests = load_trace(self.path, ctx, self.seed)[: self.max_requests]
+        if self.rate is not None:
+            rescale_to_rate(requests, self.rate, str(self.path))
+        return requests
+
+
+def rescale_to_rate(requests: list[WorkloadRequest], rate: float, what: str) -> None:
+    """Scale arrival times in place so that ``len(requests) / last_arrival == rate``."""
+    last = max(r.arrival_time for r in requests)
+    if last <= 0:
+        raise ValueError(f"{what}: every request arrives at t=0, so there is no rate to rescale; set rate to null")
+    factor = len(requests) / rate / last
+    for r in requests:
+        r.arrival_time *= factor

@@ -1,0 +1,153 @@
+"""W&B logging: an offline run directory holding what was logged; nothing W&B without it; a
+failing W&B never fails the run."""
+import struct
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from wandb.proto import wandb_internal_pb2
+
+from framework.clock import VirtualClock
+from framework.experiment import run_experiment
+from framework.loggers.wandb import resolve_mode
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ["workload.num_requests=3", "workload.prompt_len=[8,16]", "workload.output_len=[2,3]", "progress=false",
+        "engine.max_model_len=64", "engine.num_gpu_blocks_override=16"]
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=[*TINY, *overrides])
+
+
+def wandb_records(path):
+    """Records of a ``.wandb`` transaction log: a 7-byte header, then LevelDB-log framing (32 KiB
+    blocks; each chunk a 7-byte header of crc32, length and type FULL/FIRST/MIDDLE/LAST)."""
+    data = Path(path).read_bytes()
+    ident, magic, _ = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def complete_records(run_file, timeout=30.0):
+    """The run's records once its ``exit`` record is on disk: W&B's service process writes the
+    log asynchronously and may still be flushing when ``finish()`` returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(wandb_records(run_file))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def logged_keys(run_file):
+    keys = {"config": set(), "history": set(), "summary": set(), "group": set(), "kinds": []}
+    for r in complete_records(run_file):
+        kind = r.WhichOneof("record_type")
+        keys["kinds"].append(kind)
+        if kind == "run":
+            keys["config"] |= {i.key for i in r.run.config.update}
+            keys["group"].add(r.run.run_group)
+        elif kind == "config":
+            keys["config"] |= {i.key for i in r.config.update}
+        elif kind == "history":
+            keys["history"] |= {i.key or "/".join(i.nested_key) for i in r.history.item}
+        elif kind == "summary":
+            keys["summary"] |= {i.key or "/".join(i.nested_key) for i in r.summary.update}
+    return keys
+
+
+def test_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no key configured: offline by default
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run_dir = tmp_path / "run"
+    clock = VirtualClock()
+    summary = run_experiment(config("logger=wandb", "logger.project=servelab-test"), run_dir, clock=clock,
+                             on_engine=lambda e: e.step_callbacks.append(lambda s, o: clock.advance(0.01)),
+                             group="multirun/sweep-1")
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1, list((run_dir / "wandb").iterdir())
+    keys = logged_keys(next(offline[0].glob("run-*.wandb")))
+    assert "exit" in keys["kinds"], keys["kinds"]
+    assert {"engine", "workload", "slo", "logger", "engine_config"} <= keys["config"], keys["kinds"]
+    assert {"step/time_s", "step/num_scheduled_tokens", "step/kv_usage", "step/num_running"} <= keys["history"]
+    assert any(k.startswith("requests") for k in keys["history"])  # the per-request table
+    assert {"plots/latency_cdf", "plots/timeline"} <= {k.split("/")[0] + "/" + k.split("/")[1]
+                                                       for k in keys["history"] if k.startswith("plots/")}
+    assert {"request_throughput", "mean_ttft_ms", "p99_e2el_ms", "interrupted"} <= keys["summary"]
+    assert keys["group"] == {"multirun/sweep-1"}
+    assert summary["status"] == "completed"
+
+
+def test_logger_none_creates_nothing_wandb(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_experiment(config(), tmp_path / "run")
+    assert not list(tmp_path.rglob("*wandb*"))
+
+
+def test_an_unreachable_wandb_never_fails_the_run(tmp_path, monkeypatch, caplog):
+    import wandb
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("api.wandb.ai unreachable")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    summary = run_experiment(config("logger=wandb", "logger.mode=online"), tmp_path)
+    assert summary["status"] == "completed" and (tmp_path / "requests.csv").exists()
+    assert "switched off" in caplog.text and "unreachable" in caplog.text
+
+
+def test_online_failure_falls_back_to_offline(tmp_path, monkeypatch):
+    import wandb
+
+    real_init, modes = wandb.init, []
+
+    def online_fails(*args, mode=None, **kwargs):
+        modes.append(mode)
+        if mode == "online":
+            raise ConnectionError("no network")
+        return real_init(*args, mode=mode, **kwargs)
+
+    monkeypatch.setattr(wandb, "init", online_fails)
+    run_experiment(config("logger=wandb", "logger.mode=online"), tmp_path)
+    assert modes == ["online", "offline"]
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_mode_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert resolve_mode(None) == "offline"
+    assert resolve_mode("disabled") == "disabled"
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert resolve_mode(None) == "online"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert resolve_mode(None) == "offline" and resolve_mode("online") == "online"
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert resolve_mode(None) == "online"
+
+
+def test_bad_mode_is_a_configuration_error(tmp_path):
+    with pytest.raises(ValueError, match="logger.mode must be one of online, offline, disabled"):
+        run_experiment(config("logger=wandb", "logger.mode=sometimes"), tmp_path)

@@ -1,0 +1,132 @@
+"""``framework.compare`` on hand-made run folders, and a tiny multirun end to end."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from framework.compare import comparison_rows, label_keys, main, write_comparison
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_run(path, policy, rate, throughput, p99_ttft, preemption_mode="recompute", caching=True, prio=False):
+    path.mkdir(parents=True)
+    config = {"policy": {"name": policy, "preemption_mode": preemption_mode, "budget": 3 if policy == "b" else None},
+              "workload": {"name": "synthetic", "rate": rate, "seed": 0},
+              "engine": {"enable_prefix_caching": caching}, "hydra_like_noise": None, "progress": rate is None}
+    summary = {"status": "completed", "policy": policy, "backend": "naive", "rate": rate, "completed": 8,
+               "output_throughput": throughput, "request_throughput": throughput / 10, "p99_ttft_ms": p99_ttft,
+               "p99_tpot_ms": 5.0, "p99_e2el_ms": 50.0}
+    if prio:
+        summary["prio0_p99_ttft_ms"] = 1.5
+    (path / "config.yaml").write_text(yaml.safe_dump(config))
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """A multirun-like tree: policies a and b at rates 2 and 4 (folders numbered as Hydra does)."""
+    root = tmp_path / "multirun" / "12-00-00"
+    for i, (policy, rate, tput, ttft) in enumerate([("a", 2, 100.0, 10.0), ("a", 4, 150.0, 30.0),
+                                                    ("b", 2, 110.0, 8.0), ("b", 4, 190.0, 12.0)]):
+        fake_run(root / str(i), policy, rate, tput, ttft)
+    return root
+
+
+def test_rows_are_labelled_by_what_differs(sweep):
+    rows = comparison_rows([sweep])
+    assert [(r["label"], r["x"], r["output_throughput"]) for r in rows] == [
+        ("policy=a", 2, 100.0), ("policy=a", 4, 150.0), ("policy=b", 2, 110.0), ("policy=b", 4, 190.0)]
+
+
+def test_label_keys_skip_options_of_a_part_whose_name_differs():
+    flats = [{"policy.name": "a", "policy.budget": None, "workload.rate": 2, "hydra.x": 1, "engine.e": True},
+             {"policy.name": "b", "policy.budget": 3, "workload.rate": 4, "hydra.x": 2, "engine.e": False}]
+    assert label_keys(flats, "workload.rate") == ["engine.e", "policy.name"]
+
+
+def test_options_and_engine_keys_label_runs_of_one_policy(tmp_path):
+    fake_run(tmp_path / "0", "a", 2, 1.0, 1.0, preemption_mode="swap")
+    fake_run(tmp_path / "1", "a", 2, 1.0, 1.0, preemption_mode="recompute")
+    fake_run(tmp_path / "2", "a", 2, 1.0, 1.0, caching=False)
+    labels = [r["label"] for r in comparison_rows([tmp_path])]
+    assert labels == ["enable_prefix_caching=False, preemption_mode=recompute",
+                      "enable_prefix_caching=True, preemption_mode=recompute",
+                      "enable_prefix_caching=True, preemption_mode=swap"]
+    assert [r["label"] for r in comparison_rows([tmp_path], label=["preemption_mode"])] == \
+        ["preemption_mode=recompute", "preemption_mode=recompute", "preemption_mode=swap"]
+
+
+def test_writes_table_and_plots(sweep, tmp_path):
+    paths = write_comparison([sweep], tmp_path / "out")
+    md = paths["markdown"].read_text().splitlines()
+    assert md[0].startswith("| label | workload.rate | status |") and len(md) == 2 + 4
+    assert "| policy=b | 4 | completed | 8 |" in md[-1]
+    with open(paths["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["label"], r["workload.rate"], r["p99_ttft_ms"]) for r in rows][-1] == ("policy=b", "4", "12.0")
+    for key in ("throughput", "p99_latency"):
+        assert paths[key].name.endswith("_vs_rate.png") and paths[key].read_bytes()[:8] == PNG
+
+
+def test_single_runs_without_rates_get_bar_charts(tmp_path):
+    fake_run(tmp_path / "x", "a", None, 1.0, 1.0, prio=True)
+    fake_run(tmp_path / "y", "b", None, 2.0, 1.0, prio=True)
+    paths = write_comparison([tmp_path / "x", tmp_path / "y"], tmp_path / "cmp")
+    assert paths["throughput"].read_bytes()[:8] == PNG
+    assert "prio0_p99_ttft_ms" in paths["markdown"].read_text().splitlines()[0]
+
+
+def test_cli(sweep, tmp_path, capsys):
+    assert main([str(sweep), "--out", str(tmp_path / "c"), "--label", "policy"]) == 0
+    assert "| policy=a | 2 |" in capsys.readouterr().out
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "no runs" in capsys.readouterr().err
+    assert main([str(sweep), "--label", "colour"]) == 2
+
+
+def test_tiny_multirun_end_to_end(tmp_path):
+    """2 preemption modes x 2 rates through the CLI, then the comparison of the sweep."""
+    sweep_dir = tmp_path / "sweep"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    done = subprocess.run(
+        [sys.executable, "-m", "framework.run", "-m", "+policy=fcfs", "policy.preemption_mode=recompute,swap",
+         "workload.rate=20,40", "workload.num_requests=3", "workload.prompt_len=[8,16]", "workload.output_len=[2,4]",
+         "engine.max_model_len=64", "engine.num_gpu_blocks_override=16", "progress=false",
+         f"hydra.sweep.dir={sweep_dir}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summaries = [json.loads((sweep_dir / str(i) / "summary.json").read_text()) for i in range(4)]
+    assert [s["status"] for s in summaries] == ["completed"] * 4
+    assert {(s["preemption_mode"], s["rate"]) for s in summaries} == {(m, r) for m in ("recompute", "swap") for r in (20, 40)}
+    # The multirun compared its own runs at its root.
+    table = (sweep_dir / "comparison.md").read_text()
+    assert table.count("| preemption_mode=") == 4
+    paths = write_comparison([sweep_dir], tmp_path / "cmp")
+    assert [r["label"] for r in comparison_rows([sweep_dir])] == ["preemption_mode=recompute"] * 2 + ["preemption_mode=swap"] * 2
+    assert paths["throughput"].read_bytes()[:8] == PNG and paths["p99_latency"].read_bytes()[:8] == PNG
+
+
+def test_multirun_callback_compares_and_fails_the_sweep_if_a_run_failed(sweep, capsys):
+    from omegaconf import OmegaConf
+
+    from framework.compare import CompareCallback
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    CompareCallback().on_multirun_end(config)
+    assert (sweep / "comparison.md").exists()
+    summary = json.loads((sweep / "3" / "summary.json").read_text())
+    (sweep / "3" / "summary.json").write_text(json.dumps({**summary, "status": "failed"}))
+    with pytest.raises(SystemExit) as exc:
+        CompareCallback().on_multirun_end(config)
+    assert exc.value.code == 1 and "1 run(s) failed" in capsys.readouterr().err
+    assert "| failed |" in (sweep / "comparison.md").read_text()

@@ -1,0 +1,135 @@
+"""One run end to end: the files in the run directory, the summary, interrupts and config errors."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from framework.clock import VirtualClock
+from framework.experiment import make_clock, run_experiment
+from framework.workload import WorkloadContext
+from framework.workloads.trace import load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP = 0.1
+BASE = ["progress=false", "engine.max_model_len=128", "engine.num_gpu_blocks_override=64"]
+TINY = ["workload.num_requests=6", "workload.prompt_len=[8,24]", "workload.output_len=[2,5]"]
+
+
+def config(*overrides, workload=TINY):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=[*BASE, *workload, *overrides])
+
+
+def timed(clock):
+    """Forward passes take STEP seconds on the virtual clock (what a simulated executor does)."""
+    def patch(engine):
+        execute = engine.executor.execute
+        engine.executor.execute = lambda out: (clock.advance(STEP), execute(out))[1]
+    return patch
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_run_writes_every_file(tmp_path, capsys):
+    clock = VirtualClock()
+    summary = run_experiment(config("slo.ttft_ms=150"), tmp_path, clock=clock, on_engine=timed(clock))
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"config.yaml", "workload.jsonl", "summary.json", "requests.csv", "steps.csv", "latency_cdf.png",
+            "timeline.png"} <= names
+    assert json.loads((tmp_path / "summary.json").read_text()) == pytest.approx(summary)
+    assert summary["status"] == "completed" and not summary["interrupted"]
+    assert summary["completed"] == 6 and summary["num_requests"] == 6 and summary["policy"] == "fcfs"
+    # All six arrive at t=0 and FCFS prefills them together in the first 0.1 s step.
+    assert summary["mean_ttft_ms"] == pytest.approx(100) and summary["p99_ttft_ms"] == pytest.approx(100)
+    assert summary["mean_tpot_ms"] == pytest.approx(100) and summary["request_goodput"] > 0
+    rows = read_csv(tmp_path / "requests.csv")
+    assert sorted(r["request_id"] for r in rows) == [str(i) for i in range(6)]
+    steps = read_csv(tmp_path / "steps.csv")
+    assert len(steps) == summary["num_steps"] and float(steps[1]["time_s"]) == pytest.approx(STEP)
+    assert sum(int(s["num_scheduled_tokens"]) for s in steps) == summary["total_input_tokens"] + \
+        summary["total_output_tokens"] - 6  # the last token of each request is sampled, never fed back
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["slo"]["ttft_ms"] == 150
+    replay = load_trace(tmp_path / "workload.jsonl", WorkloadContext(vocab_size=1024))
+    assert {r.request_id: r.output_len for r in replay} == {r["request_id"]: int(r["output_len"]) for r in rows}
+    for png in ("latency_cdf.png", "timeline.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "Successful requests:" in out and "Mean TTFT (ms):" in out
+
+
+def test_interrupt_keeps_finished_rows_and_marks_the_summary(tmp_path):
+    clock = VirtualClock()
+
+    def interrupt_after_5_steps(engine):
+        timed(clock)(engine)
+        first = engine.num_steps
+
+        def callback(stats, out):
+            if stats.step - first == 5:
+                raise KeyboardInterrupt
+
+        engine.step_callbacks.append(callback)
+
+    summary = run_experiment(config("workload.output_len=[1,12]", "workload.num_requests=8"), tmp_path,
+                             clock=clock, on_engine=interrupt_after_5_steps)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["status"] == "interrupted" and saved["interrupted"] is True
+    rows = read_csv(tmp_path / "requests.csv")
+    assert 0 < len(rows) < 8
+    assert saved["completed"] == len(rows) and saved["num_unfinished"] == 8 - len(rows) == summary["num_unfinished"]
+    assert all(r["status"] == "length" and int(r["output_len"]) <= 5 for r in rows)
+
+
+def test_trace_workload_with_text_prompts_runs(tmp_path):
+    clock = VirtualClock()
+    summary = run_experiment(config("workload=trace", "workload.max_requests=5", "plots=false", workload=[]), tmp_path,
+                             clock=clock, on_engine=timed(clock))
+    assert summary["completed"] == 5 and not (tmp_path / "timeline.png").exists()
+
+
+def test_clock_choice():
+    assert make_clock("auto", "model").__class__.__name__ == "WallClock"
+    assert isinstance(make_clock("auto", "simulated"), VirtualClock)
+    with pytest.raises(ValueError, match="clock=virtual needs an executor that advances time"):
+        make_clock("virtual", "model")
+    with pytest.raises(ValueError, match="clock must be auto, wall or virtual"):
+        make_clock("sundial", "model")
+
+
+def cli(*args, cwd):
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run([sys.executable, "-m", "framework.run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.block_size=3"], "block_size must be a power of two"),
+    (["+policy=fcfs", "policy.name=nope"], "unknown policy 'nope'; registered policys: fcfs"),
+    (["policy.preemption_mode=sometimes"], "preemption_mode must be 'recompute' or 'swap'"),
+    (["workload.prompt_len=[0,3]"], "prompt_len: lengths must be >= 1"),
+    (["logger.name=carrier_pigeon"], "unknown logger 'carrier_pigeon'"),
+    (["slo.tpot_ms=0"], "slo.tpot_ms must be a positive number"),
+])
+def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
+    if overrides[0].startswith("policy."):
+        overrides = ["+policy=fcfs", *overrides]
+    with pytest.raises(ValueError, match=message):
+        run_experiment(config(*overrides), tmp_path)
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_cli_prints_configuration_errors_cleanly(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "framework.run", "engine.block_size=3", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "error: block_size must be a power of two" in done.stderr and "Traceback" not in done.stderr

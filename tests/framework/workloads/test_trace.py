@@ -1,0 +1,96 @@
+"""Trace replay: round trips, the entry forms, rescaling, and errors that name the line."""
+import json
+
+import pytest
+
+from framework.workload import WorkloadContext, WorkloadRequest, create_workload
+from framework.workloads.synthetic import SyntheticWorkload
+from framework.workloads.trace import TraceError, load_trace, save_trace
+from framework.workloads.text import tokenize
+
+CTX = WorkloadContext(vocab_size=1024)
+
+
+def write_jsonl(path, entries):
+    path.write_text("\n".join(e if isinstance(e, str) else json.dumps(e) for e in entries) + "\n")
+    return path
+
+
+def test_round_trip(tmp_path):
+    reqs = SyntheticWorkload(num_requests=25, rate=5.0, priority_classes=[{"priority": 0}, {"priority": 3}]).generate(CTX)
+    save_trace(tmp_path / "t.jsonl", reqs)
+    assert load_trace(tmp_path / "t.jsonl", CTX) == reqs
+
+
+def test_entry_forms_and_sorting(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        "# comment lines and blank lines are skipped", "",
+        {"arrival_time": 2.0, "prompt_token_ids": [5, 6, 7], "output_len": 4, "priority": 1},
+        {"arrival_time": 0.5, "prompt": "hello there, world", "output_len": 2},
+        {"prompt_len": 9, "output_len": 3, "request_id": "z"},
+    ])
+    reqs = load_trace(path, CTX, seed=1)
+    assert [r.request_id for r in reqs] == ["z", "1", "0"]  # sorted by arrival; ids default to position
+    z, text, ids = reqs
+    assert z.arrival_time == 0.0 and z.prompt_len == 9 and all(3 <= t < 1024 for t in z.prompt_token_ids)
+    assert text.prompt == "hello there, world" and text.prompt_token_ids == tokenize("hello there, world", CTX)
+    assert len(text.prompt_token_ids) == 4  # one id per word or mark without a tokenizer
+    assert ids == WorkloadRequest("0", [5, 6, 7], 4, 2.0, 1)
+    assert load_trace(path, CTX, seed=1)[0] == z and load_trace(path, CTX, seed=2)[0] != z
+
+
+def test_json_array_form_and_rescaling(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"requests": [{"arrival_time": t, "prompt_len": 4, "output_len": 2} for t in (1, 2, 4)]}))
+    workload, _ = create_workload({"name": "trace", "path": str(path), "rate": 1.5})
+    reqs = workload.generate(CTX)
+    assert [r.arrival_time for r in reqs] == pytest.approx([0.5, 1.0, 2.0])  # 3 requests / 2 s
+    workload, _ = create_workload({"name": "trace", "path": str(path), "max_requests": 2})
+    assert [r.arrival_time for r in workload.generate(CTX)] == [1, 2]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ('{"prompt_len": 4, "output_len": 2', "not valid JSON"),
+    ({"prompt_len": 4}, "output_len must be an integer >= 1"),
+    ({"prompt_len": 4, "output_len": 0}, "output_len must be an integer >= 1"),
+    ({"prompt_len": 4, "prompt": "hi", "output_len": 2}, "exactly one of"),
+    ({"output_len": 2}, "exactly one of"),
+    ({"prompt_len": 4, "output_len": 2, "arrival_time": -1}, "arrival_time must be a number >= 0"),
+    ({"prompt_token_ids": [1, 5000], "output_len": 2}, r"ids in \[0, 1024\)"),
+    ({"prompt_len": 4, "output_len": 2, "colour": "red"}, "unknown key"),
+    ({"prompt_len": 4, "output_len": 2, "priority": "high"}, "priority must be an integer"),
+    ('[1, 2]', "expected a JSON object"),
+])
+def test_malformed_line_is_named(tmp_path, bad, match):
+    good = {"prompt_len": 4, "output_len": 2}
+    path = write_jsonl(tmp_path / "t.jsonl", [good, "# a comment", good, bad, good])
+    with pytest.raises(TraceError, match=rf"t\.jsonl:4: .*{match}"):
+        load_trace(path, CTX)
+
+
+def test_malformed_json_array_entry_is_named(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([{"prompt_len": 4, "output_len": 2}, {"prompt_len": 4}]))
+    with pytest.raises(TraceError, match="entry 1: output_len"):
+        load_trace(path, CTX)
+    path.write_text('[{"prompt_len": 4, "output_len": 2},\n {"prompt_len": 4,, }]')
+    with pytest.raises(TraceError, match=r"t\.json:2: not valid JSON"):
+        load_trace(path, CTX)
+
+
+def test_file_level_errors(tmp_path):
+    with pytest.raises(ValueError, match="missing.jsonl.* does not exist"):
+        load_trace(tmp_path / "missing.jsonl", CTX)
+    with pytest.raises(TraceError, match="no requests"):
+        load_trace(write_jsonl(tmp_path / "empty.jsonl", ["# nothing"]), CTX)
+    dup = write_jsonl(tmp_path / "dup.jsonl", [{"prompt_len": 2, "output_len": 1, "request_id": "a"}] * 2)
+    with pytest.raises(TraceError, match="'a' appears more than once"):
+        load_trace(dup, CTX)
+    flat = write_jsonl(tmp_path / "flat.jsonl", [{"prompt_len": 2, "output_len": 1}])
+    with pytest.raises(ValueError, match="no rate to rescale"):
+        create_workload({"name": "trace", "path": str(flat), "rate": 2.0})[0].generate(CTX)
+
+
+def test_the_shipped_sample_trace_loads():
+    reqs = create_workload({"name": "trace", "path": "experiments/traces/sample.jsonl"})[0].generate(CTX)
+    assert len(reqs) == 24 and {r.priority for r in reqs} == {0, 1}
