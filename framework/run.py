@@ -34,6 +34,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     preparer, preparer_options = _split(cfg.get("preparer"), "v1")
     model, model_options = _split(cfg.get("model"), "tiny-llama")
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
+    engine["check_invariants"] = bool(OmegaConf.select(cfg, "scheduler.check_invariants", default=False))
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), policy=policy, policy_options=policy_options, backend=backend,
                         backend_options=backend_options, allocator=allocator, allocator_options=allocator_options,
                         preparer=preparer, preparer_options=preparer_options, **engine)

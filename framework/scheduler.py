@@ -33,7 +33,9 @@ class SchedulerOutput:
     ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
     requests extend their row with the tokens and blocks added since the last step. Rows of
     ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped. Block lists
-    are applied before the forward pass: swap-out, then swap-in, then copies.
+    are applied before the forward pass: both swap lists read their sources before either
+    writes (a block freed by one may be reused by the other in the same step), then copies run.
+    No request is swapped both out and in within one step.
     """
 
     scheduled: list[Request] = field(default_factory=list)
@@ -71,6 +73,13 @@ class Step:
 
     def is_scheduled(self, request: Request) -> bool:
         return request.request_id in self.out.num_scheduled_tokens
+
+    def was_preempted(self, request: Request) -> bool:
+        """Taken off the device in this step (by recompute or swap)."""
+        return request in self.out.preempted or request in self.out.swapped_out
+
+    def was_swapped_in(self, request: Request) -> bool:
+        return request in self.out.swapped_in
 
     @property
     def num_scheduled_reqs(self) -> int:
@@ -306,11 +315,14 @@ class Scheduler:
         step._add(request, num_tokens)
         return True
 
-    def schedule_or_preempt(self, step: Step, request: Request, num_tokens: int) -> bool:
-        """Schedule ``request``, preempting victims chosen by the policy while blocks are short.
-        If no victim is left, a running ``request`` is itself preempted and False returned."""
-        while not self.schedule_request(step, request, num_tokens):
-            candidates = [r for r in self.running if r is not request and not step.is_scheduled(r)]
+    def schedule_or_preempt(self, step: Step, request: Request, num_tokens: int,
+                            prefix: PrefixHit | None = None) -> bool:
+        """Schedule ``request`` (running, or waiting with an optional ``prefix``), preempting victims
+        chosen by the policy while blocks or sequence slots are short. If no victim is left, a
+        running ``request`` is itself preempted and False returned; a waiting one stays waiting."""
+        while not self.schedule_request(step, request, num_tokens, prefix):
+            candidates = [r for r in self.running
+                          if r is not request and not step.is_scheduled(r) and not step.was_swapped_in(r)]
             victim = self.policy.select_victim(candidates, request)
             if victim is None:
                 if request.status == RequestStatus.RUNNING:
@@ -324,6 +336,9 @@ class Scheduler:
         swap space has room) or free them for recompute. Returns the mode used."""
         if step.is_scheduled(request):
             raise ValueError(f"{request.request_id} is scheduled in this step and cannot be preempted")
+        if step.was_swapped_in(request):
+            # Its swap-in copy is still pending: the blocks it would give back are not filled yet.
+            raise ValueError(f"{request.request_id} was swapped in during this step and cannot be preempted")
         if request.status != RequestStatus.RUNNING:
             raise ValueError(f"{request.request_id} is {request.status.name}, not running")
         mode = mode or self.policy.preemption_mode_for(request)
@@ -351,6 +366,8 @@ class Scheduler:
         """Bring a swapped request back to the device (it still has to be scheduled)."""
         if request.status != RequestStatus.SWAPPED:
             raise ValueError(f"{request.request_id} is {request.status.name}, not swapped")
+        if step.was_preempted(request):
+            raise ValueError(f"{request.request_id} was swapped out during this step; swap it in from the next one")
         if len(self.running) >= self.max_num_seqs:
             return False
         mapping = self.allocator.swap_in(request)
@@ -379,23 +396,38 @@ class Scheduler:
 
     # -- invariants ------------------------------------------------------------------------------
     def check_invariants(self, out: SchedulerOutput) -> None:
-        """Raise AssertionError if this step's output or the queues break a scheduling invariant."""
+        """Raise AssertionError if this step's output or the queues break a scheduling invariant:
+        budgets; every scheduled token has a slot in a block its request holds (and may write);
+        waiting requests hold no blocks, swapped ones exactly the swap blocks of their computed
+        tokens and no device blocks; the queues and the allocator's books agree."""
         total = out.total_num_scheduled_tokens
         assert total <= self.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
-        bs = self.block_size
+        assert len(out.scheduled) == len(out.num_scheduled_tokens), "a request is scheduled twice"
+        running = {r.request_id for r in self.running}
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]
             assert req.status == RequestStatus.RUNNING, f"{req.request_id} scheduled while {req.status.name}"
+            assert req.request_id in running, f"{req.request_id} is scheduled but not in the running queue"
             assert 0 < n <= req.num_tokens - req.num_computed_tokens, f"{req.request_id}: {n} tokens scheduled"
-            assert len(req.block_ids) * bs >= req.num_computed_tokens + n, (
-                f"{req.request_id}: {len(req.block_ids)} blocks cannot hold {req.num_computed_tokens + n} tokens")
+            self.allocator.check_slots(req, req.num_computed_tokens, req.num_computed_tokens + n)
+        moved_out = {r.request_id for r in out.swapped_out}
+        assert not moved_out & {r.request_id for r in out.swapped_in}, "a request was swapped out and in in one step"
+        assert not moved_out & set(out.num_scheduled_tokens), "a swapped-out request is scheduled"
         for req in self.waiting:
-            assert req.status == RequestStatus.WAITING and not req.block_ids, f"{req.request_id} waits holding blocks"
+            assert req.status == RequestStatus.WAITING, f"{req.request_id} in waiting while {req.status.name}"
+            assert not req.block_ids and not req.cpu_block_ids, f"{req.request_id} waits holding blocks"
         for req in self.swapped:
-            assert req.status == RequestStatus.SWAPPED and not req.block_ids, f"{req.request_id} swapped with device blocks"
+            assert req.status == RequestStatus.SWAPPED, f"{req.request_id} in swapped while {req.status.name}"
+            assert not req.block_ids, f"{req.request_id} swapped with device blocks"
+            want = self.allocator.blocks_needed(req.num_computed_tokens)
+            assert len(req.cpu_block_ids) == want > 0, (
+                f"{req.request_id}: {len(req.cpu_block_ids)} swap blocks for {req.num_computed_tokens} computed tokens")
         for req in self.running:
             assert req.status == RequestStatus.RUNNING, f"{req.request_id} in running while {req.status.name}"
+            assert not req.cpu_block_ids, f"{req.request_id} runs while holding swap blocks"
+            assert len(req.block_ids) >= self.allocator.blocks_needed(req.num_computed_tokens), (
+                f"{req.request_id}: {len(req.block_ids)} blocks cannot hold its {req.num_computed_tokens} computed tokens")
         live = len(self.waiting) + len(self.running) + len(self.swapped)
         assert live == len(self.requests), f"{live} queued requests but {len(self.requests)} unfinished"
         self.allocator.check_invariants(self.requests.values())
