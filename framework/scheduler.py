@@ -286,14 +286,8 @@ class Scheduler:
                          prefix: PrefixHit | None = None) -> bool:
         """Schedule ``num_tokens`` of ``request`` (admitting it if waiting). False, with nothing
         changed, when the KV blocks or the sequence limit do not allow it."""
-        if step.is_scheduled(request):
-            raise ValueError(f"{request.request_id} is already scheduled in this step")
+        self._check_num_tokens(step, request, num_tokens, prefix.num_tokens if prefix else 0)
         prefix_tokens = prefix.num_tokens if prefix else 0
-        left = request.num_tokens - request.num_computed_tokens - prefix_tokens
-        if not 0 < num_tokens <= min(left, step.token_budget):
-            raise ValueError(
-                f"{request.request_id}: cannot schedule {num_tokens} tokens ({left} left to compute, "
-                f"{step.token_budget} left in the step budget)")
         waiting = request.status == RequestStatus.WAITING
         if waiting and len(self.running) >= self.max_num_seqs:
             return False
@@ -314,6 +308,16 @@ class Scheduler:
                 step.out.resumed_requests.append(request)
         step._add(request, num_tokens)
         return True
+
+    @staticmethod
+    def _check_num_tokens(step: Step, request: Request, num_tokens: int, prefix_tokens: int = 0) -> None:
+        if step.is_scheduled(request):
+            raise ValueError(f"{request.request_id} is already scheduled in this step")
+        left = request.num_tokens - request.num_computed_tokens - prefix_tokens
+        if not 0 < num_tokens <= min(left, step.token_budget):
+            raise ValueError(
+                f"{request.request_id}: cannot schedule {num_tokens} tokens ({left} left to compute, "
+                f"{step.token_budget} left in the step budget)")
 
     def schedule_or_preempt(self, step: Step, request: Request, num_tokens: int,
                             prefix: PrefixHit | None = None) -> bool:
@@ -362,12 +366,19 @@ class Scheduler:
         step.out.preempted.append(request)
         return RECOMPUTE
 
-    def swap_in(self, step: Step, request: Request) -> bool:
-        """Bring a swapped request back to the device (it still has to be scheduled)."""
+    def swap_in(self, step: Step, request: Request, num_tokens: int = 0) -> bool:
+        """Bring a swapped request back to the device. Without ``num_tokens`` it still has to be
+        scheduled; with it, it comes back only if the free blocks also hold that many new
+        tokens, which are then scheduled. False, with nothing changed, when blocks or
+        ``max_num_seqs`` do not allow it."""
         if request.status != RequestStatus.SWAPPED:
             raise ValueError(f"{request.request_id} is {request.status.name}, not swapped")
         if step.was_preempted(request):
             raise ValueError(f"{request.request_id} was swapped out during this step; swap it in from the next one")
+        if num_tokens:
+            self._check_num_tokens(step, request, num_tokens)
+            if self.allocator.num_free_blocks < self.allocator.blocks_needed(request.num_computed_tokens + num_tokens):
+                return False
         if len(self.running) >= self.max_num_seqs:
             return False
         mapping = self.allocator.swap_in(request)
@@ -379,6 +390,8 @@ class Scheduler:
         step.out.swapped_in.append(request)
         step.out.resumed_requests.append(request)
         step.out.blocks_to_swap_in.extend(mapping)
+        if num_tokens:
+            self.schedule_request(step, request, num_tokens)
         return True
 
     def ignore(self, step: Step, request: Request, reason: str) -> None:

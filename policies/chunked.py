@@ -18,6 +18,7 @@ class ChunkedPolicy(SchedulerPolicy):
     request finds no free block, ``select_victim`` picks whom to preempt (default: the newest
     running request not yet scheduled in this step, else the request itself). As in vLLM v1, a
     step that preempted admits nobody: the freed blocks go to the requests already running.
+    With ``preemption_mode="swap"``, swapped requests return before new admissions.
     """
 
     chunks_prefills = True
@@ -43,6 +44,11 @@ class ChunkedPolicy(SchedulerPolicy):
                 scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget))
         if step.out.preempted or step.out.swapped_out:
             return
+        # Swapped requests (preemption_mode="swap") come back, in the order they left, before
+        # anything new is admitted (as in vLLM v0).
+        for req in list(scheduler.swapped):
+            if step.token_budget == 0 or not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget)):
+                return
         for req in list(self.waiting_order(scheduler.waiting)):
             if step.token_budget == 0 or len(scheduler.running) >= scheduler.max_num_seqs:
                 break

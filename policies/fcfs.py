@@ -16,7 +16,9 @@ class FCFSPolicy(SchedulerPolicy):
     """
 
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
-        for req in self.waiting_order(scheduler.waiting):
+        # Swapped requests (preemption_mode="swap") come back, at the end, before any admission.
+        waiting = [] if scheduler.swapped else self.waiting_order(scheduler.waiting)
+        for req in waiting:
             prefix = scheduler.find_prefix(req)
             n = req.num_tokens - req.num_computed_tokens - prefix.num_tokens
             if n > step.token_budget:
@@ -32,3 +34,8 @@ class FCFSPolicy(SchedulerPolicy):
                 continue
             n = self.num_new_tokens(req, step.token_budget)
             scheduler.schedule_or_preempt(step, req, n)
+        if step.out.preempted or step.out.swapped_out:
+            return
+        for req in list(scheduler.swapped):
+            if step.token_budget == 0 or not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget)):
+                break

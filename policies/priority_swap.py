@@ -8,7 +8,7 @@ from policies.chunked import ChunkedPolicy
 
 
 def priority_key(request: Request) -> tuple[int, float]:
-    """Lower value first; ties by arrival."""
+    """``priority`` (lower first), ties by arrival."""
     return request.priority, request.arrival_time
 
 
@@ -29,63 +29,58 @@ class PrioritySwapPolicy(ChunkedPolicy):
 
     Victims are swapped out to the CPU swap space; when it is full the mechanism falls back to
     recompute. ``preemption_mode="recompute"`` gives the same policy with recompute preemption.
+    The order is ``rank`` (default: ``priority``, then arrival).
     """
 
     def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:
         super().__init__(preemption_mode, long_prefill_token_threshold)
 
+    def rank(self, request: Request) -> tuple:
+        """Sort key, lowest first: what "priority" means. Override it (e.g. with a deadline) and
+        the visiting order, the waiting order and the choice of victims all follow."""
+        return priority_key(request)
+
     def waiting_order(self, waiting):
-        return sorted(waiting, key=priority_key)
+        return sorted(waiting, key=self.rank)
 
     def select_victim(self, candidates: list[Request], requester: Request) -> Request | None:
-        # reversed: among equal keys the newest running request goes first.
-        lowest = max(reversed(candidates), key=priority_key, default=None)
-        return lowest if lowest is not None and priority_key(lowest) > priority_key(requester) else None
+        # reversed: among equal ranks the newest running request goes first.
+        lowest = max(reversed(candidates), key=self.rank, default=None)
+        return lowest if lowest is not None and self.rank(lowest) > self.rank(requester) else None
 
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
-        # Stable sort: at equal keys running requests come before swapped, swapped before waiting.
-        queue = sorted([*scheduler.running, *scheduler.swapped, *scheduler.waiting], key=priority_key)
+        # Stable sort: at equal ranks running requests come before swapped, swapped before waiting.
+        queue = sorted([*scheduler.running, *scheduler.swapped, *scheduler.waiting], key=self.rank)
         blocked = False
         for req in queue:
             if step.token_budget == 0:
                 break
             if step.was_preempted(req) or step.is_scheduled(req):
                 continue
-            n = self.num_new_tokens(req, step.token_budget)
             if req.status == RequestStatus.RUNNING:
-                if not scheduler.schedule_or_preempt(step, req, n):
+                if not scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget)):
                     blocked = True
             elif blocked or self._ranks_below_a_victim(step, req):
                 continue
             elif req.status == RequestStatus.SWAPPED:
-                blocked = not self._swap_in(scheduler, step, req, n)
+                blocked = not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget))
             else:
                 blocked = not self._admit(scheduler, step, req)
 
-    @staticmethod
-    def _ranks_below_a_victim(step: Step, req: Request) -> bool:
+    def _ranks_below_a_victim(self, step: Step, req: Request) -> bool:
         # A request preempted in this step cannot come back before the next one; nothing of lower
         # priority may take its place meanwhile.
-        key = priority_key(req)
-        return any(priority_key(v) < key for v in step.out.preempted + step.out.swapped_out)
-
-    def _swap_in(self, scheduler: Scheduler, step: Step, req: Request, n: int) -> bool:
-        alloc = scheduler.allocator
-        if alloc.num_free_blocks < alloc.blocks_needed(req.num_computed_tokens + n):
-            return False
-        if not scheduler.swap_in(step, req):
-            return False
-        scheduler.schedule_request(step, req, n)
-        return True
+        rank = self.rank(req)
+        return any(self.rank(v) < rank for v in step.out.preempted + step.out.swapped_out)
 
     def _admit(self, scheduler: Scheduler, step: Step, req: Request) -> bool:
         prefix = scheduler.find_prefix(req)
         n = self.num_new_tokens(req, step.token_budget, prefix.num_tokens)
         if scheduler.schedule_request(step, req, n, prefix):
             return True
-        alloc, key = scheduler.allocator, priority_key(req)
+        alloc, rank = scheduler.allocator, self.rank(req)
         victims = [r for r in scheduler.running
-                   if priority_key(r) > key and not step.is_scheduled(r) and not step.was_swapped_in(r)]
+                   if self.rank(r) > rank and not step.is_scheduled(r) and not step.was_swapped_in(r)]
         need = alloc.blocks_needed(prefix.num_tokens + n) - len(prefix.block_ids)
         if (need > alloc.num_free_blocks + sum(len(v.block_ids) for v in victims)
                 or len(scheduler.running) - len(victims) >= scheduler.max_num_seqs):

@@ -73,6 +73,24 @@ def test_swap_out_and_back_in_keeps_progress():
     assert s.allocator.num_free_cpu_blocks == 8
 
 
+def test_swap_in_with_tokens_needs_room_for_them_too():
+    # Four usable blocks. b (9 tokens, 8 computed: 2 blocks) is swapped out; its next token needs
+    # a third block, and a holds three of the four.
+    s = make(num_blocks=5)
+    a, b = add(s, "a", 8), add(s, "b", 8)
+    step(s, admit(a, b))
+    step(s, lambda s_, st: s_.preempt(st, b))
+    assert s.allocator.allocate_slots(a, 1) and len(a.block_ids) == 3
+
+    def refused(s_, st):
+        assert not s_.swap_in(st, b, 1)
+    out = step(s, refused)
+    assert b.status == RequestStatus.SWAPPED and not out.blocks_to_swap_in and not out.scheduled
+    s.abort_request("a")
+    out = step(s, lambda s_, st: s_.swap_in(st, b, 1))
+    assert out.swapped_in == [b] and out.num_scheduled_tokens == {"b": 1} and len(b.block_ids) == 3
+
+
 def test_swap_falls_back_to_recompute_when_the_swap_space_is_full():
     s = make(num_cpu_blocks=2)
     a = add(s, "a", 10)  # three blocks: more than the swap space

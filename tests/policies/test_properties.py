@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from framework import POLICIES, RequestStatus, SamplingParams
 from policies.chunked import ChunkedPolicy
-from policies.priority_swap import priority_key
 from tests.policies.harness import EOS, VOCAB, Arrival, drive, reference_output, shadow_engine
 
 MAX_MODEL_LEN = 64
@@ -104,6 +103,15 @@ def entered(out):
     return out.new_requests + out.resumed_requests
 
 
+def admitted(out):
+    """Requests admitted from the waiting queue this step (first run or after recompute)."""
+    return out.new_requests + [r for r in out.resumed_requests if r not in out.swapped_in]
+
+
+def swapped_return_first(before, out, s):
+    assert not (s.swapped and admitted(out)), "a request was admitted while another stays swapped out"
+
+
 def chunked_checks(before, out, s):
     victims = out.preempted + out.swapped_out
     assert not (victims and entered(out)), "a step that preempts admits nobody"
@@ -116,13 +124,14 @@ def chunked_checks(before, out, s):
 
 
 def priority_checks(before, out, s):
+    rank = s.policy.rank
     victims = out.preempted + out.swapped_out
     if victims and out.scheduled:
-        assert max(map(priority_key, out.scheduled)) < min(map(priority_key, victims)), (
+        assert max(map(rank, out.scheduled)) < min(map(rank, victims)), (
             "a request was preempted while one of lower priority ran")
     for r in entered(out):
         for swapped in s.swapped:
-            assert priority_key(swapped) > priority_key(r), "a swapped request was passed over"
+            assert rank(swapped) > rank(r), "a swapped request was passed over"
 
 
 def sjf_checks(before, out, s):
@@ -141,13 +150,17 @@ def least_computed_checks(before, out, s):
 
 POLICY_CHECKS = {"fcfs": [], "chunked": [chunked_checks], "sjf": [chunked_checks, sjf_checks],
                  "least_computed": [least_computed_checks], "priority_swap": [priority_checks]}
+CASES = [(policy, "") for policy in sorted(POLICY_CHECKS)] + [("fcfs", "swap"), ("chunked", "swap")]
 
 
-@pytest.mark.parametrize("policy", sorted(POLICY_CHECKS))
+@pytest.mark.parametrize("policy, mode", CASES)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(), arrivals=workloads())
-def test_random_workloads_keep_every_invariant(policy, setup, arrivals):
-    run_workload(policy, setup, arrivals, POLICY_CHECKS[policy])
+def test_random_workloads_keep_every_invariant(policy, mode, setup, arrivals):
+    if not mode:
+        run_workload(policy, setup, arrivals, POLICY_CHECKS[policy])
+    else:
+        run_workload(policy, setup, arrivals, POLICY_CHECKS[policy] + [swapped_return_first], preemption_mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
