@@ -64,7 +64,7 @@ def test_late_high_priority_request_gets_its_first_token_before_earlier_low_prio
     assert "high" in steps[arrival_step].num_scheduled_tokens
     first = {rid: o.metrics.first_token_time for rid, o in done.items()}
     assert first["high"] < first["low2"] and first["high"] < first["low3"]
-    assert done["high"].metrics.ttft < min(done[r].metrics.ttft for r in ("low1", "low2", "low3"))
+    assert done["high"].metrics.ttft < min(done[r].metrics.ttft for r in ("low2", "low3"))
     # Low-priority requests are admitted only once every swapped one is back, with its KV intact.
     for i, out in enumerate(steps):
         if any(r.request_id in ("low2", "low3") for r in out.new_requests):
