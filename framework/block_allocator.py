@@ -140,6 +140,16 @@ class BlockAllocator(ABC):
     def check_invariants(self, requests: Iterable[Request]) -> None:
         """Raise AssertionError if the books disagree with the given live requests."""
 
+    def check_slots(self, request: Request, start: int, end: int) -> None:
+        """Raise AssertionError unless ``request`` holds a real block for each of its token
+        positions ``[start, end)`` (the tokens a step is about to write). Allocators that share
+        blocks also check that no other request relies on a block being written."""
+        bs = self.block_size
+        assert len(request.block_ids) * bs >= end, (
+            f"{request.request_id}: {len(request.block_ids)} blocks cannot hold tokens up to position {end}")
+        written = request.block_ids[start // bs:-(-end // bs)]
+        assert NULL_BLOCK not in written, f"{request.request_id} would write into the null block"
+
 
 ALLOCATORS: Registry[BlockAllocator] = Registry(
     "allocator", BlockAllocator, entry_point_group="framework.allocators", builtin="framework.allocators")

@@ -54,6 +54,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         kwargs[part], kwargs[f"{part}_options"] = name, options
     model, model_options = _split(cfg.get("model"), "tiny-llama")
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
+    engine["check_invariants"] = bool(OmegaConf.select(cfg, "scheduler.check_invariants", default=False))
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), **kwargs, **engine)
 
 

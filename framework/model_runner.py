@@ -33,15 +33,19 @@ class ModelRunner:
         return self._cpu_cache
 
     def apply_block_ops(self, out: SchedulerOutput) -> None:
-        """Swap-out first (it reads blocks a swap-in or a new owner may overwrite), then swap-in,
-        then copy-on-write copies."""
+        """Both swap lists read their sources before either writes: a device block a swap-out
+        frees may be a swap-in's destination, and a swap block a swap-in frees may be a
+        swap-out's destination, in either order within one step. Copy-on-write copies run last."""
         dev = self.kv_cache.device
+        incoming = None
+        if out.blocks_to_swap_in:
+            cpu_src, dev_dst = (torch.tensor(x) for x in zip(*out.blocks_to_swap_in))
+            incoming = self.cpu_cache[:, :, cpu_src].to(dev)
         if out.blocks_to_swap_out:
             src, dst = (torch.tensor(x) for x in zip(*out.blocks_to_swap_out))
             self.cpu_cache[:, :, dst] = self.kv_cache[:, :, src.to(dev)].cpu()
-        if out.blocks_to_swap_in:
-            src, dst = (torch.tensor(x) for x in zip(*out.blocks_to_swap_in))
-            self.kv_cache[:, :, dst.to(dev)] = self.cpu_cache[:, :, src].to(dev)
+        if incoming is not None:
+            self.kv_cache[:, :, dev_dst.to(dev)] = incoming
         if out.blocks_to_copy:
             src, dst = (torch.tensor(x, device=dev) for x in zip(*out.blocks_to_copy))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

@@ -33,7 +33,9 @@ class SchedulerOutput:
     included) and ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
     requests extend their row with the tokens and blocks added since the last step. Rows of
     ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped. Block lists
-    are applied before the forward pass: swap-out, then swap-in, then copies.
+    are applied before the forward pass: both swap lists read their sources before either
+    writes (a block freed by one may be reused by the other in the same step), then copies run.
+    No request is swapped both out and in within one step.
     """
 
     scheduled: list[Request] = field(default_factory=list)
@@ -71,6 +73,13 @@ class Step:
 
     def is_scheduled(self, request: Request) -> bool:
         return request.request_id in self.out.num_scheduled_tokens
+
+    def was_preempted(self, request: Request) -> bool:
+        """Taken off the device in this step (by recompute or swap)."""
+        return request in self.out.preempted or request in self.out.swapped_out
+
+    def was_swapped_in(self, request: Request) -> bool:
+        return request in self.out.swapped_in
 
     @property
     def num_scheduled_reqs(self) -> int:
@@ -283,14 +292,8 @@ class Scheduler:
                          prefix: PrefixHit | None = None) -> bool:
         """Schedule ``num_tokens`` of ``request`` (admitting it if waiting). False, with nothing
         changed, when the KV blocks or the sequence limit do not allow it."""
-        if step.is_scheduled(request):
-            raise ValueError(f"{request.request_id} is already scheduled in this step")
+        self._check_num_tokens(step, request, num_tokens, prefix.num_tokens if prefix else 0)
         prefix_tokens = prefix.num_tokens if prefix else 0
-        left = request.num_tokens - request.num_computed_tokens - prefix_tokens
-        if not 0 < num_tokens <= min(left, step.token_budget):
-            raise ValueError(
-                f"{request.request_id}: cannot schedule {num_tokens} tokens ({left} left to compute, "
-                f"{step.token_budget} left in the step budget)")
         waiting = request.status == RequestStatus.WAITING
         if waiting and len(self.running) >= self.max_num_seqs:
             return False
@@ -312,11 +315,24 @@ class Scheduler:
         step._add(request, num_tokens)
         return True
 
-    def schedule_or_preempt(self, step: Step, request: Request, num_tokens: int) -> bool:
-        """Schedule ``request``, preempting victims chosen by the policy while blocks are short.
-        If no victim is left, a running ``request`` is itself preempted and False returned."""
-        while not self.schedule_request(step, request, num_tokens):
-            candidates = [r for r in self.running if r is not request and not step.is_scheduled(r)]
+    @staticmethod
+    def _check_num_tokens(step: Step, request: Request, num_tokens: int, prefix_tokens: int = 0) -> None:
+        if step.is_scheduled(request):
+            raise ValueError(f"{request.request_id} is already scheduled in this step")
+        left = request.num_tokens - request.num_computed_tokens - prefix_tokens
+        if not 0 < num_tokens <= min(left, step.token_budget):
+            raise ValueError(
+                f"{request.request_id}: cannot schedule {num_tokens} tokens ({left} left to compute, "
+                f"{step.token_budget} left in the step budget)")
+
+    def schedule_or_preempt(self, step: Step, request: Request, num_tokens: int,
+                            prefix: PrefixHit | None = None) -> bool:
+        """Schedule ``request`` (running, or waiting with an optional ``prefix``), preempting victims
+        chosen by the policy while blocks or sequence slots are short. If no victim is left, a
+        running ``request`` is itself preempted and False returned; a waiting one stays waiting."""
+        while not self.schedule_request(step, request, num_tokens, prefix):
+            candidates = [r for r in self.running
+                          if r is not request and not step.is_scheduled(r) and not step.was_swapped_in(r)]
             victim = self.policy.select_victim(candidates, request)
             if victim is None:
                 if request.status == RequestStatus.RUNNING:
@@ -330,6 +346,9 @@ class Scheduler:
         swap space has room) or free them for recompute. Returns the mode used."""
         if step.is_scheduled(request):
             raise ValueError(f"{request.request_id} is scheduled in this step and cannot be preempted")
+        if step.was_swapped_in(request):
+            # Its swap-in copy is still pending: the blocks it would give back are not filled yet.
+            raise ValueError(f"{request.request_id} was swapped in during this step and cannot be preempted")
         if request.status != RequestStatus.RUNNING:
             raise ValueError(f"{request.request_id} is {request.status.name}, not running")
         mode = mode or self.policy.preemption_mode_for(request)
@@ -353,10 +372,19 @@ class Scheduler:
         step.out.preempted.append(request)
         return RECOMPUTE
 
-    def swap_in(self, step: Step, request: Request) -> bool:
-        """Bring a swapped request back to the device (it still has to be scheduled)."""
+    def swap_in(self, step: Step, request: Request, num_tokens: int = 0) -> bool:
+        """Bring a swapped request back to the device. Without ``num_tokens`` it still has to be
+        scheduled; with it, it comes back only if the free blocks also hold that many new
+        tokens, which are then scheduled. False, with nothing changed, when blocks or
+        ``max_num_seqs`` do not allow it."""
         if request.status != RequestStatus.SWAPPED:
             raise ValueError(f"{request.request_id} is {request.status.name}, not swapped")
+        if step.was_preempted(request):
+            raise ValueError(f"{request.request_id} was swapped out during this step; swap it in from the next one")
+        if num_tokens:
+            self._check_num_tokens(step, request, num_tokens)
+            if self.allocator.num_free_blocks < self.allocator.blocks_needed(request.num_computed_tokens + num_tokens):
+                return False
         if len(self.running) >= self.max_num_seqs:
             return False
         mapping = self.allocator.swap_in(request)
@@ -368,6 +396,8 @@ class Scheduler:
         step.out.swapped_in.append(request)
         step.out.resumed_requests.append(request)
         step.out.blocks_to_swap_in.extend(mapping)
+        if num_tokens:
+            self.schedule_request(step, request, num_tokens)
         return True
 
     def ignore(self, step: Step, request: Request, reason: str) -> None:
@@ -431,23 +461,38 @@ class Scheduler:
 
     # -- invariants ------------------------------------------------------------------------------
     def check_invariants(self, out: SchedulerOutput) -> None:
-        """Raise AssertionError if this step's output or the queues break a scheduling invariant."""
+        """Raise AssertionError if this step's output or the queues break a scheduling invariant:
+        budgets; every scheduled token has a slot in a block its request holds (and may write);
+        waiting requests hold no blocks, swapped ones exactly the swap blocks of their computed
+        tokens and no device blocks; the queues and the allocator's books agree."""
         total = out.total_num_scheduled_tokens
         assert total <= self.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
-        bs = self.block_size
+        assert len(out.scheduled) == len(out.num_scheduled_tokens), "a request is scheduled twice"
+        running = {r.request_id for r in self.running}
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]
             assert req.status == RequestStatus.RUNNING, f"{req.request_id} scheduled while {req.status.name}"
+            assert req.request_id in running, f"{req.request_id} is scheduled but not in the running queue"
             assert 0 < n <= req.num_tokens - req.num_computed_tokens, f"{req.request_id}: {n} tokens scheduled"
-            assert len(req.block_ids) * bs >= req.num_computed_tokens + n, (
-                f"{req.request_id}: {len(req.block_ids)} blocks cannot hold {req.num_computed_tokens + n} tokens")
+            self.allocator.check_slots(req, req.num_computed_tokens, req.num_computed_tokens + n)
+        moved_out = {r.request_id for r in out.swapped_out}
+        assert not moved_out & {r.request_id for r in out.swapped_in}, "a request was swapped out and in in one step"
+        assert not moved_out & set(out.num_scheduled_tokens), "a swapped-out request is scheduled"
         for req in self.waiting:
-            assert req.status == RequestStatus.WAITING and not req.block_ids, f"{req.request_id} waits holding blocks"
+            assert req.status == RequestStatus.WAITING, f"{req.request_id} in waiting while {req.status.name}"
+            assert not req.block_ids and not req.cpu_block_ids, f"{req.request_id} waits holding blocks"
         for req in self.swapped:
-            assert req.status == RequestStatus.SWAPPED and not req.block_ids, f"{req.request_id} swapped with device blocks"
+            assert req.status == RequestStatus.SWAPPED, f"{req.request_id} in swapped while {req.status.name}"
+            assert not req.block_ids, f"{req.request_id} swapped with device blocks"
+            want = self.allocator.blocks_needed(req.num_computed_tokens)
+            assert len(req.cpu_block_ids) == want > 0, (
+                f"{req.request_id}: {len(req.cpu_block_ids)} swap blocks for {req.num_computed_tokens} computed tokens")
         for req in self.running:
             assert req.status == RequestStatus.RUNNING, f"{req.request_id} in running while {req.status.name}"
+            assert not req.cpu_block_ids, f"{req.request_id} runs while holding swap blocks"
+            assert len(req.block_ids) >= self.allocator.blocks_needed(req.num_computed_tokens), (
+                f"{req.request_id}: {len(req.block_ids)} blocks cannot hold its {req.num_computed_tokens} computed tokens")
         live = len(self.waiting) + len(self.running) + len(self.swapped)
         assert live == len(self.requests), f"{live} queued requests but {len(self.requests)} unfinished"
         self.allocator.check_invariants(self.requests.values())

@@ -1,2 +1,2 @@
 """Built-in scheduling policies (one file each); importing this package registers them."""
-from policies import fcfs  # noqa: F401
+from policies import chunked, fcfs, least_computed, priority_swap, sjf  # noqa: F401

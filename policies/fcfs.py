@@ -20,21 +20,9 @@ class FCFSPolicy(SchedulerPolicy):
     """
 
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
-        if not scheduler.swapped:
-            self._admit_waiting(scheduler, step)
-            if step.num_scheduled_reqs:
-                return
-        num_preempted = len(step.out.preempted) + len(step.out.swapped_out)
-        for req in list(scheduler.running):
-            if req.status != RequestStatus.RUNNING or step.is_scheduled(req) or step.token_budget == 0:
-                continue
-            n = self.num_new_tokens(req, step.token_budget)
-            scheduler.schedule_or_preempt(step, req, n)
-        if len(step.out.preempted) + len(step.out.swapped_out) == num_preempted:
-            self._swap_in(scheduler, step)
-
-    def _admit_waiting(self, scheduler: Scheduler, step: Step) -> None:
-        for req in self.waiting_order(scheduler.waiting):
+        # Swapped requests (preemption_mode="swap") come back, at the end, before any admission.
+        waiting = [] if scheduler.swapped else self.waiting_order(scheduler.waiting)
+        for req in waiting:
             prefix = scheduler.find_prefix(req)
             n = req.num_tokens - req.num_computed_tokens - prefix.num_tokens
             if n > step.token_budget:
@@ -43,10 +31,15 @@ class FCFSPolicy(SchedulerPolicy):
                 n = step.token_budget
             if not scheduler.schedule_request(step, req, n, prefix):
                 break
-
-    def _swap_in(self, scheduler: Scheduler, step: Step) -> None:
+        if step.num_scheduled_reqs:
+            return
+        for req in list(scheduler.running):
+            if req.status != RequestStatus.RUNNING or step.is_scheduled(req) or step.token_budget == 0:
+                continue
+            n = self.num_new_tokens(req, step.token_budget)
+            scheduler.schedule_or_preempt(step, req, n)
+        if step.out.preempted or step.out.swapped_out:
+            return
         for req in list(scheduler.swapped):
-            if step.token_budget == 0 or not scheduler.swap_in(step, req):
+            if step.token_budget == 0 or not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget)):
                 break
-            # If its next block does not fit now, it stays running and decodes next step.
-            scheduler.schedule_request(step, req, self.num_new_tokens(req, step.token_budget))

@@ -219,6 +219,7 @@ class PagedBlockAllocator(BlockAllocator):
     # -- checks ----------------------------------------------------------------------------------
     def check_invariants(self, requests: Iterable[Request]) -> None:
         owners: Counter[int] = Counter()
+        contents: dict[int, set[tuple[int, tuple[int, ...]]]] = {}
         cpu_owners: Counter[int] = Counter()
         for req in requests:
             if req.status == RequestStatus.SWAPPED:
@@ -226,17 +227,39 @@ class PagedBlockAllocator(BlockAllocator):
             assert NULL_BLOCK not in req.block_ids, f"{req.request_id} holds the null block"
             owners.update(req.block_ids)
             cpu_owners.update(req.cpu_block_ids)
+            bs, computed = self.block_size, req.num_computed_tokens
+            for i, bid in enumerate(req.block_ids):
+                if self._blocks[bid].ref_count > 1:
+                    tokens = tuple(req.token_ids[i * bs:min((i + 1) * bs, computed)])
+                    contents.setdefault(bid, set()).add((i, tokens))
         for block in self._blocks[1:]:
             held = owners.get(block.block_id, 0)
             assert block.ref_count == held, (
                 f"block {block.block_id}: ref_count {block.ref_count} but held by {held} request(s)")
             assert (block.ref_count == 0) == (block.block_id in self._free), (
                 f"block {block.block_id}: ref_count {block.ref_count} disagrees with the free queue")
+            # Sharing is legal for a full prefix block (hashed), or for a block that every holder
+            # sees at the same position with the same computed tokens (a fork before copy-on-write).
+            assert held < 2 or block.hash is not None or len(contents[block.block_id]) == 1, (
+                f"block {block.block_id} is shared by {held} requests that disagree on its contents")
         used = sum(1 for b in self._blocks[1:] if b.ref_count > 0)
-        assert used + len(self._free) == self.num_usable_blocks, "free + used != total device blocks"
+        # Cached blocks are free blocks that still hold a hash, so this counts them once.
+        assert used + len(self._free) == self.num_usable_blocks, "free + used + cached != total device blocks"
         assert NULL_BLOCK not in self._free, "the null block is in the free queue"
         for h, bid in self._hash_to_block.items():
             assert self._blocks[bid].hash == h, f"prefix index points block {bid} at a stale hash"
         assert all(n == 1 for n in cpu_owners.values()), "a swap block is held by two requests"
+        assert len(set(self._cpu_free)) == len(self._cpu_free), "a swap block is free twice"
         assert not set(cpu_owners) & set(self._cpu_free), "a held swap block is also free"
         assert len(cpu_owners) + len(self._cpu_free) == self.num_cpu_blocks, "free + used != total swap blocks"
+
+    def check_slots(self, request: Request, start: int, end: int) -> None:
+        super().check_slots(request, start, end)
+        bs = self.block_size
+        for i in range(start // bs, -(-end // bs)):
+            block = self._blocks[request.block_ids[i]]
+            assert block.ref_count >= 1, f"{request.request_id} writes into block {block.block_id}, which is free"
+            # A shared block may only be rewritten with what it already holds: a full prefix block
+            # whose tokens are this request's (another request took it as a prefix this step).
+            assert block.ref_count == 1 or block.token_ids == tuple(request.token_ids[i * bs:(i + 1) * bs]), (
+                f"{request.request_id} writes into block {block.block_id}, shared by {block.ref_count} requests")

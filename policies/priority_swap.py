@@ -1,0 +1,88 @@
+"""Priority scheduling with swap preemption (vLLM's ``priority`` policy with v0's swap space),
+on top of chunked prefill."""
+from __future__ import annotations
+
+from framework.request import Request, RequestStatus
+from framework.scheduler import POLICIES, SWAP, Scheduler, Step
+from policies.chunked import ChunkedPolicy
+
+
+def priority_key(request: Request) -> tuple[int, float]:
+    """``priority`` (lower first), ties by arrival."""
+    return request.priority, request.arrival_time
+
+
+@POLICIES.register("priority_swap")
+class PrioritySwapPolicy(ChunkedPolicy):
+    """Every request (running, swapped or waiting) is visited once per step in priority order
+    and the token budget goes to them in that order, each prefill chunked to what is left.
+
+    - A running request short of blocks preempts the lowest-priority running request not yet
+      scheduled in this step (or, if none ranks below it, itself).
+    - A swapped request is swapped back in when the blocks for its next tokens are free; it
+      never preempts to come back.
+    - A waiting request is admitted, preempting lower-priority running requests if that makes
+      room (checked before anyone is preempted, so no swap is wasted).
+    - Once a swapped or waiting request cannot get on the device, or a request was preempted,
+      nothing of lower priority is admitted or swapped in behind it in this step (running
+      requests keep their turn).
+
+    Victims are swapped out to the CPU swap space; when it is full the mechanism falls back to
+    recompute. ``preemption_mode="recompute"`` gives the same policy with recompute preemption.
+    The order is ``rank`` (default: ``priority``, then arrival).
+    """
+
+    def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:
+        super().__init__(preemption_mode, long_prefill_token_threshold)
+
+    def rank(self, request: Request) -> tuple:
+        """Sort key, lowest first: what "priority" means. Override it (e.g. with a deadline) and
+        the visiting order, the waiting order and the choice of victims all follow."""
+        return priority_key(request)
+
+    def waiting_order(self, waiting):
+        return sorted(waiting, key=self.rank)
+
+    def select_victim(self, candidates: list[Request], requester: Request) -> Request | None:
+        # reversed: among equal ranks the newest running request goes first.
+        lowest = max(reversed(candidates), key=self.rank, default=None)
+        return lowest if lowest is not None and self.rank(lowest) > self.rank(requester) else None
+
+    def schedule(self, scheduler: Scheduler, step: Step) -> None:
+        # Stable sort: at equal ranks running requests come before swapped, swapped before waiting.
+        queue = sorted([*scheduler.running, *scheduler.swapped, *scheduler.waiting], key=self.rank)
+        blocked = False
+        for req in queue:
+            if step.token_budget == 0:
+                break
+            if step.was_preempted(req) or step.is_scheduled(req):
+                continue
+            if req.status == RequestStatus.RUNNING:
+                if not scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget)):
+                    blocked = True
+            elif blocked or self._ranks_below_a_victim(step, req):
+                continue
+            elif req.status == RequestStatus.SWAPPED:
+                blocked = not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget))
+            else:
+                blocked = not self._admit(scheduler, step, req)
+
+    def _ranks_below_a_victim(self, step: Step, req: Request) -> bool:
+        # A request preempted in this step cannot come back before the next one; nothing of lower
+        # priority may take its place meanwhile.
+        rank = self.rank(req)
+        return any(self.rank(v) < rank for v in step.out.preempted + step.out.swapped_out)
+
+    def _admit(self, scheduler: Scheduler, step: Step, req: Request) -> bool:
+        prefix = scheduler.find_prefix(req)
+        n = self.num_new_tokens(req, step.token_budget, prefix.num_tokens)
+        if scheduler.schedule_request(step, req, n, prefix):
+            return True
+        alloc, rank = scheduler.allocator, self.rank(req)
+        victims = [r for r in scheduler.running
+                   if self.rank(r) > rank and not step.is_scheduled(r) and not step.was_swapped_in(r)]
+        need = alloc.blocks_needed(prefix.num_tokens + n) - len(prefix.block_ids)
+        if (need > alloc.num_free_blocks + sum(len(v.block_ids) for v in victims)
+                or len(scheduler.running) - len(victims) >= scheduler.max_num_seqs):
+            return False
+        return scheduler.schedule_or_preempt(step, req, n, prefix)

@@ -1,0 +1,80 @@
+"""A policy shipped in its own package and found through the ``framework.policies`` entry point,
+exactly as docs/writing-a-policy.md tells a researcher to do it: the package is built and
+installed (offline, into a temporary folder) and then used by name."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from framework import POLICIES, SamplingParams
+from framework.run import engine_config
+from tests.conf.test_compose import compose_with
+from tests.policies.harness import Arrival, drive, shadow_engine
+
+PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=64"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "my-policies"
+version = "0.1.0"
+
+[project.entry-points."framework.policies"]
+srpt = "my_policies.srpt:ShortestOutputFirst"
+"""
+
+POLICY = '''\
+"""Shortest remaining processing time, with max_tokens as the estimate of a request's work."""
+from policies.chunked import ChunkedPolicy
+
+
+class ShortestOutputFirst(ChunkedPolicy):
+    """`chunked`, admitting the waiting request that asks for the fewest tokens first."""
+
+    def waiting_order(self, waiting):
+        return sorted(waiting, key=lambda r: (r.sampling_params.max_tokens, r.arrival_time))
+'''
+
+
+@pytest.fixture
+def installed_plugin(tmp_path, monkeypatch):
+    src = tmp_path / "my-policies"
+    (src / "my_policies").mkdir(parents=True)
+    (src / "pyproject.toml").write_text(PYPROJECT)
+    (src / "my_policies" / "__init__.py").write_text("")
+    (src / "my_policies" / "srpt.py").write_text(textwrap.dedent(POLICY))
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(site), str(src)], check=True, capture_output=True, text=True)
+    assert list(site.glob("my_policies-0.1.0.dist-info/entry_points.txt")), "pip did not install the metadata"
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))  # forget the plugin afterwards
+    POLICIES.refresh_plugins()
+    yield
+    sys.modules.pop("my_policies.srpt", None)
+    sys.modules.pop("my_policies", None)
+    POLICIES.refresh_plugins()
+
+
+def test_the_entry_point_policy_is_listed_and_runs(installed_plugin):
+    assert "srpt" in POLICIES.list()
+    cls = POLICIES.get("srpt")
+    assert cls.__module__ == "my_policies.srpt" and cls.name == "srpt"
+    arrivals = [Arrival(str(i), 0, [3 + i] * 5, SamplingParams(max_tokens=n, ignore_eos=True))
+                for i, n in enumerate([9, 2, 6, 4])]
+    run = drive(shadow_engine("srpt", num_blocks=64, max_num_seqs=1), arrivals, max_steps=100)
+    assert [r.request_id for out in run.steps for r in out.new_requests] == ["1", "3", "2", "0"]
+
+
+def test_the_entry_point_policy_is_selectable_from_hydra(installed_plugin):
+    config = engine_config(compose_with(["+policy=chunked", "policy.name=srpt", "scheduler.check_invariants=true"]))
+    assert config.policy == "srpt" and config.check_invariants
+    assert config.policy_options == {"preemption_mode": "recompute", "long_prefill_token_threshold": 0}
+    assert type(POLICIES.create(config.policy, **config.policy_options)).__name__ == "ShortestOutputFirst"
+
+
+def test_without_the_package_the_name_is_unknown():
+    POLICIES.refresh_plugins()
+    assert "srpt" not in POLICIES.list()
