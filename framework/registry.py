@@ -32,8 +32,10 @@ class UnknownNameError(ValueError):
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str, base: type[T], entry_point_group: str, builtin: str | None = None) -> None:
+    def __init__(self, kind: str, base: type[T], entry_point_group: str, builtin: str | None = None,
+                 plural: str | None = None) -> None:
         self.kind = kind
+        self.plural = plural or f"{kind}s"
         self.base = base
         self.entry_point_group = entry_point_group
         self.builtin = builtin
@@ -81,7 +83,7 @@ class Registry(Generic[T]):
                 self.register(name)(cls)
             return self._classes[name]
         raise UnknownNameError(
-            f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(self.list()) or '(none)'}"
+            f"unknown {self.kind} {name!r}; registered {self.plural}: {', '.join(self.list()) or '(none)'}"
         )
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> T:

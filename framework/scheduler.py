@@ -145,7 +145,7 @@ class SchedulerPolicy(ABC):
 
 
 POLICIES: Registry[SchedulerPolicy] = Registry(
-    "policy", SchedulerPolicy, entry_point_group="framework.policies", builtin="policies")
+    "policy", SchedulerPolicy, entry_point_group="framework.policies", builtin="policies", plural="policies")
 
 
 class Scheduler:

@@ -44,7 +44,7 @@ def test_bad_prompts_raise_clear_errors_and_queue_nothing(prompt, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"policy": "nope"}, "registered policys: .*fcfs"),
+    ({"policy": "nope"}, "registered policies: .*fcfs"),
     ({"backend": "nope"}, "registered backends: .*naive"),
     ({"allocator": "nope"}, "registered allocators: .*paged"),
     ({"preparer": "nope"}, "registered preparers: .*v1"),

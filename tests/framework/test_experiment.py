@@ -113,7 +113,7 @@ def cli(*args, cwd):
 
 @pytest.mark.parametrize("overrides, message", [
     (["engine.block_size=3"], "block_size must be a power of two"),
-    (["+policy=fcfs", "policy.name=nope"], "unknown policy 'nope'; registered policys: fcfs"),
+    (["+policy=fcfs", "policy.name=nope"], "unknown policy 'nope'; registered policies: .*fcfs"),
     (["policy.preemption_mode=sometimes"], "preemption_mode must be 'recompute' or 'swap'"),
     (["workload.prompt_len=[0,3]"], "prompt_len: lengths must be >= 1"),
     (["logger.name=carrier_pigeon"], "unknown logger 'carrier_pigeon'"),
