@@ -26,10 +26,11 @@ def run_engine(path, **kwargs):
     return llm, prompts, outs, stats
 
 
+@pytest.mark.parametrize("backend", ["naive", "torch_paged", "triton"])
 @pytest.mark.parametrize("ckpt", ["llama_ckpt", "qwen2_ckpt", "mistral_ckpt"])
-def test_greedy_matches_transformers(ckpt, request):
+def test_greedy_matches_transformers(ckpt, backend, request):
     path, hf_model = request.getfixturevalue(ckpt)
-    llm, prompts, outs, stats = run_engine(path)
+    llm, prompts, outs, stats = run_engine(path, backend=backend)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool should be small enough to force preemption"
     assert max(s.num_scheduled_reqs for s in stats) > 1, "batches should hold several requests"
     for prompt, out in zip(prompts, outs):
