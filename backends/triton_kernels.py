@@ -9,6 +9,9 @@ the block table, so a tile may span several cache blocks.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -61,109 +64,110 @@ def _store_kv_kernel(
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale_log2e,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
+    tile_req_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr, tile_end_ptr, scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Program (request, kv-head tile, query tile) attends BLOCK_Q query tokens of one request,
-    for the query heads of KV_HEADS consecutive K/V heads, to the request's cached keys, BLOCK_N
-    positions at a time, with an online softmax. Query token j of a request sits at position
-    ``seq_len - q_len + j`` and sees keys up to it: one rule for decodes, full and chunked
+    """Program (query tile, kv-head tile) attends up to BLOCK_Q consecutive query tokens of one
+    request, for the query heads of KV_HEADS consecutive K/V heads, to that request's cached
+    keys, BLOCK_N positions at a time, with an online softmax.
+
+    The host lists the tiles (a decode is one tile, a prefill one per BLOCK_Q tokens): request
+    (for its block-table row), first token row, number of tokens, position of the first token
+    (``seq_len - q_len + j`` for token j of the request) and the end of the keys it may see.
+    Each token sees the keys up to its own position: one rule for decodes, full and chunked
     prefills and prefix-cache hits.
 
-    Rows of a tile are (kv head, token, query head of the group) and columns (kv head, key
+    Rows of a tile are (kv head, token, query head of the group), columns (kv head, key
     position); with KV_HEADS > 1 a row only sees its own head's columns (one 2-D dot covers all
-    heads, which suits the interpreter). With KV_HEADS == 1 (GPUs) every query head of a group
-    shares each K/V tile load. The ``if`` on constexprs below drop masks that cannot be false.
+    heads, which suits the interpreter). With KV_HEADS == 1 (GPUs) the query heads of a group
+    share each K/V load. The ``if``s on constexprs drop masks that cannot be false.
     """
     ROWS: tl.constexpr = KV_HEADS * BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    req = tl.load(tile_req_ptr + tile)
+    first_row = tl.load(tile_row_ptr + tile)
+    num_tokens = tl.load(tile_len_ptr + tile)
+    first_pos = tl.load(tile_pos_ptr + tile)
+    kv_end = tl.load(tile_end_ptr + tile)
     # int64 index arithmetic: addresses need it anyway, and the interpreter checks every int32
     # add and multiply for overflow.
-    req = tl.program_id(0).to(tl.int64)
-    q_tile = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    if q_tile * BLOCK_Q < q_len:
-        seq_len = tl.load(seq_lens_ptr + req)
-        context = seq_len - q_len
-        rows = tl.arange(0, ROWS).to(tl.int64)
-        member = rows % GROUP_PAD
-        token = q_tile * BLOCK_Q + (rows // GROUP_PAD) % BLOCK_Q
-        row_ok = token < q_len
-        if GROUP != GROUP_PAD:
-            row_ok = row_ok & (member < GROUP)
-        dims = tl.arange(0, HEAD_DIM_PAD)
-        cols = tl.arange(0, KV_HEADS * BLOCK_N).to(tl.int64)
-        col_pos = cols % BLOCK_N
-        if KV_HEADS == 1:
-            row_kv = tl.program_id(1).to(tl.int64)
-            col_kv = row_kv
-        else:
-            first_kv = tl.program_id(1).to(tl.int64) * KV_HEADS
-            row_kv = first_kv + rows // (BLOCK_Q * GROUP_PAD)
-            col_kv = first_kv + cols // BLOCK_N
-            if NUM_KV_HEADS % KV_HEADS != 0:
-                row_ok = row_ok & (row_kv < NUM_KV_HEADS)
-        q_mask = row_ok[:, None]
+    rows = tl.arange(0, ROWS).to(tl.int64)
+    member = rows % GROUP_PAD
+    token = (rows // GROUP_PAD) % BLOCK_Q
+    row_ok = token < num_tokens
+    if GROUP != GROUP_PAD:
+        row_ok = row_ok & (member < GROUP)
+    cols = tl.arange(0, KV_HEADS * BLOCK_N).to(tl.int64)
+    col_pos = cols % BLOCK_N
+    if KV_HEADS == 1:
+        row_kv = tl.program_id(1).to(tl.int64)
+        col_kv = row_kv
+    else:
+        first_kv = tl.program_id(1).to(tl.int64) * KV_HEADS
+        row_kv = first_kv + rows // (BLOCK_Q * GROUP_PAD)
+        col_kv = first_kv + cols // BLOCK_N
+        if NUM_KV_HEADS % KV_HEADS != 0:
+            row_ok = row_ok & (row_kv < NUM_KV_HEADS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    q_mask = row_ok[:, None]
+    if HEAD_DIM != HEAD_DIM_PAD:
+        q_mask = q_mask & (dims < HEAD_DIM)[None, :]
+    row_token = first_row + token
+    row_head = row_kv * GROUP + member
+    q = tl.load(q_ptr + (row_token * stride_qt + row_head * stride_qh)[:, None] + dims[None, :],
+                mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # A row sees column c if c is its own head's and the key is not in its future; every real
+    # row's position is below kv_end, so this also hides the positions a tile loads past it.
+    last_visible = (first_pos + token)[:, None]
+    if KV_HEADS > 1:
+        last_visible = tl.where(row_kv[:, None] == col_kv[None, :], last_visible, -1)
+    col_head = col_kv * stride_ch
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.full([ROWS], 0.0, tl.float32)
+    acc = tl.full([ROWS, HEAD_DIM_PAD], 0.0, tl.float32)
+    table = block_table_ptr + req * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + col_pos
+        pos_ok = pos < kv_end
+        if NUM_KV_HEADS % KV_HEADS != 0:
+            pos_ok = pos_ok & (col_kv < NUM_KV_HEADS)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        slot = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + col_head
+        kv_mask = pos_ok[:, None]
         if HEAD_DIM != HEAD_DIM_PAD:
-            q_mask = q_mask & (dims < HEAD_DIM)[None, :]
-        row_token = q_start + token
-        row_head = row_kv * GROUP + member
-        q_rows = row_token * stride_qt + row_head * stride_qh
-        q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0)
+            kv_mask = kv_mask & (dims < HEAD_DIM)[None, :]
+        kv_ptrs = slot[:, None] + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         if DOT_FP32:
-            q = q.to(tl.float32)
-        q_pos = (context + token)[:, None]
-        # Keys past the tile's last query are in every row's causal future.
-        kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
-        col_head = col_kv * stride_ch
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.full([ROWS], 0.0, tl.float32)
-        acc = tl.full([ROWS, HEAD_DIM_PAD], 0.0, tl.float32)
-        table = block_table_ptr + req * stride_bt
-        for start in range(0, kv_end, BLOCK_N):
-            pos = start + col_pos
-            pos_ok = pos < kv_end
-            if NUM_KV_HEADS % KV_HEADS != 0:
-                pos_ok = pos_ok & (col_kv < NUM_KV_HEADS)
-            block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-            slot = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + col_head
-            kv_mask = pos_ok[:, None]
-            if HEAD_DIM != HEAD_DIM_PAD:
-                kv_mask = kv_mask & (dims < HEAD_DIM)[None, :]
-            kv_ptrs = slot[:, None] + dims[None, :]
-            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        s = tl.where(pos[None, :] <= last_visible, s, float("-inf"))
+        # Position 0 of its own head is in the first tile and visible to every row, so m_new
+        # is finite and no row divides by zero.
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        if v_cache_ptr.dtype.element_ty != tl.float32:
+            # P is rounded to the cache dtype as on a GPU's tensor cores, even when the
+            # interpreter then multiplies in float32.
+            p = p.to(v_cache_ptr.dtype.element_ty)
             if DOT_FP32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-            # A real row's q_pos is below kv_end, so this also hides the masked-off positions.
-            visible = pos[None, :] <= q_pos
-            if KV_HEADS > 1:
-                visible = visible & (row_kv[:, None] == col_kv[None, :])
-            s = tl.where(visible, s, float("-inf"))
-            # Position 0 of its own head is in the first tile and visible to every row, so
-            # m_new is finite and no row divides by zero.
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-            if v_cache_ptr.dtype.element_ty != tl.float32:
-                # P is rounded to the cache dtype as on a GPU's tensor cores, even when the
-                # interpreter then multiplies in float32.
-                p = p.to(v_cache_ptr.dtype.element_ty)
-                if DOT_FP32:
-                    p = p.to(tl.float32)
-                    v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        out_rows = row_token * stride_ot + row_head * stride_oh
-        tl.store(out_ptr + out_rows[:, None] + dims[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=q_mask)
+                p = p.to(tl.float32)
+                v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out_rows = row_token * stride_ot + row_head * stride_oh
+    tl.store(out_ptr + out_rows[:, None] + dims[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+             mask=q_mask)
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -190,47 +194,94 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
 
 
-def tile_sizes(group_pad: int, kv_heads: int, head_dim: int, max_query_len: int,
-               max_seq_len: int) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N) for one launch.
+@dataclass
+class LaunchPlan:
+    """One step's tiling, shared by every layer: tile sizes and the list of query tiles the
+    attention kernel's first grid axis runs over, as ``tiles`` int64 ``[5, num_tiles]`` rows:
+    request, first token row, number of tokens, position of the first token, end of its keys."""
 
-    Under the interpreter each operation costs tens of microseconds whatever its size, so the
-    key tile covers a whole request where it can (up to 2048 columns) and the query tile is as
-    large as about 2**19 score elements allow: larger would make the decode programs of a mixed
-    batch pay for rows they mask off. On a GPU tiles are sized for registers: at least 16 rows
-    for ``tl.dot``, fewer rows and keys per tile for large heads."""
-    if INTERPRETED:
-        block_n = min(_pow2(max_seq_len, 16), max(16, 2048 // kv_heads))
-        rows_budget = (1 << 19) // (kv_heads * block_n)
-        return min(_pow2(max_query_len), max(1, rows_budget // (group_pad * kv_heads))), block_n
-    rows = 64 if head_dim <= 128 else 32
-    min_q = _pow2(-(-16 // group_pad))
-    block_q = max(min_q, min(_pow2(max_query_len), max(1, rows // group_pad)))
-    return block_q, (64 if head_dim <= 128 else 32)
+    block_q: int
+    block_n: int
+    kv_heads: int  # K/V heads per program
+    tiles: torch.Tensor
+
+
+# What the interpreter spends, measured on a 2-core CPU (``tile_sizes`` weighs candidates with
+# it): per query tile and per key-tile iteration in fixed operations, and per element of the
+# score tile and of the K/V tiles.
+_TILE_S, _ITER_S, _SCORE_S, _KV_S = 2.2e-3, 1.5e-3, 20e-9, 30e-9
+
+
+def tile_sizes(group_pad: int, kv_heads: int, head_dim: int, q_lens: np.ndarray,
+               seq_lens: np.ndarray) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N) for one step.
+
+    On a GPU tiles are sized for registers: at least 16 rows for ``tl.dot``, fewer rows and
+    keys per tile for large heads. Under the interpreter an operation costs tens of
+    microseconds whatever its size, but large tiles cost per element too, and the decodes of a
+    mixed batch pay for query rows sized for its prefills: every power-of-two candidate is
+    costed for the step's actual lengths and the cheapest taken."""
+    max_q, max_seq = int(q_lens.max()), int(seq_lens.max())
+    if not INTERPRETED:
+        rows = 64 if head_dim <= 128 else 32
+        min_q = _pow2(-(-16 // group_pad))
+        block_q = max(min_q, min(_pow2(max_q), max(1, rows // group_pad)))
+        return block_q, (64 if head_dim <= 128 else 32)
+    context = seq_lens - q_lens
+    best = (float("inf"), 1, 16)
+    block_q = 1
+    while block_q <= _pow2(max_q) and block_q * group_pad * kv_heads <= 1024:
+        block_n = 16
+        while block_n <= _pow2(max_seq, 16) and block_n * kv_heads <= 2048:
+            rows, cols = kv_heads * block_q * group_pad, kv_heads * block_n
+            tiles = -(-q_lens // block_q)
+            # Tile t reads keys up to min(seq_len, context + (t + 1) * block_q).
+            t = np.arange(int(tiles.max()))[None, :]
+            kv_end = np.minimum(seq_lens[:, None], context[:, None] + (t + 1) * block_q)
+            iters = np.where(t < tiles[:, None], -(-kv_end // block_n), 0).sum()
+            cost = (tiles.sum() * _TILE_S + iters * (_ITER_S + rows * cols * _SCORE_S + cols * head_dim * _KV_S))
+            best = min(best, (cost, block_q, block_n))
+            block_n *= 2
+        block_q *= 2
+    return best[1], best[2]
+
+
+def plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int,
+         device: torch.device) -> LaunchPlan:
+    """Tile sizes and work list for a step (host arrays in, the work list moved to ``device``)."""
+    q_lens = np.diff(query_start_loc)
+    group_pad = _pow2(num_heads // num_kv_heads)
+    # The interpreter pays per program and per operation more than per element: there one
+    # program takes every K/V head of its request.
+    kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
+    block_q, block_n = tile_sizes(group_pad, kv_heads, head_dim, q_lens, seq_lens)
+    per_req = -(-q_lens // block_q)
+    req = np.repeat(np.arange(len(q_lens), dtype=np.int64), per_req)
+    offset = (np.arange(int(per_req.sum()), dtype=np.int64) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block_q
+    first_pos = (seq_lens - q_lens)[req] + offset
+    num_tokens = np.minimum(q_lens[req] - offset, block_q)
+    kv_end = first_pos + num_tokens  # keys past the tile's last token are in every row's future
+    tiles = np.stack([req, query_start_loc[req] + offset, num_tokens, first_pos, kv_end])
+    return LaunchPlan(block_q, block_n, kv_heads, torch.from_numpy(tiles).to(device))
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                    block_table: torch.Tensor, scale: float, launch: LaunchPlan) -> torch.Tensor:
     """Causal attention of the flat batch ``q`` ``[T, heads, head_dim]`` over each request's
     cache (through ``block_table``), written into ``out``; one launch for the whole batch."""
-    num_reqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    group_pad = _pow2(group)
-    # The interpreter pays per program and per operation, not per element: there one program
-    # takes every K/V head of its request.
-    kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
-    block_q, block_n = tile_sizes(group_pad, kv_heads, head_dim, max_query_len, max_seq_len)
-    grid = (num_reqs, triton.cdiv(num_kv_heads, kv_heads), triton.cdiv(max_query_len, block_q))
+    tiles = launch.tiles
+    grid = (tiles.shape[1], triton.cdiv(num_kv_heads, launch.kv_heads))
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+        out, q, k_cache, v_cache, block_table, tiles[0], tiles[1], tiles[2], tiles[3], tiles[4],
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=block_q, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group), KV_HEADS=launch.kv_heads,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The interpreter multiplies bfloat16 as raw integers, and float16 without BLAS.
         DOT_FP32=INTERPRETED and q.dtype != torch.float32)
     return out

@@ -74,13 +74,16 @@ def test_head_size_above_256_is_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_without_a_gpu_it_switches_to_the_interpreter_once_with_a_notice():
+    """And keeps numpy's BLAS (which runs the interpreter's dots) on one thread."""
     code = ("import os, torch, triton\n"  # triton already imported: the switch must still work
             "from framework import BACKENDS\n"
             "kw = dict(num_heads=2, num_kv_heads=1, head_dim=16, scale=1.0, block_size=16, dtype=torch.float32)\n"
             "a = BACKENDS.create('triton', device='cpu', **kw)\n"
             "b = BACKENDS.create('triton', device='cpu', **kw)\n"
-            "print(os.environ['TRITON_INTERPRET'], a.kernels.INTERPRETED)\n")
+            "from threadpoolctl import threadpool_info\n"
+            "blas = {i['num_threads'] for i in threadpool_info() if i['internal_api'] == 'openblas'}\n"
+            "print(os.environ['TRITON_INTERPRET'], a.kernels.INTERPRETED, blas <= {1})\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
-    assert out.stdout.split() == ["1", "True"]
+    assert out.stdout.split() == ["1", "True", "True"]
     assert out.stderr.count(INTERPRETER_NOTICE) == 1
