@@ -64,13 +64,14 @@ def _store_kv_kernel(
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
+    out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
     tile_req_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr, tile_end_ptr, scale_log2e,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Program (query tile, kv-head tile) attends up to BLOCK_Q consecutive query tokens of one
     request, for the query heads of KV_HEADS consecutive K/V heads, to that request's cached
@@ -86,6 +87,10 @@ def _paged_attention_kernel(
     position); with KV_HEADS > 1 a row only sees its own head's columns (one 2-D dot covers all
     heads, which suits the interpreter). With KV_HEADS == 1 (GPUs) the query heads of a group
     share each K/V load. The ``if``s on constexprs drop masks that cannot be false.
+
+    With NUM_SPLITS > 1 (flash-decoding, for few long requests on a GPU) program axis 2 takes
+    one of NUM_SPLITS equal ranges of the keys and writes its normalised partial output to
+    ``out[split]`` and its log2-sum-exp to ``lse[split]``; ``_combine_splits_kernel`` merges them.
     """
     ROWS: tl.constexpr = KV_HEADS * BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -133,7 +138,12 @@ def _paged_attention_kernel(
     l_i = tl.full([ROWS], 0.0, tl.float32)
     acc = tl.full([ROWS, HEAD_DIM_PAD], 0.0, tl.float32)
     table = block_table_ptr + req * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = tl.program_id(2) * chunk
+        kv_end = tl.minimum(kv_end, kv_start + chunk)
+    for start in range(kv_start, kv_end, BLOCK_N):
         pos = start + col_pos
         pos_ok = pos < kv_end
         if NUM_KV_HEADS % KV_HEADS != 0:
@@ -149,9 +159,11 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(pos[None, :] <= last_visible, s, float("-inf"))
-        # Position 0 of its own head is in the first tile and visible to every row, so m_new
-        # is finite and no row divides by zero.
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        if NUM_SPLITS > 1:
+            # A split can hold no key a row may see; keep its row at exactly zero, not NaN.
+            # (Unsplit, position 0 is in the first tile and visible to every row.)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
@@ -166,8 +178,43 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
     out_rows = row_token * stride_ot + row_head * stride_oh
-    tl.store(out_ptr + out_rows[:, None] + dims[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-             mask=q_mask)
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+    else:
+        split = tl.program_id(2)
+        out_rows += split * stride_os
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * stride_ls + row_token * stride_lt + row_head, lse, mask=row_ok)
+    tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_ptr, lse_ptr, num_heads,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """Program t merges the NUM_SPLITS partial outputs of token t, all heads: weights
+    2**(lse_split - max lse), normalised."""
+    token = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    sh_mask = (splits < NUM_SPLITS)[:, None] & (heads < num_heads)[None, :]
+    lse = tl.load(lse_ptr + splits[:, None] * stride_ls + token * stride_lt + heads[None, :], mask=sh_mask,
+                  other=float("-inf"))
+    top = tl.reduce(lse, 0, _max_combine)
+    weight = tl.exp2(lse - top[None, :])  # [splits, heads]; split 0 always saw position 0
+    weight = weight / tl.reduce(weight, 0, _sum_combine)[None, :]
+    offs = splits[:, None, None] * stride_ps + heads[None, :, None] * stride_ph + dims[None, None, :]
+    mask = sh_mask[:, :, None] & (dims < HEAD_DIM)[None, None, :]
+    part = tl.load(part_ptr + token * stride_pt + offs, mask=mask, other=0.0)
+    out = tl.reduce(part * weight[:, :, None], 0, _sum_combine)
+    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(heads < num_heads)[:, None] & (dims < HEAD_DIM)[None, :])
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -202,7 +249,8 @@ class LaunchPlan:
 
     block_q: int
     block_n: int
-    kv_heads: int  # K/V heads per program
+    kv_heads: int    # K/V heads per program
+    num_splits: int  # key ranges per tile (flash-decoding); 1 = none
     tiles: torch.Tensor
 
 
@@ -262,7 +310,19 @@ def plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_heads: int, num_
     num_tokens = np.minimum(q_lens[req] - offset, block_q)
     kv_end = first_pos + num_tokens  # keys past the tile's last token are in every row's future
     tiles = np.stack([req, query_start_loc[req] + offset, num_tokens, first_pos, kv_end])
-    return LaunchPlan(block_q, block_n, kv_heads, torch.from_numpy(tiles).to(device))
+    splits = num_splits(len(req) * num_kv_heads // kv_heads, int(kv_end.max()), block_n, device)
+    return LaunchPlan(block_q, block_n, kv_heads, splits, torch.from_numpy(tiles).to(device))
+
+
+def num_splits(num_programs: int, longest: int, block_n: int, device: torch.device) -> int:
+    """Key ranges per tile: enough programs for about two per GPU multiprocessor when a few
+    long requests would leave most idle, at least 8 key tiles per range, at most 16 ranges.
+    Always 1 under the interpreter, where more programs only cost more."""
+    if INTERPRETED or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = -(-2 * sms // num_programs)
+    return max(1, min(wanted, longest // (8 * block_n), 16))
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -272,16 +332,27 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    tiles = launch.tiles
-    grid = (tiles.shape[1], triton.cdiv(num_kv_heads, launch.kv_heads))
+    tiles, splits = launch.tiles, launch.num_splits
+    if splits == 1:
+        part, lse = out[None], out  # lse is not touched without splits
+    else:
+        part = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
+        lse = torch.empty((splits, *q.shape[:2]), dtype=torch.float32, device=q.device)
+    grid = (tiles.shape[1], triton.cdiv(num_kv_heads, launch.kv_heads), splits)
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_table, tiles[0], tiles[1], tiles[2], tiles[3], tiles[4],
+        part, lse, q, k_cache, v_cache, block_table, tiles[0], tiles[1], tiles[2], tiles[3], tiles[4],
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group), KV_HEADS=launch.kv_heads,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The interpreter multiplies bfloat16 as raw integers, and float16 without BLAS.
         DOT_FP32=INTERPRETED and q.dtype != torch.float32)
+    if splits > 1:
+        _combine_splits_kernel[(q.shape[0],)](
+            out, part, lse, num_heads, out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1), NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEADS_PAD=_pow2(num_heads),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16))
     return out

@@ -66,6 +66,22 @@ def test_tiles_smaller_than_the_requests(monkeypatch, block_q, block_n):
     check(run("triton", batch, 4, 2, 32, 8, torch.float32, "cpu"), batch, before, torch.float32)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_key_ranges_merge_to_the_same_answer(monkeypatch, splits, dtype):
+    """Flash-decoding (chosen on GPUs for few long requests) forced on. With 4-token query
+    tiles and 16-key tiles, the tile of positions 30..33 of request (30, 6) has a split starting
+    at key 32, where rows 30 and 31 see no key at all; short requests get empty splits."""
+    kernels = load_kernels(torch.device("cpu"))
+    monkeypatch.setattr(kernels, "tile_sizes", lambda *args: (4, 16))
+    monkeypatch.setattr(kernels, "num_splits", lambda *args: splits)
+    specs = [(30, 6), (0, 1), (45, 1), (0, 21), (16, 9), (7, 1)]
+    seed = seed_of("splits", splits, str(dtype))
+    batch = random_batch(specs, 8, 2, 32, 8, dtype, seed)
+    before = batch.kv_cache.clone()
+    check(run("triton", batch, 8, 2, 32, 8, dtype, "cpu"), batch, before, dtype)
+
+
 def test_head_size_above_256_is_refused():
     with pytest.raises(ValueError, match="head sizes up to 256"):
         BACKENDS.create("triton", num_heads=2, num_kv_heads=2, head_dim=512, scale=1.0, block_size=16,
