@@ -6,7 +6,8 @@ and cut into groups where padding a group would cost more than running it apart.
 For every group it precomputes the flat token rows, the cache blocks to gather (block-table
 rows, null-block padded, flattened) and an additive mask. Every layer then stores the new K/V
 and, per group, gathers K and V from the cache with one ``index_select`` each and runs one SDPA
-call. SDPA's ``enable_gqa`` shares each K/V head among its query heads without copying it.
+call. K/V heads are never repeated for GQA: decodes put a group's query heads in as query rows
+of their K/V head, the other groups use SDPA's ``enable_gqa``.
 A layer never loops over requests: all decodes are one call whatever their number, the other
 requests as many calls as the planner's groups.
 """
@@ -29,7 +30,7 @@ class PagedGroup:
 
     ``token_rows[j]`` is the flat token row of padded query ``j`` (padded queries repeat a real
     row of their request). When every padded query is real and the rows run consecutively from
-    ``out_start``, the result is copied there in one slice; otherwise ``out_rows`` picks the real
+    ``out_start``, queries and results are slices there; otherwise ``out_rows`` picks the real
     padded queries and ``out_index`` says which flat rows they go to.
     ``mask`` is ``[num_reqs, 1, q_len, num_blocks * block_size]``: 0 where a query may attend,
     -inf elsewhere (past the request's ``seq_len``, in the causal future, null-block padding);
@@ -165,12 +166,25 @@ class TorchPagedBackend(AttentionBackend):
         shape = (n, length, self.num_kv_heads, self.head_dim)
         keys = gathered[0].view(shape).transpose(1, 2)
         values = gathered[1].view(shape).transpose(1, 2)
-        queries = q.index_select(0, g.token_rows).view(n, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        # Without a mask the group is one full prefill: top-left causal alignment is right, and
-        # it hides the tail of the last block too.
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None,
-                                           scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        o = o.transpose(1, 2).reshape(n * q_len, self.num_heads, self.head_dim)
+        if g.out_start is not None:
+            queries = q[g.out_start:g.out_start + n * q_len]
+        else:
+            queries = q.index_select(0, g.token_rows)
+        if q_len == 1:
+            # Decodes: the query heads sharing a K/V head see the same keys under the same mask,
+            # so they go in as that head's query rows and each K/V head is read once (measured
+            # 1.1-2x faster than enable_gqa on a CPU at head_dim 32).
+            group = self.num_heads // self.num_kv_heads
+            queries = queries.view(n, self.num_kv_heads, group, self.head_dim)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=self.scale)
+        else:
+            queries = queries.view(n, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+            # Without a mask the group is one full prefill: top-left causal alignment is right,
+            # and it hides the tail of the last block too.
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None,
+                                               scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            o = o.transpose(1, 2)
+        o = o.reshape(n * q_len, self.num_heads, self.head_dim)
         if g.out_start is not None:
             out[g.out_start:g.out_start + n * q_len] = o
         else:

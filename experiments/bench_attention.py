@@ -2,7 +2,8 @@
 and context lengths.
 
 Each case times one layer's ``forward`` (K/V store + attention, after ``build_metadata``; CUDA
-events on a GPU, ``perf_counter`` on a CPU; median of ``--iters`` after a warm-up) and prints:
+events on a GPU, ``perf_counter`` on a CPU; median of ``--iters`` after a warm-up, the backends
+taking turns) and prints:
 - ``ms``: the median time, and ``x naive``: the speed-up over ``naive`` on the same case;
 - ``KV GB/s``: bytes of K and V the attention has to read (each request's whole context, once)
   over the time, and ``% copy``: that against the device's copy bandwidth measured here
@@ -84,30 +85,35 @@ def make_inputs(case: Case, heads: int, kv_heads: int, head_dim: int, block_size
 
 
 def timer(device: torch.device, flush_mb: int = 0):
-    """Returns ``time_it(fn, iters) -> median seconds``. With ``flush_mb``, a buffer that size is
-    rewritten (untimed) before every call, so the K/V come from memory as in a real step, where
-    the other layers' K/V have passed through the caches in between."""
+    """Returns ``time_all(fns, iters) -> [median seconds per fn]``. The functions take turns
+    within each iteration, so a burst of load from other processes hits them alike and the
+    ratios stay fair. With ``flush_mb``, a buffer that size is rewritten (untimed) before every
+    call, so the K/V come from memory as in a real step, where the other layers' K/V have
+    passed through the caches in between."""
     flush = torch.empty(flush_mb * 2**20 // 4, device=device) if flush_mb else None
 
-    def time_it(fn, iters):
-        times = []
-        for _ in range(iters):
-            if flush is not None:
-                flush.fill_(1.0)
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    def time_one(fn) -> float:
+        if flush is not None:
+            flush.fill_(1.0)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
 
-    return time_it
+    def time_all(fns, iters):
+        times = [[] for _ in fns]
+        for _ in range(iters):
+            for fn, acc in zip(fns, times):
+                acc.append(time_one(fn))
+        return [statistics.median(t) for t in times]
+
+    return time_all
 
 
 def copy_bandwidth(device: torch.device, megabytes: int) -> float:
@@ -115,9 +121,8 @@ def copy_bandwidth(device: torch.device, megabytes: int) -> float:
     n = megabytes * 2**20 // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    time_it = timer(device)
     dst.copy_(src)
-    seconds = time_it(lambda: dst.copy_(src), 10)
+    (seconds,) = timer(device)([lambda: dst.copy_(src)], 10)
     return 2 * n * 4 / seconds
 
 
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-contexts", type=ints, default=None)
     p.add_argument("--prefill-batches", type=ints, default=None)
     p.add_argument("--prefill-lens", type=ints, default=None)
-    p.add_argument("--iters", type=int, default=None, help="timed calls per case (default 10 CPU, 50 CUDA)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per case and backend (default 30 CPU, 50 CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--flush-mb", type=int, default=None,
                    help="buffer rewritten before each timed call to evict the caches (default 64 CPU, 256 CUDA)")
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     args.decode_contexts = args.decode_contexts or ([1024, 4096, 16384] if gpu else [128, 512, 2048])
     args.prefill_batches = args.prefill_batches or ([1, 8] if gpu else [1, 8])
     args.prefill_lens = args.prefill_lens or ([1024, 4096] if gpu else [128, 512])
-    iters = args.iters or (50 if gpu else 10)
+    iters = args.iters or (50 if gpu else 30)
     if args.backends:
         names = args.backends.split(",")
     else:
@@ -179,33 +184,40 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {name}; dtype {dtype}; heads {heads}/{kv_heads} (q/kv), head_dim {head_dim}, "
           f"block_size {args.block_size} (flash_attn: 256); copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(f"{'case':32s} {'backend':12s} {'ms':>9s} {'x naive':>8s} {'KV GB/s':>8s} {'% copy':>7s} {'TFLOP/s':>8s}")
-    time_it = timer(device, args.flush_mb if args.flush_mb is not None else (256 if gpu else 64))
+    time_all = timer(device, args.flush_mb if args.flush_mb is not None else (256 if gpu else 64))
     for case in cases(args):
         seq = case.context + case.q_len
         kv_bytes = 2 * case.batch * seq * kv_heads * head_dim * esize
         pairs = case.batch * (case.q_len * case.context + case.q_len * (case.q_len + 1) // 2)
         flops = 4 * heads * head_dim * pairs
-        base = None
-        for backend_name in names:
-            block_size = 256 if backend_name == "flash_attn" else args.block_size
-            q, k, v, cache, meta = make_inputs(case, heads, kv_heads, head_dim, block_size, dtype, device)
-            backend = BACKENDS.create(backend_name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                      scale=head_dim ** -0.5, block_size=block_size, dtype=dtype, device=device)
-            out = torch.empty_like(q)
-            with torch.inference_mode():
-                step_meta = backend.build_metadata(meta)
-
-                def call():
-                    backend.forward(q, k, v, cache, step_meta, out=out)
-
+        calls = [make_call(name, case, heads, kv_heads, head_dim, args.block_size, dtype, device) for name in names]
+        with torch.inference_mode():
+            for call in calls:
                 call()  # warm-up (and, for triton, compilation)
-                seconds = time_it(call, iters)
-            base = seconds if backend_name == "naive" else base
+            times = time_all(calls, iters)
+        base = times[names.index("naive")] if "naive" in names else None
+        for backend_name, seconds in zip(names, times):
             speedup = f"{base / seconds:8.2f}" if base else f"{'':8s}"
             tflops = f"{flops / seconds / 1e12:8.3f}" if case.kind == "prefill" else f"{'':8s}"
             print(f"{case.label:32s} {backend_name:12s} {seconds * 1e3:9.3f} {speedup} "
                   f"{kv_bytes / seconds / 1e9:8.2f} {100 * kv_bytes / seconds / bandwidth:6.1f}% {tflops}", flush=True)
 
+
+def make_call(name: str, case: Case, heads: int, kv_heads: int, head_dim: int, block_size: int,
+              dtype: torch.dtype, device: torch.device):
+    """One layer's forward of backend ``name`` on its own copy of the case's inputs."""
+    block_size = 256 if name == "flash_attn" else block_size
+    q, k, v, cache, meta = make_inputs(case, heads, kv_heads, head_dim, block_size, dtype, device)
+    backend = BACKENDS.create(name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              scale=head_dim ** -0.5, block_size=block_size, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    with torch.inference_mode():
+        step_meta = backend.build_metadata(meta)
+
+    def call():
+        backend.forward(q, k, v, cache, step_meta, out=out)
+
+    return call
 
 if __name__ == "__main__":
     main()
