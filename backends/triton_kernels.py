@@ -9,6 +9,7 @@ the block table, so a tile may span several cache blocks.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,8 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-#: Whether these kernels were decorated for Triton's CPU interpreter.
-INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+#: Whether these kernels were decorated for Triton's CPU interpreter (Triton before 3.3 has no
+#: ``knobs`` and reads the variable directly).
+INTERPRETED: bool = (bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs")
+                     else os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 # tl.max and tl.sum are jitted helpers around tl.reduce; under the interpreter every call of a
