@@ -23,9 +23,11 @@ INTERPRETED: bool = (bool(triton.knobs.runtime.interpret) if hasattr(triton, "kn
                      else os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-# tl.max and tl.sum are jitted helpers around tl.reduce; under the interpreter every call of a
-# jitted helper re-patches triton.language (about a millisecond). Reducing with their combine
-# functions directly is the same operation without that cost.
+# The kernels call no jitted helper of triton.language (tl.max, tl.sum, tl.cdiv, tl.zeros...):
+# under the interpreter every such call re-patches triton.language (about a millisecond), and
+# if triton was imported before TRITON_INTERPRET was set, those helpers were decorated for
+# compilation and cannot be called from an interpreted kernel at all. Reducing with their
+# combine functions directly is the same operation.
 _max_combine = getattr(tl.standard, "_elementwise_max", None)
 _sum_combine = getattr(tl.standard, "_sum_combine", None)
 if _max_combine is None or _sum_combine is None:  # pragma: no cover - other Triton versions
@@ -143,7 +145,7 @@ def _paged_attention_kernel(
     table = block_table_ptr + req * stride_bt
     kv_start = 0
     if NUM_SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         kv_start = tl.program_id(2) * chunk
         kv_end = tl.minimum(kv_end, kv_start + chunk)
     for start in range(kv_start, kv_end, BLOCK_N):

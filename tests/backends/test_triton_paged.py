@@ -18,7 +18,7 @@ import torch
 from backends.triton_paged import INTERPRETER_NOTICE, load_kernels
 from framework import BACKENDS
 from tests.backends.batches import mixed_specs, random_batch
-from tests.backends.test_agreement import check, run, seed_of
+from tests.backends.test_agreement import check, run, seed_of, skip_interpreter_on_cuda_machines
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -60,6 +60,7 @@ def test_groups_and_head_counts_that_are_not_powers_of_two(num_heads, num_kv_hea
 def test_tiles_smaller_than_the_requests(monkeypatch, block_q, block_n):
     """Long prefills split over several query tiles and long contexts over several key tiles
     (and key tiles that end mid-block) give the same answer."""
+    skip_interpreter_on_cuda_machines("triton", "cpu")
     monkeypatch.setattr(load_kernels(torch.device("cpu")), "tile_sizes", lambda *args: (block_q, block_n))
     batch = mixed_batch("tiles", 4, 2, 32, 8, torch.float32, "cpu", num_reqs=6, max_len=5)
     before = batch.kv_cache.clone()
@@ -72,6 +73,7 @@ def test_split_key_ranges_merge_to_the_same_answer(monkeypatch, splits, dtype):
     """Flash-decoding (chosen on GPUs for few long requests) forced on. With 4-token query
     tiles and 16-key tiles, the tile of positions 30..33 of request (30, 6) has a split starting
     at key 32, where rows 30 and 31 see no key at all; short requests get empty splits."""
+    skip_interpreter_on_cuda_machines("triton", "cpu")
     kernels = load_kernels(torch.device("cpu"))
     monkeypatch.setattr(kernels, "tile_sizes", lambda *args: (4, 16))
     monkeypatch.setattr(kernels, "num_splits", lambda *args: splits)
@@ -93,9 +95,12 @@ def test_without_a_gpu_it_switches_to_the_interpreter_once_with_a_notice():
     """And keeps numpy's BLAS (which runs the interpreter's dots) on one thread."""
     code = ("import os, torch, triton\n"  # triton already imported: the switch must still work
             "from framework import BACKENDS\n"
-            "kw = dict(num_heads=2, num_kv_heads=1, head_dim=16, scale=1.0, block_size=16, dtype=torch.float32)\n"
+            "from tests.backends.batches import random_batch, relative_error\n"
+            "kw = dict(num_heads=2, num_kv_heads=1, head_dim=16, scale=0.25, block_size=16, dtype=torch.float32)\n"
             "a = BACKENDS.create('triton', device='cpu', **kw)\n"
             "b = BACKENDS.create('triton', device='cpu', **kw)\n"
+            "x = random_batch([(20, 1), (0, 5)], 2, 1, 16, 16, torch.float32, seed=0)\n"
+            "assert relative_error(b.forward(x.q, x.k, x.v, x.kv_cache, b.build_metadata(x.meta)), x.expected) < 1e-4\n"
             "from threadpoolctl import threadpool_info\n"
             "blas = {i['num_threads'] for i in threadpool_info() if i['internal_api'] == 'openblas'}\n"
             "print(os.environ['TRITON_INTERPRET'], a.kernels.INTERPRETED, blas <= {1})\n")
