@@ -10,6 +10,10 @@ call. K/V heads are never repeated for GQA: decodes put a group's query heads in
 of their K/V head, the other groups use SDPA's ``enable_gqa``.
 A layer never loops over requests: all decodes are one call whatever their number, the other
 requests as many calls as the planner's groups.
+
+Gathering whole blocks reads the slots past each request's end (and null-block padding); the
+mask gives them zero weight, which keeps them out of the output as long as they hold finite
+values, as they do in the engine's zero-initialised cache.
 """
 from __future__ import annotations
 
