@@ -21,9 +21,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 @BACKENDS.register("naive")
 class NaiveBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         bs, group = self.block_size, self.num_heads // self.num_kv_heads
         qsl, seq_lens, tables = meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_table_cpu
         for i in range(meta.num_reqs):

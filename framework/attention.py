@@ -56,8 +56,10 @@ class AttentionBackend(ABC):
     ``[T, num_kv_heads, head_dim]`` for the ``T = meta.num_actual_tokens`` new tokens;
     ``kv_cache`` is this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` slice.
     Token ``t`` of request ``i`` attends to the request's first ``num_computed_tokens[i] + (t -
-    query_start_loc[i]) + 1`` tokens. Returns ``[T, num_heads, head_dim]`` in ``q``'s dtype. It
-    writes only the slots in ``slot_mapping`` and never reads past a request's ``seq_len``.
+    query_start_loc[i]) + 1`` tokens. Returns ``[T, num_heads, head_dim]`` in ``q``'s dtype,
+    written into ``out`` when one is given (and then ``out`` itself is returned). It writes only
+    the slots in ``slot_mapping`` and never lets a cache slot past a request's ``seq_len`` affect
+    its output.
     """
 
     name: ClassVar[str] = ""
@@ -94,7 +96,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: Any) -> torch.Tensor: ...
+                meta: Any, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 BACKENDS: Registry[AttentionBackend] = Registry(

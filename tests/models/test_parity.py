@@ -37,11 +37,17 @@ def reference(path, hf_model):
     return _REFERENCES[str(path)]
 
 
-@pytest.mark.parametrize("preparer", PREPARERS.list())
+#: Every CPU backend under the default preparer, and the reference backend under v0; the test
+#: below covers every policy x backend under both preparers. Named, not discovered, so that a
+#: backend that stops building fails here instead of silently dropping out.
+BACKEND_PREPARER = [("naive", "v1"), ("torch_paged", "v1"), ("triton", "v1"), ("naive", "v0")]
+
+
+@pytest.mark.parametrize("backend, preparer", BACKEND_PREPARER)
 @pytest.mark.parametrize("ckpt", ["llama_ckpt", "qwen2_ckpt", "mistral_ckpt"])
-def test_greedy_matches_transformers(ckpt, preparer, request):
+def test_greedy_matches_transformers(ckpt, backend, preparer, request):
     path, hf_model = request.getfixturevalue(ckpt)
-    llm, prompts, outs, stats = run_engine(path, preparer=preparer)
+    llm, prompts, outs, stats = run_engine(path, backend=backend, preparer=preparer)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool should be small enough to force preemption"
     assert max(s.num_scheduled_reqs for s in stats) > 1, "batches should hold several requests"
     assert [o.outputs[0].token_ids for o in outs] == reference(path, hf_model)
@@ -55,6 +61,7 @@ def policy_backend_pairs():
     head_dim = TINY_HF["hidden_size"] // TINY_HF["num_attention_heads"]
     backends = runnable_backends(TINY_HF["num_attention_heads"], TINY_HF["num_key_value_heads"], head_dim, BLOCK_SIZE)
     policies = POLICIES.list()
+    assert {"naive", "torch_paged", "triton"} <= set(backends), f"CPU backends missing: {backends}"
     return sorted({(p, "naive") for p in policies} | {("fcfs", b) for b in backends})
 
 

@@ -1,0 +1,223 @@
+"""Attention backends head to head: decode-heavy and prefill-heavy batches at several batch sizes
+and context lengths.
+
+Each case times one layer's ``forward`` (K/V store + attention, after ``build_metadata``; CUDA
+events on a GPU, ``perf_counter`` on a CPU; median of ``--iters`` after a warm-up, the backends
+taking turns) and prints:
+- ``ms``: the median time, and ``x naive``: the speed-up over ``naive`` on the same case;
+- ``KV GB/s``: bytes of K and V the attention has to read (each request's whole context, once)
+  over the time, and ``% copy``: that against the device's copy bandwidth measured here
+  (``dst.copy_(src)`` of a large buffer, read + write bytes over time);
+- ``TFLOP/s`` for prefill-heavy cases: 4 * head_dim * heads * (query, key) pairs that the causal
+  mask keeps, over the time.
+
+    python experiments/bench_attention.py                       # CPU: naive vs torch_paged
+    python experiments/bench_attention.py --backends naive,torch_paged,triton,flash_attn   # GPU
+
+On a CPU ``triton`` runs through Triton's interpreter, which is for correctness, not speed: it
+is left out unless named. ``flash_attn`` runs with 256-token blocks (its paged-KV requirement);
+the others with ``--block-size``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from framework.attention import BACKENDS, AttentionMetadata  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Case:
+    kind: str            # "decode" or "prefill"
+    batch: int
+    context: int         # tokens already cached per request
+    q_len: int           # new tokens per request
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind:7s} B={self.batch:<4d} ctx={self.context:<5d} q={self.q_len}"
+
+
+def make_inputs(case: Case, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                device: torch.device, seed: int = 0):
+    """Random q/k/v for the new tokens, a cache with every request's blocks scattered at random,
+    and the step's metadata (as the v1 preparer builds it)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    n, seq = case.batch, case.context + case.q_len
+    blocks_per_req = -(-seq // block_size)
+    num_blocks = 1 + n * blocks_per_req
+    table = rng.permutation(np.arange(1, num_blocks)).reshape(n, blocks_per_req).astype(np.int64)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    tokens = n * case.q_len
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    pos = case.context + np.arange(case.q_len)
+    slots = (table[:, pos // block_size] * block_size + pos % block_size).ravel()
+    qsl = np.arange(n + 1, dtype=np.int64) * case.q_len
+    seq_lens = np.full(n, seq, dtype=np.int64)
+    computed = np.full(n, case.context, dtype=np.int64)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
+    meta = AttentionMetadata(
+        num_reqs=n, num_actual_tokens=tokens, max_query_len=case.q_len, max_seq_len=seq, block_size=block_size,
+        query_start_loc=t(qsl), seq_lens=t(seq_lens), num_computed_tokens=t(computed), block_table=t(table),
+        slot_mapping=t(slots), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_computed_tokens_cpu=computed,
+        block_table_cpu=table, num_prefills=0 if case.q_len == 1 else n,
+        num_prefill_tokens=0 if case.q_len == 1 else tokens, num_decode_tokens=tokens if case.q_len == 1 else 0)
+    return q, k, v, cache, meta
+
+
+def timer(device: torch.device, flush_mb: int = 0):
+    """Returns ``time_all(fns, iters) -> [median seconds per fn]``. The functions take turns
+    within each iteration, so a burst of load from other processes hits them alike and the
+    ratios stay fair. With ``flush_mb``, a buffer that size is rewritten (untimed) before every
+    call, so the K/V come from memory as in a real step, where the other layers' K/V have
+    passed through the caches in between."""
+    flush = torch.empty(flush_mb * 2**20 // 4, device=device) if flush_mb else None
+
+    def time_one(fn) -> float:
+        if flush is not None:
+            flush.fill_(1.0)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def time_all(fns, iters):
+        times = [[] for _ in fns]
+        for _ in range(iters):
+            for fn, acc in zip(fns, times):
+                acc.append(time_one(fn))
+        return [statistics.median(t) for t in times]
+
+    return time_all
+
+
+def copy_bandwidth(device: torch.device, megabytes: int) -> float:
+    """Bytes per second of ``dst.copy_(src)`` (a read and a write per byte copied)."""
+    n = megabytes * 2**20 // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    (seconds,) = timer(device)([lambda: dst.copy_(src)], 10)
+    return 2 * n * 4 / seconds
+
+
+def cases(args) -> list[Case]:
+    out = [Case("decode", b, c, 1) for b in args.decode_batches for c in args.decode_contexts]
+    out += [Case("prefill", b, 0, p) for b in args.prefill_batches for p in args.prefill_lens]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", default=None, help="comma-separated (default: naive,torch_paged on CPU; "
+                   "naive,torch_paged,triton and flash_attn if installed on CUDA)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 8 on CPU, 32 on CUDA)")
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default 4 on CPU, 8 on CUDA)")
+    p.add_argument("--head-dim", type=int, default=None, help="default 32 on CPU (the tiny presets), 128 on CUDA")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decode-batches", type=ints, default=None)
+    p.add_argument("--decode-contexts", type=ints, default=None)
+    p.add_argument("--prefill-batches", type=ints, default=None)
+    p.add_argument("--prefill-lens", type=ints, default=None)
+    p.add_argument("--iters", type=int, default=None, help="timed calls per case and backend (default 30 CPU, 50 CUDA)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--flush-mb", type=int, default=None,
+                   help="buffer rewritten before each timed call to evict the caches (default 64 CPU, 256 CUDA)")
+    args = p.parse_args(argv)
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    gpu = device.type == "cuda"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype or ("bfloat16" if gpu else "float32")]
+    heads = args.heads or (32 if gpu else 8)
+    kv_heads = args.kv_heads or (8 if gpu else 4)
+    head_dim = args.head_dim or (128 if gpu else 32)
+    args.decode_batches = args.decode_batches or ([1, 16, 64, 256] if gpu else [8, 64])
+    args.decode_contexts = args.decode_contexts or ([1024, 4096, 16384] if gpu else [128, 512, 2048])
+    args.prefill_batches = args.prefill_batches or ([1, 8] if gpu else [1, 8])
+    args.prefill_lens = args.prefill_lens or ([1024, 4096] if gpu else [128, 512])
+    iters = args.iters or (50 if gpu else 30)
+    if args.backends:
+        names = args.backends.split(",")
+    else:
+        names = ["naive", "torch_paged"] + (["triton"] if gpu else [])
+        if gpu and "flash_attn" in BACKENDS.list():
+            try:
+                BACKENDS.create("flash_attn", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                scale=1.0, block_size=256, dtype=dtype, device=device)
+                names.append("flash_attn")
+            except (RuntimeError, ImportError) as exc:
+                print(f"(flash_attn left out: {exc})")
+
+    esize = torch.empty((), dtype=dtype).element_size()
+    bandwidth = copy_bandwidth(device, 1024 if gpu else 256)
+    name = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} threads"
+    print(f"device: {name}; dtype {dtype}; heads {heads}/{kv_heads} (q/kv), head_dim {head_dim}, "
+          f"block_size {args.block_size} (flash_attn: 256); copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'case':32s} {'backend':12s} {'ms':>9s} {'x naive':>8s} {'KV GB/s':>8s} {'% copy':>7s} {'TFLOP/s':>8s}")
+    time_all = timer(device, args.flush_mb if args.flush_mb is not None else (256 if gpu else 64))
+    for case in cases(args):
+        seq = case.context + case.q_len
+        kv_bytes = 2 * case.batch * seq * kv_heads * head_dim * esize
+        pairs = case.batch * (case.q_len * case.context + case.q_len * (case.q_len + 1) // 2)
+        flops = 4 * heads * head_dim * pairs
+        calls = [make_call(name, case, heads, kv_heads, head_dim, args.block_size, dtype, device) for name in names]
+        with torch.inference_mode():
+            for call in calls:
+                call()  # warm-up (and, for triton, compilation)
+            times = time_all(calls, iters)
+        base = times[names.index("naive")] if "naive" in names else None
+        for backend_name, seconds in zip(names, times):
+            speedup = f"{base / seconds:8.2f}" if base else f"{'':8s}"
+            tflops = f"{flops / seconds / 1e12:8.3f}" if case.kind == "prefill" else f"{'':8s}"
+            print(f"{case.label:32s} {backend_name:12s} {seconds * 1e3:9.3f} {speedup} "
+                  f"{kv_bytes / seconds / 1e9:8.2f} {100 * kv_bytes / seconds / bandwidth:6.1f}% {tflops}", flush=True)
+
+
+def make_call(name: str, case: Case, heads: int, kv_heads: int, head_dim: int, block_size: int,
+              dtype: torch.dtype, device: torch.device):
+    """One layer's forward of backend ``name`` on its own copy of the case's inputs."""
+    block_size = 256 if name == "flash_attn" else block_size
+    q, k, v, cache, meta = make_inputs(case, heads, kv_heads, head_dim, block_size, dtype, device)
+    backend = BACKENDS.create(name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              scale=head_dim ** -0.5, block_size=block_size, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    with torch.inference_mode():
+        step_meta = backend.build_metadata(meta)
+
+    def call():
+        backend.forward(q, k, v, cache, step_meta, out=out)
+
+    return call
+
+if __name__ == "__main__":
+    main()

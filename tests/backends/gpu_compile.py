@@ -1,0 +1,83 @@
+"""Compile the Triton backend's kernels for an NVIDIA GPU (sm_90 by default) with the ptxas that
+ships in Triton's wheel; no GPU needed. Run in a process where Triton is not interpreting:
+
+    python -m tests.backends.gpu_compile [ARCH]
+
+Each configuration is compiled as ``tile_sizes`` tiles it on a GPU for a decode step and for a
+prefill step (the first also with key splits and their combine kernel), with the K/V store.
+Prints one line per kernel and exits non-zero on the first that fails to compile.
+"""
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import backends.triton_kernels as tk
+
+# (dtype, head_dim, query heads per K/V head)
+CONFIGS = [("bf16", 128, 4), ("fp16", 80, 1), ("fp32", 64, 8), ("bf16", 256, 2)]
+
+
+def signature(fn, pointer_types: dict[str, str], scalars: dict[str, str], constexprs: dict) -> ASTSource:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointer_types.get(name, "*i64")
+        else:
+            sig[name] = scalars.get(name, "i64")
+    return ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+
+
+def attention(dtype: str, head_dim: int, group: int, block_q: int, block_n: int, splits: int) -> ASTSource:
+    out = f"*{dtype}" if splits == 1 else "*fp32"
+    pointers = {"out_ptr": out, "lse_ptr": "*fp32", "q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}",
+                "v_cache_ptr": f"*{dtype}"}
+    constexprs = dict(NUM_KV_HEADS=8, GROUP=group, GROUP_PAD=tk._pow2(group), KV_HEADS=1, HEAD_DIM=head_dim,
+                      HEAD_DIM_PAD=tk._pow2(head_dim, 16), BLOCK_SIZE=16, BLOCK_Q=block_q, BLOCK_N=block_n,
+                      NUM_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_FP32=False)
+    return signature(tk._paged_attention_kernel, pointers, {"scale_log2e": "fp32"}, constexprs)
+
+
+def store(dtype: str, head_dim: int) -> ASTSource:
+    pointers = {name: f"*{dtype}" for name in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
+    head_dim_pad = tk._pow2(head_dim, 16)
+    constexprs = dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16,
+                      BLOCK_T=max(1, 4096 // (8 * head_dim_pad)))
+    return signature(tk._store_kv_kernel, pointers, {}, constexprs)
+
+
+def combine(dtype: str, head_dim: int, splits: int) -> ASTSource:
+    constexprs = dict(NUM_SPLITS=splits, SPLITS_PAD=tk._pow2(splits), HEADS_PAD=32, HEAD_DIM=head_dim,
+                      HEAD_DIM_PAD=tk._pow2(head_dim, 16))
+    return signature(tk._combine_splits_kernel, {"out_ptr": f"*{dtype}", "part_ptr": "*fp32", "lse_ptr": "*fp32"},
+                     {}, constexprs)
+
+
+def main(arch: int = 90) -> None:
+    import numpy as np
+
+    if tk.INTERPRETED:
+        sys.exit("TRITON_INTERPRET is set: unset it to compile for a GPU")
+    target = GPUTarget("cuda", arch, 32)
+    for i, (dtype, head_dim, group) in enumerate(CONFIGS):
+        group_pad = tk._pow2(group)
+        for kind, q_len in (("decode", 1), ("prefill", 512)):
+            q_lens = np.full(4, q_len, dtype=np.int64)
+            block_q, block_n = tk.tile_sizes(group_pad, 1, head_dim, q_lens, q_lens + 1024)
+            for splits in (1, 4) if i == 0 and kind == "decode" else (1,):
+                kernel = triton.compile(attention(dtype, head_dim, group, block_q, block_n, splits), target=target)
+                print(f"attention {dtype} head_dim={head_dim} group={group} {kind} BLOCK_Q={block_q} "
+                      f"BLOCK_N={block_n} splits={splits}: {kernel.metadata.shared} B shared", flush=True)
+        triton.compile(store(dtype, head_dim), target=target)
+        if i == 0:
+            triton.compile(combine(dtype, head_dim, 4), target=target)
+        print(f"store_kv {dtype} head_dim={head_dim}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 90)

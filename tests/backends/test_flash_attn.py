@@ -1,0 +1,61 @@
+"""flash_attn: refuses at construction, naming every missing requirement, wherever it cannot
+run; on a CUDA GPU with flash-attn installed it agrees with the float64 reference."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from framework import BACKENDS
+from tests.backends.batches import mixed_specs, random_batch
+from tests.backends.test_agreement import GQA, check, run, seed_of
+
+HAVE_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def create(**overrides):
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125, block_size=256, dtype=torch.bfloat16,
+              device="cuda" if torch.cuda.is_available() else "cpu")
+    kw.update(overrides)
+    return BACKENDS.create("flash_attn", **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_on_cpu_construction_names_everything_missing():
+    with pytest.raises(RuntimeError) as err:
+        create(block_size=16, dtype=torch.float32, device="cpu")
+    message = str(err.value)
+    assert "'flash_attn' cannot run here" in message
+    assert "CUDA is not available" in message
+    assert "block_size=16 is not a multiple of 256" in message and "engine.block_size=256" in message
+    assert "float32" in message
+    if importlib.util.find_spec("flash_attn") is None:
+        assert "flash-attn package is not installed" in message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_on_gpu_small_blocks_are_refused():
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        create(block_size=16)
+
+
+@pytest.mark.skipif(not HAVE_FLASH, reason="needs a CUDA GPU and flash-attn")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_matches_float64_reference(dtype, num_heads, num_kv_heads, decode_only):
+    block_size, head_dim = 256, 128
+    seed = seed_of("flash", str(dtype), num_heads, num_kv_heads, decode_only)
+    rng = np.random.default_rng(seed)
+    if decode_only:
+        specs = [(0, 1), (255, 1), (256, 1)] + [(int(c), 1) for c in rng.integers(1, 700, size=5)]
+    else:
+        specs = mixed_specs(rng, block_size, num_reqs=7, max_len=600)
+    batch = random_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, device="cuda")
+    before = batch.kv_cache.clone()
+    result = run("flash_attn", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda")
+    check(result, batch, before, dtype)
