@@ -166,10 +166,11 @@ def main() -> None:
     if args.profile_linear:
         from models import resolve_model
 
-        cfg = resolve_model("tiny-llama").config
-        per_token = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)  # embedding lookup is no matmul
-        prompt = sum(len(p) for p, _ in work)
-        flops = per_token * prompt + per_token * useful  # lm_head only for sampled rows; close enough
+        cfg = resolve_model("tiny-llama").config  # the same shapes as build_checkpoint's model
+        head = cfg.vocab_size * cfg.hidden_size
+        body = 2 * (cfg.num_params() - 2 * head)  # per computed token; the embedding is a lookup
+        computed = sum(len(p) for p, _ in work) + useful - len(work)  # prompts + fed-back outputs
+        flops = body * computed + 2 * head * useful  # the LM head runs only on rows that sample
         peak = gemm_peak(args.threads)
         linear = extra["linear_s"]
         print(f"\nlinear layers: {linear:.2f}s of {base:.2f}s ({100 * linear / base:.0f}%), "

@@ -21,7 +21,7 @@ class EngineConfig:
     model: str = "tiny-llama"
     policy: str = "fcfs"
     allocator: str = "paged"
-    backend: str = "naive"
+    backend: str = "torch_paged"
     preparer: str = "v1"
     executor: str = "model"
     policy_options: dict[str, Any] = field(default_factory=dict)

@@ -31,7 +31,9 @@ from framework.workload import WorkloadContext, create_workload
 log = logging.getLogger(__name__)
 
 #: Config groups that name a registered part, with the part used when the group is absent.
-PARTS = {"policy": "fcfs", "backend": "naive", "allocator": "paged", "preparer": "v1", "executor": "model"}
+#: Pluggable parts and their defaults (EngineConfig's, so the CLI and the Python API agree).
+PARTS = {part: EngineConfig.__dataclass_fields__[part].default
+         for part in ("policy", "backend", "allocator", "preparer", "executor")}
 
 
 def _split(group: Any, default_name: str) -> tuple[str, dict[str, Any]]:
