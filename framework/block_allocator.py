@@ -8,7 +8,7 @@ simulated runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -112,6 +112,50 @@ class BlockAllocator(ABC):
         """Give ``request`` blocks for its first ``num_computed_tokens + prefix + num_new_tokens``
         tokens, taking the ``prefix`` blocks first (only for a request holding no blocks).
         All-or-nothing: on False nothing changed."""
+
+    # -- decode runs (simulator fast-forward, framework/fast_forward.py) ---------------------------
+    def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
+        """Free blocks that ``allocate_decode_run(requests, num_steps)`` would take, or None when
+        this allocator cannot promise that skipping ``allocate_slots(request, 1)`` calls on steps
+        where a request neither starts nor fills a block changes nothing (no decode runs then;
+        the default, for allocators that make no such promise)."""
+        return None
+
+    def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False) -> list[int]:
+        """The allocations of ``num_steps`` steps that each compute one token of every request:
+        the same effect as calling ``allocate_slots(request, 1)`` for step ``j = 1..num_steps``
+        and each request in order, with ``num_computed_tokens`` ``j - 1`` past its current value
+        (left unchanged here). The requests' new tokens are already in ``token_ids``, and
+        ``decode_run_blocks`` said the free blocks suffice. Returns the blocks in use after each
+        step when ``track``, else []. This default replays the calls that can change anything."""
+        bs = self.block_size
+        events: dict[int, list[tuple[Request, int]]] = {}
+        for req in requests:
+            computed = req.num_computed_tokens
+            # Step j writes position computed + j - 1: it fills a block when computed + j is a
+            # multiple of bs, and starts one on the step after.
+            fill = (-computed) % bs or bs
+            begin = fill % bs + 1
+            steps = set(range(fill, num_steps + 1, bs)) | set(range(begin, num_steps + 1, bs))
+            for j in steps:
+                events.setdefault(j, []).append((req, computed))
+        used: list[int] = []
+        done = 0
+        for j in sorted(events):
+            if track:
+                used.extend([self.num_used_blocks] * (j - 1 - done))
+            for req, computed in events[j]:
+                req.num_computed_tokens = computed + j - 1
+                ok = self.allocate_slots(req, 1)
+                req.num_computed_tokens = computed
+                if not ok:
+                    raise RuntimeError(f"decode run: {req.request_id} found no free block although the pool was checked")
+            if track:
+                used.append(self.num_used_blocks)
+            done = j
+        if track:
+            used.extend([self.num_used_blocks] * (num_steps - done))
+        return used
 
     @abstractmethod
     def free(self, request: Request) -> None:

@@ -3,18 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from framework.block_allocator import ALLOCATORS
-from framework.clock import Clock, WallClock
+from framework.clock import Clock
 from framework.config import EngineConfig
 from framework.executor import EXECUTORS
-from framework.attention import BACKENDS
-from framework.input_preparer import PREPARERS
+from framework.fast_forward import decode_run
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from framework.request import Request
 from framework.sampling_params import SamplingParams
@@ -58,8 +56,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
-        self.clock = clock or WallClock()
+        self.clock = clock or EXECUTORS.get(config.executor).make_clock()
         if config.num_threads:
+            import torch  # here, not at module level: simulated runs never load torch
+
             torch.set_num_threads(config.num_threads)
         self.source = resolve_model(config.model)
         self.model_config = self.source.config
@@ -68,6 +68,9 @@ class LLMEngine:
         policy_cls = POLICIES.get(config.policy)
         allocator_cls = ALLOCATORS.get(config.allocator)
         if config.executor == "model":
+            from framework.attention import BACKENDS
+            from framework.input_preparer import PREPARERS
+
             BACKENDS.get(config.backend)
             PREPARERS.get(config.preparer)
         self.policy = policy_cls(**config.policy_options)
@@ -152,6 +155,8 @@ class LLMEngine:
                           max_model_len=self.config.max_model_len, prompt=text,
                           parent_id=request_id if params.n > 1 else None, index=i)
             if child_params.seed is not None:
+                import torch
+
                 req.generator = torch.Generator(device=self._generator_device).manual_seed(child_params.seed)
             children.append(req)
         self._parents[request_id] = children
@@ -171,20 +176,39 @@ class LLMEngine:
         return len(self._parents)
 
     # -- one step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one step. Returns an output for every request that progressed, or with
+        ``final_only`` only for those that finished: a batch run that reads results at the end
+        then skips building a cumulative output per running request every step."""
         start = self.clock.now()
         out = self.scheduler.schedule()
         sampled = self.executor.execute(out).sampled if (out.scheduled or _has_block_ops(out)) else {}
         progressed = self.scheduler.update_from_output(out, sampled)
         done_elsewhere = self.scheduler.take_finished_outside_step()
         self._check_progress(out, done_elsewhere)
-        outputs = self._make_outputs(progressed + done_elsewhere)
+        if final_only:
+            outputs = [o for o in self._make_outputs([r for r in progressed if r.is_finished] + done_elsewhere)
+                       if o.finished]
+        else:
+            outputs = self._make_outputs(progressed + done_elsewhere)
         self.num_steps += 1
         if self.step_callbacks:
             stats = self._step_stats(out, start, sum(o.finished for o in outputs))
             for callback in self.step_callbacks:
                 callback(stats, out)
         return outputs
+
+    def advance(self, until: float = math.inf) -> list[RequestOutput]:
+        """``step(final_only=True)``, or, when the executor fast-forwards (the sim executor's
+        ``fast_forward``), a run of pure-decode steps with exactly the effect of stepping them one
+        by one (``framework/fast_forward.py``), none of them starting at or after ``until`` (the
+        next arrival). Returns the outputs of the requests that finished."""
+        run = decode_run(self, until)
+        if run is None:
+            return self.step(final_only=True)
+        self._stalled_steps = 0
+        done = run.finished + run.finished_outside
+        return [o for o in self._make_outputs(done) if o.finished] if done else []
 
     def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
         if out.scheduled or done or _has_block_ops(out) or not self.scheduler.has_unfinished_requests():

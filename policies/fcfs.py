@@ -15,6 +15,8 @@ class FCFSPolicy(SchedulerPolicy):
     re-prefilled in budget-sized chunks on its own, so it can never get stuck.
     """
 
+    steady_decode = True  # with nothing waiting, the decode loop below schedules every running request
+
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
         for req in self.waiting_order(scheduler.waiting):
             prefix = scheduler.find_prefix(req)

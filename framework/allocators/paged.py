@@ -2,8 +2,8 @@
 swap space (vLLM's block manager, nano-vllm's ``BlockManager``, seed 003)."""
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterable, Sequence
 
 from framework.block_allocator import ALLOCATORS, NULL_BLOCK, BlockAllocator, PrefixHit
 from framework.request import Request, RequestStatus
@@ -123,6 +123,57 @@ class PagedBlockAllocator(BlockAllocator):
         if self.enable_prefix_caching:
             self._seal(request, start // bs, total // bs)
         return True
+
+    # -- decode runs ----------------------------------------------------------------------------
+    def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
+        # A one-token step allocates only when it starts a block and seals only when it fills
+        # one; it would copy only when writing into a shared partial block, which we rule out.
+        bs, blocks = self.block_size, self._blocks
+        needed = 0
+        for req in requests:
+            held = req.block_ids
+            start = req.num_computed_tokens
+            if start % bs and blocks[held[start // bs]].ref_count > 1:
+                return None
+            n = (start + num_steps + bs - 1) // bs - len(held)
+            if n > 0:
+                needed += n
+        return needed
+
+    def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False) -> list[int]:
+        bs = self.block_size
+        # events[j]: what happens on step j, in request order: (request, -1) takes a fresh block
+        # (the step starts one), (request, i) seals block i (the step fills it). Requests are
+        # visited in order and each adds its start before its fill, as allocate_slots does when
+        # one step does both (block_size 1).
+        events: defaultdict[int, list[tuple[Request, int]]] = defaultdict(list)
+        for req in requests:
+            computed = req.num_computed_tokens
+            j = len(req.block_ids) * bs - computed + 1
+            while j <= num_steps:
+                events[j].append((req, -1))
+                j += bs
+            if self.enable_prefix_caching:
+                j = (-computed) % bs or bs
+                while j <= num_steps:
+                    events[j].append((req, (computed + j) // bs - 1))
+                    j += bs
+        used: list[int] = []
+        done = 0
+        for j in sorted(events):
+            if track:
+                used.extend([self.num_used_blocks] * (j - 1 - done))
+            for req, index in events[j]:
+                if index < 0:
+                    req.block_ids.append(self._pop_free())
+                else:
+                    self._seal(req, index, index + 1)
+            if track:
+                used.append(self.num_used_blocks)
+            done = j
+        if track:
+            used.extend([self.num_used_blocks] * (num_steps - done))
+        return used
 
     def _seal(self, request: Request, first: int, end: int) -> None:
         """Make full blocks [first, end) findable by later requests."""
