@@ -115,10 +115,11 @@ class BlockAllocator(ABC):
 
     # -- decode runs (simulator fast-forward, framework/fast_forward.py) ---------------------------
     def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
-        """Free blocks that ``allocate_decode_run(requests, num_steps)`` would take, or None when
-        this allocator cannot promise that skipping ``allocate_slots(request, 1)`` calls on steps
-        where a request neither starts nor fills a block changes nothing (no decode runs then;
-        the default, for allocators that make no such promise)."""
+        """At least as many free blocks as ``allocate_decode_run(requests, num_steps)`` would take
+        (the caller only checks the pool covers them), or None when this allocator cannot promise
+        that skipping ``allocate_slots(request, 1)`` calls on steps where a request neither starts
+        nor fills a block changes nothing (no decode runs then; the default, for allocators that
+        make no such promise)."""
         return None
 
     def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False) -> list[int]:

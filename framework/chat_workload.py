@@ -38,6 +38,7 @@ class ChatWorkload:
     max_prompt_len: int = 1536
     max_output_len: int = 1024
     max_open_conversations: int = 256
+    num_token_ids: int = 4096
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
@@ -53,12 +54,25 @@ class ChatWorkload:
     def __iter__(self) -> Iterator[Arrival]:
         rng = random.Random(self.seed)
         tok_rng = np.random.default_rng(self.seed)
-        # Token ids come from one table of int objects, so a million prompt tokens cost pointers,
-        # not a million separate ints. Ids 0-2 are left out (BOS/EOS/PAD in most vocabularies).
-        table = np.array(range(self.vocab_size), dtype=object)
+        # Tokens are drawn from ``num_token_ids`` distinct ids spread over the vocabulary (0-2,
+        # BOS/EOS/PAD in most vocabularies, left out), all one table of int objects: a million
+        # prompt tokens then cost a million pointers into a cache-sized table, not a million
+        # separate ints scattered over memory (which makes every pass over a prompt slow).
+        # Which ids a prompt holds matters only to the prefix cache, which compares whole blocks.
+        distinct = min(self.num_token_ids, self.vocab_size - 3)
+        ids = sorted(tok_rng.choice(np.arange(3, self.vocab_size), distinct, replace=False).tolist())
+        table = np.empty(distinct, dtype=object)
+        table[:] = ids
+        pool: list[int] = []
+        pos = 0
 
         def tokens(n: int) -> list[int]:
-            return table[tok_rng.integers(3, self.vocab_size, n)].tolist()
+            nonlocal pool, pos
+            if pos + n > len(pool):
+                pool = table[tok_rng.integers(0, distinct, max(n, 1 << 16))].tolist()
+                pos = 0
+            pos += n
+            return pool[pos - n:pos]
 
         def length(median: float, cap: int) -> int:
             return max(self.min_len, min(cap, round(rng.lognormvariate(math.log(median), self.len_sigma))))

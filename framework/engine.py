@@ -128,13 +128,13 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text")
             ids = self.tokenizer.encode(text)
-        ids = [int(t) for t in ids]
+        ids = _token_ids(ids)
         if not ids:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad} is out of the vocabulary [0, {vocab})")
         return ids, text
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -262,13 +262,15 @@ class LLMEngine:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
             completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
         token_times = first.token_times if len(children) == 1 else sorted(t for r in children for t in r.token_times)
+        finished = all(r.is_finished for r in children)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=_min(r.first_scheduled_time for r in children),
             first_token_time=_min(r.first_token_time for r in children),
             last_token_time=token_times[-1] if token_times else None,
-            finished_time=_max(r.finished_time for r in children) if all(r.is_finished for r in children) else None,
-            token_times=list(token_times),
+            finished_time=_max(r.finished_time for r in children) if finished else None,
+            # A finished request's times never change again: its output may share the list.
+            token_times=token_times if finished else list(token_times),
             num_prompt_tokens=first.num_prompt_tokens,
             num_generated_tokens=sum(r.num_output_tokens for r in children),
             num_cached_tokens=first.num_cached_tokens,
@@ -276,10 +278,23 @@ class LLMEngine:
             num_swaps=sum(r.num_swaps for r in children))
         return RequestOutput(
             request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=completions, finished=all(r.is_finished for r in children), metrics=metrics,
+            outputs=completions, finished=finished, metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority)
+
+
+def _token_ids(ids: Iterable[Any]) -> list[int]:
+    """``ids`` as a list of ints. A list whose ``sum`` is an ``int`` holds only ints (``sum``
+    turns float, Decimal or numpy on meeting one, and fails on anything else) and is kept as is:
+    converting token by token would dominate the cost of big simulated workloads."""
+    if type(ids) is list:
+        try:
+            if type(sum(ids)) is int:
+                return ids
+        except TypeError:
+            pass
+    return list(map(int, ids))
 
 
 def _has_block_ops(out: SchedulerOutput) -> bool:

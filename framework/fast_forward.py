@@ -92,13 +92,18 @@ def decode_run(engine: LLMEngine, until: float = math.inf) -> DecodeRun | None:
     context = 0
     tokens = []
     lefts = []
+    sampled_token = executor.sampled_token
     for req in running:
         num_tokens = len(req.token_ids)
         if req.status is not RequestStatus.RUNNING or num_tokens - req.num_computed_tokens != 1:
             return None
         params = req.sampling_params
-        token = executor.token_for(req)
-        if token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_token_ids):
+        token = sampled_token
+        if params.stop_token_ids and token in params.stop_token_ids:
+            token = executor.token_for(req)
+            if token in params.stop_token_ids:
+                return None
+        if not params.ignore_eos and token in req.eos_token_ids:
             return None
         left = params.max_tokens - (num_tokens - len(req.prompt_token_ids))
         if req.max_model_len is not None and req.max_model_len - num_tokens < left:

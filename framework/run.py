@@ -33,10 +33,16 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     allocator, allocator_options = _split(cfg.get("allocator"), "paged")
     preparer, preparer_options = _split(cfg.get("preparer"), "v1")
     model, model_options = _split(cfg.get("model"), "tiny-llama")
+    executor, executor_options = _split(cfg.get("executor"), "model")
+    if executor == "sim":  # the simulated executor's device and cost model are top-level groups
+        for key in ("hardware", "cost_model"):
+            if cfg.get(key) is not None:
+                executor_options[key] = OmegaConf.to_container(cfg[key], resolve=True)
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), policy=policy, policy_options=policy_options, backend=backend,
                         backend_options=backend_options, allocator=allocator, allocator_options=allocator_options,
-                        preparer=preparer, preparer_options=preparer_options, **engine)
+                        preparer=preparer, preparer_options=preparer_options, executor=executor,
+                        executor_options=executor_options, **engine)
 
 
 def synthetic_prompts(w: DictConfig, vocab_size: int) -> list[tuple[list[int], SamplingParams]]:

@@ -6,12 +6,11 @@ run are exactly the ones stepping one by one would have recorded.
 """
 from __future__ import annotations
 
-import csv
 from array import array
 from collections.abc import Iterator
 from dataclasses import fields
 from itertools import repeat
-from pathlib import Path
+from typing import TextIO
 
 from framework.engine import StepStats
 from framework.fast_forward import DecodeRun
@@ -52,11 +51,13 @@ class StepLog:
     def rows(self) -> Iterator[tuple]:
         return zip(*self.columns.values())
 
-    def write_csv(self, path: str | Path, extra: dict[str, object] | None = None) -> None:
-        """One row per step; ``extra`` adds constant columns first (e.g. ``{"replica": 0}``)."""
+    def write_csv(self, f: TextIO, extra: dict[str, object] | None = None, header: bool = True) -> None:
+        """Write the rows to the open text file ``f``; ``extra`` adds constant leading columns
+        (e.g. ``{"replica": 0}``). Rows are formatted in one pass per row (a simulated run can
+        have a million steps): integers as such, floats with 12 significant digits."""
         extra = extra or {}
-        with open(path, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow([*extra, *COLUMNS])
-            prefix = list(extra.values())
-            writer.writerows([*prefix, *row] for row in self.rows())
+        if header:
+            f.write(",".join([*extra, *self.columns]) + "\n")
+        prefix = "".join(f"{value}," for value in extra.values()).replace("%", "%%")
+        fmt = prefix + ",".join("%.12g" if c.typecode == "d" else "%d" for c in self.columns.values()) + "\n"
+        f.write("".join([fmt % row for row in self.rows()]))

@@ -1,0 +1,166 @@
+"""``python -m framework.profile``: measure the real executor, fit the cost model, write a YAML.
+
+Runs the ``model`` executor (the real forward pass, on the device at hand: this CPU, or a GPU
+when there is one) through a grid of batch compositions: ``m`` requests of ``L``-token prompts,
+prefilled in as few steps as the token budget allows and then decoded for a few steps. Every
+engine step is timed from its start to its end (scheduler, forward pass, sampling and output
+bookkeeping: what a real run's timeline is made of) and recorded with its ``BatchShape``. The
+grid runs ``--repeats`` times and each distinct shape keeps its median, which shrugs off the
+noise of a shared machine. The cost model then fits its parameters to the medians (a small
+least-squares problem, well under a second), and the YAML it writes is what
+``cost_model.calibration=FILE`` loads::
+
+    python -m framework.profile --model tiny-llama --hardware cpu --out calibration/cpu-tiny-llama.yaml
+    python -m framework.profile --hardware h100-sxm --model /path/to/checkpoint --grid large
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from framework.cost_model import COST_MODELS, BatchShape
+from framework.hardware import load_hardware
+
+logger = logging.getLogger(__name__)
+
+#: (prompt lengths, request counts, decode steps, most prompt tokens per cell)
+GRIDS: dict[str, tuple[list[int], list[int], int, int]] = {
+    "quick": ([16, 96], [1, 4], 2, 512),
+    "default": ([16, 64, 256, 1024], [1, 2, 4, 8, 16, 32, 64], 4, 8192),
+    "large": ([16, 64, 256, 1024, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 4, 65536),
+}
+
+
+def grid_cells(name: str) -> list[tuple[int, int, int]]:
+    """(requests, prompt length, decode steps) of every cell of grid ``name``."""
+    if name not in GRIDS:
+        raise ValueError(f"unknown grid {name!r}; grids: {', '.join(GRIDS)}")
+    lengths, counts, decode, budget = GRIDS[name]
+    return [(m, length, decode) for length in lengths for m in counts if m * length <= budget]
+
+
+def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: int = 0) -> list[tuple[BatchShape, float]]:
+    """Median seconds per distinct step shape over ``repeats`` passes of ``cells`` on ``engine``
+    (a model-executor ``LLMEngine``; its prefix cache should be off so every prompt computes)."""
+    from framework.sampling_params import SamplingParams
+
+    shapes: list[BatchShape] = []
+    execute = engine.executor.execute
+
+    def recording_execute(out):
+        shapes.append(BatchShape.from_scheduler_output(out))
+        return execute(out)
+
+    engine.executor.execute = recording_execute
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    seconds: dict[tuple, list[float]] = defaultdict(list)
+    try:
+        for rep in range(repeats + 1):  # pass 0 warms up (allocator, kernels, caches) and is dropped
+            for m, length, decode in cells:
+                params = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True)
+                for i in range(m):
+                    engine.add_request(f"p{rep}-{m}-{length}-{i}", [rng.randrange(3, vocab) for _ in range(length)], params)
+                while engine.has_unfinished_requests():
+                    before = len(shapes)
+                    t0 = time.perf_counter()
+                    engine.step()
+                    dt = time.perf_counter() - t0
+                    if rep and len(shapes) > before:
+                        seconds[tuple(shapes[-1].to_list())].append(dt)
+    finally:
+        del engine.executor.execute
+    return [(BatchShape.from_list(list(key)), statistics.median(values)) for key, values in seconds.items()]
+
+
+def relative_errors(model: Any, samples: list[tuple[BatchShape, float]]) -> list[float]:
+    return [abs(model.step_time(shape) - t) / t for shape, t in samples]
+
+
+def calibrate(samples: list[tuple[BatchShape, float]], model_config: Any, hardware: Any, dtype_bytes: int,
+              cost_model: str = "roofline", block_size: int = 16) -> tuple[dict[str, float], dict[str, float]]:
+    """Fitted parameters and the fit's relative errors on ``samples``."""
+    cls = COST_MODELS.get(cost_model)
+    params = cls.calibrate(samples, model_config, hardware, dtype_bytes, 1, block_size)
+    fitted = cls(model_config, hardware, dtype_bytes, 1, block_size, **params)
+    errors = sorted(relative_errors(fitted, samples))
+    return params, {"samples": len(samples), "median_abs_rel_error": statistics.median(errors),
+                    "p90_abs_rel_error": errors[int(0.9 * (len(errors) - 1))], "max_abs_rel_error": errors[-1]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m framework.profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-llama", help="preset or Hugging Face checkpoint directory")
+    ap.add_argument("--hardware", default="cpu", help="conf/hardware preset or YAML the fit is relative to")
+    ap.add_argument("--cost-model", default="roofline")
+    ap.add_argument("--out", default="calibration.yaml")
+    ap.add_argument("--grid", default="default", choices=sorted(GRIDS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--backend", default="naive")
+    ap.add_argument("--preparer", default="v1")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+
+    from framework.config import EngineConfig
+    from framework.engine import LLMEngine
+
+    cells = grid_cells(args.grid)
+    hardware = load_hardware(args.hardware)
+    max_seqs = max(m for m, _, _ in cells)
+    max_len = max(length for _, length, _ in cells) + max(d for _, _, d in cells) + 2
+    config = EngineConfig(model=args.model, executor="model", backend=args.backend, preparer=args.preparer,
+                          device=args.device, dtype=args.dtype, block_size=args.block_size, max_num_seqs=max_seqs,
+                          max_num_batched_tokens=max(2048, max_len), max_model_len=max_len,
+                          enable_prefix_caching=False, num_threads=args.threads, seed=args.seed)
+    engine = LLMEngine(config)
+    dtype_bytes = engine.executor.dtype.itemsize
+    started = time.perf_counter()
+    samples = measure(engine, cells, args.repeats, args.seed)
+    measured_s = time.perf_counter() - started
+    started = time.perf_counter()
+    params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size)
+    fit["fit_seconds"] = time.perf_counter() - started
+
+    import torch
+
+    result = {
+        "cost_model": args.cost_model, "model": args.model, "hardware": hardware.to_dict(), "dtype_bytes": dtype_bytes,
+        "tensor_parallel_size": 1, "block_size": args.block_size, "params": params, "fit": fit,
+        "measured": {"device": engine.executor.device, "backend": args.backend, "preparer": args.preparer,
+                     "torch": str(torch.__version__), "threads": torch.get_num_threads(), "grid": args.grid,
+                     "repeats": args.repeats, "seconds": round(measured_s, 1),
+                     "date": datetime.datetime.now().isoformat(timespec="seconds")},
+        "samples": {"fields": BatchShape.field_names() + ["seconds"],
+                    "rows": [shape.to_list() + [t] for shape, t in samples]},
+    }
+    import yaml
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        yaml.safe_dump(result, f, sort_keys=False, default_flow_style=None, width=120)
+    print(f"measured {len(samples)} step shapes in {measured_s:.1f}s; fitted {args.cost_model} in "
+          f"{fit['fit_seconds'] * 1000:.0f} ms: median |error| {fit['median_abs_rel_error']:.1%}, "
+          f"p90 {fit['p90_abs_rel_error']:.1%}")
+    for name, value in params.items():
+        print(f"  {name:24s} {value:.4g}")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
