@@ -207,8 +207,13 @@ class LLMEngine:
         if run is None:
             return self.step(final_only=True)
         self._stalled_steps = 0
-        done = run.finished + run.finished_outside
-        return [o for o in self._make_outputs(done) if o.finished] if done else []
+        outside = [o for o in self._make_outputs(run.finished_outside) if o.finished] if run.finished_outside else []
+        done = [o for o in self._make_outputs(run.finished) if o.finished] if run.finished else []
+        if self.step_callbacks:
+            run.num_finished_first, run.num_finished_last = len(outside), len(done)
+            for callback in self.step_callbacks:
+                callback.on_decode_run(run)  # type: ignore[attr-defined]
+        return outside + done
 
     def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
         if out.scheduled or done or _has_block_ops(out) or not self.scheduler.has_unfinished_requests():

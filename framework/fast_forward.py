@@ -51,6 +51,9 @@ class DecodeRun:
     finished: list[Request]
     #: Requests finished outside a step (ignored on arrival) that the run's first step delivers.
     finished_outside: list[Request]
+    #: Outputs completed by the run's first and last steps (set by the engine before callbacks).
+    num_finished_first: int = 0
+    num_finished_last: int = 0
 
 
 def declares_steady_decode(policy: SchedulerPolicy) -> bool:
@@ -74,7 +77,7 @@ def decode_run(engine: LLMEngine, until: float = math.inf) -> DecodeRun | None:
     first step on which a request finishes, or before a step that would start at or after
     ``until`` (the next arrival) or need a block the pool lacks. None when not even one step
     qualifies (the caller then takes an ordinary ``engine.step()``). The caller makes the outputs
-    of ``run.finished``; step callbacks have been given the run."""
+    of ``run.finished`` and ``run.finished_outside`` and hands the run to step callbacks."""
     executor = engine.executor
     if not getattr(executor, "fast_forward", False):
         return None
@@ -155,10 +158,7 @@ def decode_run(engine: LLMEngine, until: float = math.inf) -> DecodeRun | None:
             used[-1] = allocator.num_used_blocks
     scheduler.num_steps += num
     engine.num_steps += num
-    run = DecodeRun(first_step, start, times, m, used, allocator.num_usable_blocks, finished, finished_outside)
-    for cb in callbacks:
-        cb.on_decode_run(run)
-    return run
+    return DecodeRun(first_step, start, times, m, used, allocator.num_usable_blocks, finished, finished_outside)
 
 
 def _block_limit(allocator, running, max_steps: int) -> int:

@@ -43,8 +43,8 @@ class StepLog:
         for name in ("num_prefill_tokens", "num_waiting", "num_swapped", "num_preempted",
                      "num_swapped_out_blocks", "num_swapped_in_blocks", "num_finished"):
             c[name].extend(repeat(0, num))
-        c["num_finished"][-num] += len(run.finished_outside)
-        c["num_finished"][-1] += len(run.finished)
+        c["num_finished"][-num] += run.num_finished_first
+        c["num_finished"][-1] += run.num_finished_last
         c["kv_blocks_used"].extend(run.kv_blocks_used)
         c["kv_usage"].extend([u / run.num_usable_blocks for u in run.kv_blocks_used])
 

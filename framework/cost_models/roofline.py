@@ -11,8 +11,8 @@ Per tensor-parallel device, for ``N`` scheduled tokens of which ``S`` sample:
   the activation and the residuals are memory traffic;
 - tensor parallelism: two ring all-reduces of the hidden states per layer and a gather of the
   logits, over the interconnect; swap traffic over PCIe; copy-on-write copies in device memory;
-- overheads: a fixed CPU cost per step, per request, per request and layer (backends that loop
-  over requests), per token, and a launch cost per kernel.
+- overheads: a fixed CPU cost per step, per request (input preparation, sampling, and backends
+  that loop over requests), per token, and a launch cost per kernel.
 
 The efficiency factors and overheads are parameters (``PARAMS``); ``calibrate`` fits them to
 measured steps by bounded least squares on relative error.
@@ -34,14 +34,13 @@ PARAMS: dict[str, float] = {
     "attention_efficiency": 0.5,    # fraction of peak FLOP/s prefill attention reaches
     "kv_efficiency": 0.6,           # fraction of bandwidth paged KV reads reach
     "step_overhead_us": 1000.0,     # scheduler, input preparation, sampling: per step
-    "seq_overhead_us": 20.0,        # ... per scheduled request
-    "layer_seq_overhead_us": 0.0,   # ... per request and layer (per-request attention loops)
+    "seq_overhead_us": 20.0,        # ... per scheduled request (and per-request kernels)
     "token_overhead_us": 0.0,       # ... per scheduled token
 }
 #: Structure, not fitted: kernels launched per decoder layer and per step outside the layers.
 STRUCTURE: dict[str, float] = {"kernels_per_layer": 12, "kernels_per_step": 6}
 _EFFICIENCIES = ("matmul_efficiency", "memory_efficiency", "attention_efficiency", "kv_efficiency")
-_OVERHEADS = ("step_overhead_us", "seq_overhead_us", "layer_seq_overhead_us", "token_overhead_us")
+_OVERHEADS = ("step_overhead_us", "seq_overhead_us", "token_overhead_us")
 
 
 @COST_MODELS.register("roofline")
@@ -71,7 +70,7 @@ class RooflineCostModel(CostModel):
         self._geometry()
         p = self.params
         self._inv = [1.0 / p[name] for name in _EFFICIENCIES]
-        self._step, self._seq, self._layer_seq, self._tok = (p[name] * 1e-6 for name in _OVERHEADS)
+        self._step, self._seq, self._tok = (p[name] * 1e-6 for name in _OVERHEADS)
         self._decode_slope = self._decode_ctx_c * self._inv[2]
         if self._decode_ctx_m * self._inv[3] > self._decode_slope:
             self._decode_slope = self._decode_ctx_m * self._inv[3]
@@ -127,7 +126,7 @@ class RooflineCostModel(CostModel):
         head = 0.0
         if sampled:
             head = max(self._head_c_row * sampled * inv_mm, (self._head_m_fixed + self._head_m_row * sampled) * inv_mem)
-        cpu = self._step + self._seq * n + self._layer_seq * self.num_layers * n + self._tok * tokens
+        cpu = self._step + self._seq * n + self._tok * tokens
         comm = self._ar_fixed + self._ar_tok * tokens + self._ar_row * sampled
         return cpu + self._launch + comm + lin + head + self._elem_m_tok * tokens * inv_mem
 
@@ -161,7 +160,7 @@ class RooflineCostModel(CostModel):
             [(0, self._lin_c_tok * tok), (1, self._lin_m_fixed + self._lin_m_tok * tok)],
             [(1, self._elem_m_tok * tok + batch.copy_blocks * self._copy_m_block)],
             [(2, self._decode_ctx_c * batch.decode_context), (3, self._decode_ctx_m * batch.decode_context)],
-            [(4, 1e-6)], [(5, 1e-6 * n)], [(6, 1e-6 * self.num_layers * n)], [(7, 1e-6 * tok)],
+            [(4, 1e-6)], [(5, 1e-6 * n)], [(6, 1e-6 * tok)],
         ]
         if s:
             groups.append([(0, self._head_c_row * s), (1, self._head_m_fixed + self._head_m_row * s)])
@@ -183,7 +182,7 @@ class RooflineCostModel(CostModel):
         rows = [probe.legs(shape) for shape, _ in samples]
         # Efficiencies may exceed 1 against nominal figures (e.g. weights that stay in a CPU cache),
         # but not absurdly: theta = 1/efficiency >= 0.01.
-        lower = [0.01] * 4 + [0.0] * 4
+        lower = [0.01] * 4 + [0.0] * 3
         theta = fit_max_linear(rows, [t for _, t in samples], probe.fit_vector(), lower)
         params = {name: 1.0 / theta[i] for i, name in enumerate(_EFFICIENCIES)}
         params.update({name: theta[4 + i] for i, name in enumerate(_OVERHEADS)})
