@@ -41,15 +41,20 @@ class Collector:
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
-        self.itl: list[np.ndarray] = []
+        self.token_times: list[float] = []  # every request's token times, back to back
+        self.first_token: list[int] = []     # where each request's times start
+
+    def itl(self) -> np.ndarray:
+        gaps = np.diff(np.asarray(self.token_times))
+        return np.delete(gaps, np.asarray(self.first_token[1:], dtype=np.int64) - 1)
 
     def __call__(self, replica: int, out: RequestOutput) -> None:
         m = out.metrics
         times = m.token_times
         ttft = m.ttft
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-        if len(times) > 1:
-            self.itl.append(np.diff(np.asarray(times)))
+        self.first_token.append(len(self.token_times))
+        self.token_times.extend(times)
         self.rows.append((out.request_id, replica, m.arrival_time, m.first_scheduled_time, m.first_token_time,
                           m.finished_time, m.num_prompt_tokens, m.num_generated_tokens, m.num_cached_tokens,
                           m.num_preemptions, m.num_swaps, ttft, tpot, m.e2el, out.outputs[0].finish_reason))
@@ -104,7 +109,7 @@ def main() -> None:
     ttft = np.array([r[11] for r in collect.rows if r[11] is not None])
     tpot = np.array([r[12] for r in collect.rows if r[12] is not None])
     e2el = np.array([r[13] for r in collect.rows if r[13] is not None])
-    itl = np.concatenate(collect.itl) if collect.itl else np.array([])
+    itl = collect.itl()
     duration = max(e.clock.now() for e in cluster.engines)
     out_tokens = sum(r[7] for r in collect.rows)
     allocators = [e.allocator for e in cluster.engines]

@@ -9,6 +9,7 @@ wall time the same loop serves requests in real time (waiting for arrivals by sl
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gc
 import heapq
@@ -20,6 +21,7 @@ from typing import Any
 from framework.clock import VirtualClock
 from framework.config import EngineConfig
 from framework.engine import LLMEngine
+from framework.fast_forward import DecodePlan
 from framework.outputs import RequestOutput
 from framework.request import Request
 from framework.router import ROUTERS, Replica, Router
@@ -86,27 +88,66 @@ class Cluster:
 
     def _serve(self, source: Iterator[Arrival], emit: OnOutput) -> None:
         engines, replicas, router = self.engines, self.replicas, self.router
-        ready: list[tuple[float, int]] = []       # (clock, replica) of replicas with work
-        busy = [False] * len(engines)
-        finishes: list[tuple[float, int]] = []    # (finish time, replica), applied at routing
+        n = len(engines)
+        # With several replicas on a deterministic cost model, a replica's decode run is planned
+        # to its natural end (a finish, a block shortage) and applied only when an event needs
+        # its state: its end, an arrival routed to it, a router reading its cache. An arrival
+        # routed elsewhere then costs this replica nothing. Otherwise runs stop at the next arrival.
+        lazy = n > 1 and all(getattr(getattr(e.executor, "cost_model", None), "deterministic", False) for e in engines)
+        # (time, kind, replica, version): a plan's end (kind 0: it finishes requests at that time,
+        # which an arrival then must see) or a replica's next step (kind 1: an arrival at its start
+        # time joins it). A settle bumps the replica's version, voiding its queued event.
+        events: list[tuple[float, int, int, int]] = []
+        version = [0] * n
+        plans: list[DecodePlan | None] = [None] * n
+        busy = [False] * n
+        finishes: list[tuple[float, int]] = []     # (finish time, replica), applied at routing
+
+        def emit_all(i: int, outputs: list[RequestOutput]) -> None:
+            for out in outputs:
+                emit(i, out)
+                heapq.heappush(finishes, (out.metrics.finished_time, i))
+
+        def settle(i: int, t: float) -> None:
+            """Apply replica i's planned steps that start before t, and drop the rest of the plan."""
+            plan = plans[i]
+            if plan is None:
+                return
+            plans[i] = None
+            version[i] += 1
+            taken = bisect.bisect_left(plan.end_times, t) + 1  # step k starts at end_times[k - 1]
+            if plan.start_time < t:
+                emit_all(i, engines[i].commit_decode_run(plan, min(taken, len(plan.end_times))))
+            if engines[i].has_unfinished_requests():
+                heapq.heappush(events, (engines[i].clock.now(), 1, i, version[i]))
+            else:
+                busy[i] = False
+
+        for replica in replicas:
+            replica._settle = settle
         nxt = next(source, None)
         last_arrival = -math.inf
         while True:
-            if not ready:
-                t = math.inf
+            if not events:
+                t, kind = math.inf, 1
             else:
-                t = engines[0].clock.now() if self._wall else ready[0][0]
-            if nxt is not None and nxt.time <= t:
+                t, kind = (engines[0].clock.now(), 1) if self._wall else events[0][:2]
+            if nxt is not None and (nxt.time < t or nxt.time == t and kind == 1):
                 a = nxt.time
                 if a < last_arrival:
                     raise ValueError(f"arrivals must come in time order: {nxt.request_id} at {a} after {last_arrival}")
                 last_arrival = a
                 while finishes and finishes[0][0] <= a:
                     replicas[heapq.heappop(finishes)[1]].num_finished += 1
-                i = router.route(Request(nxt.request_id, nxt.prompt_token_ids, nxt.params, a, nxt.priority),
-                                 replicas) if len(engines) > 1 else 0
-                if not 0 <= i < len(engines):
-                    raise ValueError(f"router {router.name!r} picked replica {i} of {len(engines)}")
+                if n > 1:
+                    for replica in replicas:
+                        replica._now = a
+                    i = router.route(Request(nxt.request_id, nxt.prompt_token_ids, nxt.params, a, nxt.priority), replicas)
+                    if not (isinstance(i, int) and 0 <= i < n):
+                        raise ValueError(f"router {router.name!r} picked replica {i!r} of {n}")
+                else:
+                    i = 0
+                settle(i, a)
                 engine = engines[i]
                 engine.clock.wait_until(a)
                 engine.add_request(nxt.request_id, nxt.prompt_token_ids, nxt.params, arrival_time=a,
@@ -114,17 +155,30 @@ class Cluster:
                 replicas[i].num_routed += 1
                 if not busy[i]:
                     busy[i] = True
-                    heapq.heappush(ready, (engine.clock.now(), i))
+                    heapq.heappush(events, (engine.clock.now(), 1, i, version[i]))
                 nxt = next(source, None)
                 continue
-            if not ready:
+            if not events:
                 break
-            _, i = heapq.heappop(ready)
+            _, _, i, v = heapq.heappop(events)
+            if v != version[i]:
+                continue  # superseded by a settle
             engine = engines[i]
-            for out in engine.advance(nxt.time if nxt is not None else math.inf):
-                emit(i, out)
-                heapq.heappush(finishes, (out.metrics.finished_time, i))
+            plan = plans[i]
+            if plan is not None:  # its end: every planned step is due
+                plans[i] = None
+                emit_all(i, engine.commit_decode_run(plan, len(plan.end_times)))
+            else:
+                plan = engine.plan_decode_run(math.inf if lazy or nxt is None else nxt.time)
+                if plan is None:
+                    emit_all(i, engine.step(final_only=True))
+                elif lazy:
+                    plans[i] = plan
+                    heapq.heappush(events, (plan.end_times[-1], 0, i, version[i]))
+                    continue
+                else:
+                    emit_all(i, engine.commit_decode_run(plan, len(plan.end_times)))
             if engine.has_unfinished_requests():
-                heapq.heappush(ready, (engine.clock.now(), i))
+                heapq.heappush(events, (engine.clock.now(), 1, i, version[i]))
             else:
                 busy[i] = False

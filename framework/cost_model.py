@@ -99,6 +99,10 @@ class CostModel(ABC):
     """
 
     name: ClassVar[str] = ""
+    #: Whether ``step_time`` is a pure function of the shape. A simulator may then plan steps it
+    #: ends up not taking (and ask again later); a model that is not (a replay) is asked once per
+    #: step actually taken.
+    deterministic: ClassVar[bool] = True
 
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2,
                  tensor_parallel_size: int = 1, block_size: int = 16) -> None:

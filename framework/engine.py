@@ -12,7 +12,7 @@ from framework.block_allocator import ALLOCATORS
 from framework.clock import Clock
 from framework.config import EngineConfig
 from framework.executor import EXECUTORS
-from framework.fast_forward import decode_run
+from framework.fast_forward import DecodePlan, commit_decode_run, plan_decode_run
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from framework.request import Request
 from framework.sampling_params import SamplingParams
@@ -203,9 +203,19 @@ class LLMEngine:
         ``fast_forward``), a run of pure-decode steps with exactly the effect of stepping them one
         by one (``framework/fast_forward.py``), none of them starting at or after ``until`` (the
         next arrival). Returns the outputs of the requests that finished."""
-        run = decode_run(self, until)
-        if run is None:
+        plan = self.plan_decode_run(until)
+        if plan is None:
             return self.step(final_only=True)
+        return self.commit_decode_run(plan, len(plan.end_times))
+
+    def plan_decode_run(self, until: float = math.inf) -> DecodePlan | None:
+        """The pure-decode steps that provably come next (changes nothing), or None."""
+        return plan_decode_run(self, until)
+
+    def commit_decode_run(self, plan: DecodePlan, num_steps: int) -> list[RequestOutput]:
+        """Take the first ``num_steps`` steps of ``plan`` (made since the engine last changed);
+        returns the outputs of the requests that finished."""
+        run = commit_decode_run(self, plan, num_steps)
         self._stalled_steps = 0
         outside = [o for o in self._make_outputs(run.finished_outside) if o.finished] if run.finished_outside else []
         done = [o for o in self._make_outputs(run.finished) if o.finished] if run.finished else []

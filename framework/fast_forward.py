@@ -3,22 +3,26 @@ stepping them one by one.
 
 Between two events (an arrival, a request finishing, a preemption, a swap) a serving engine
 mostly repeats one step: every running request computes one token. When the policy promises
-that (``SchedulerPolicy.steady_decode``), nothing waits or is swapped, no request can finish and
-the free blocks cover every block the run will start, the scheduler's decisions for the next
-``J`` steps are known without asking it. ``decode_run`` then applies those ``J`` steps directly:
+that (``SchedulerPolicy.steady_decode``), nothing waits or is swapped, and the free blocks cover
+every block the steps will start, the scheduler's decisions for the next ``J`` steps are known
+without asking it, up to and including the first step on which a request finishes.
+``plan_decode_run`` works out those steps and their times without changing anything, and
+``commit_decode_run`` applies the first ``k`` of them:
 
 - the allocator sees exactly the ``allocate_slots(request, 1)`` calls of the step-by-step run,
   in the same (step, running-order) order, less the calls that change nothing
-  (``BlockAllocator.decode_blocks_needed`` says which), so block ids, prefix-cache contents and
-  evictions come out identical;
+  (``BlockAllocator.allocate_decode_run``), so block ids, prefix-cache contents and evictions
+  come out identical;
 - the step times are the executor's, computed step by step from the same batch shapes
   (``SimExecutor.plan_decode_run``), so every token time is bit-for-bit the same;
-- each request gets its ``J`` tokens, token times and computed-token count; the steps are
-  counted, and step callbacks that can take a whole run (``on_decode_run``) get one.
+- each request gets its tokens, token times and computed-token count in bulk; a request
+  finishing on the last step gets that step's token through ``Scheduler.update_from_output``,
+  which finishes it as an ordinary step would; steps are counted, and step callbacks that can
+  take a whole run (``on_decode_run``) get one.
 
-The steps it does not cover (the one where a request finishes, the first after an arrival, any
-step that needs a block the pool lacks) are left to ``LLMEngine.step``. Turn it off with the
-sim executor's ``fast_forward=False`` to step one by one.
+Everything else (the first step after an arrival, a step that needs a block the pool lacks, a
+preemption) is left to ``LLMEngine.step``. Turn it off with the sim executor's
+``fast_forward=False`` to step one by one.
 """
 from __future__ import annotations
 
@@ -72,12 +76,24 @@ def _declares(policy_cls: type) -> bool:
     return False
 
 
-def decode_run(engine: LLMEngine, until: float = math.inf) -> DecodeRun | None:
-    """Advance ``engine`` by the pure-decode steps that provably come next, stopping after the
-    first step on which a request finishes, or before a step that would start at or after
-    ``until`` (the next arrival) or need a block the pool lacks. None when not even one step
-    qualifies (the caller then takes an ordinary ``engine.step()``). The caller makes the outputs
-    of ``run.finished`` and ``run.finished_outside`` and hands the run to step callbacks."""
+@dataclass
+class DecodePlan:
+    """The pure-decode steps that provably come next from the engine's current state: step ``k``
+    ends at ``end_times[k]``; request ``i`` of ``running`` samples ``tokens[i]`` and finishes on
+    its ``lefts[i]``-th step. Planning changes nothing; a plan is valid until the engine changes."""
+
+    start_time: float
+    end_times: list[float]
+    running: list[Request]
+    tokens: list[int]
+    lefts: list[int]
+
+
+def plan_decode_run(engine: LLMEngine, until: float = math.inf) -> DecodePlan | None:
+    """Plan the pure-decode steps that provably come next, ending with the first step on which a
+    request finishes, before a step that would start at or after ``until`` (the next arrival) or
+    need a block the pool lacks. None when not even one step qualifies (the caller then takes an
+    ordinary ``engine.step()``)."""
     executor = engine.executor
     if not getattr(executor, "fast_forward", False):
         return None
@@ -86,8 +102,7 @@ def decode_run(engine: LLMEngine, until: float = math.inf) -> DecodeRun | None:
     if (scheduler.waiting or scheduler.swapped or not running or engine.config.check_invariants
             or len(running) > scheduler.max_num_batched_tokens):
         return None
-    callbacks = engine.step_callbacks
-    if any(not hasattr(cb, "on_decode_run") for cb in callbacks) or not declares_steady_decode(engine.policy):
+    if any(not hasattr(cb, "on_decode_run") for cb in engine.step_callbacks) or not declares_steady_decode(engine.policy):
         return None
 
     # Steps until the first request finishes (its last step ends the run) ...
@@ -117,22 +132,30 @@ def decode_run(engine: LLMEngine, until: float = math.inf) -> DecodeRun | None:
         tokens.append(token)
         lefts.append(left)
     # ... and before one would need a block the pool does not have.
-    allocator = engine.allocator
-    max_steps = _block_limit(allocator, running, int(max_steps))
+    max_steps = _block_limit(engine.allocator, running, int(max_steps))
     if max_steps < 1:
         return None
-
     start = engine.clock.now()
     times = executor.plan_decode_run(len(running), context, max_steps, until)
     if not times:
         return None
+    return DecodePlan(start, times, list(running), tokens, lefts)
+
+
+def commit_decode_run(engine: LLMEngine, plan: DecodePlan, num: int) -> DecodeRun:
+    """Apply the first ``num`` steps of ``plan`` (made from the engine's current state). The
+    caller makes the outputs of ``run.finished`` and ``run.finished_outside`` and hands the run
+    to step callbacks (``LLMEngine.commit_decode_run`` does both)."""
+    if not 0 < num <= len(plan.end_times):
+        raise ValueError(f"a plan of {len(plan.end_times)} steps cannot commit {num}")
+    scheduler, allocator, executor = engine.scheduler, engine.allocator, engine.executor
+    running, tokens, lefts = plan.running, plan.tokens, plan.lefts
+    times = plan.end_times[:num]
     finished_outside = scheduler.take_finished_outside_step()
-    num = len(times)
     first_step = engine.num_steps + 1  # StepStats counts steps from 1
-    m = len(running)
     for req, token in zip(running, tokens):
         req.token_ids.extend([token] * num)
-    used = allocator.allocate_decode_run(running, num, bool(callbacks))
+    used = allocator.allocate_decode_run(running, num, bool(engine.step_callbacks))
     # Every request gets its tokens in bulk, but one finishing on the last step gets that step's
     # token from the scheduler's own update, which also finishes it and frees its blocks.
     finishing = [req for req, left in zip(running, lefts) if left == num]
@@ -147,7 +170,7 @@ def decode_run(engine: LLMEngine, until: float = math.inf) -> DecodeRun | None:
             req.token_times.extend(times)
         if req.first_token_time is None and req.token_times:
             req.first_token_time = req.token_times[0]
-    executor.commit_decode_run(start, times)
+    executor.commit_decode_run(plan.start_time, times)
     finished: list[Request] = []
     if finishing:
         out = SchedulerOutput(scheduled=finishing, num_scheduled_tokens={r.request_id: 1 for r in finishing})
@@ -158,7 +181,8 @@ def decode_run(engine: LLMEngine, until: float = math.inf) -> DecodeRun | None:
             used[-1] = allocator.num_used_blocks
     scheduler.num_steps += num
     engine.num_steps += num
-    return DecodeRun(first_step, start, times, m, used, allocator.num_usable_blocks, finished, finished_outside)
+    return DecodeRun(first_step, plan.start_time, times, len(running), used, allocator.num_usable_blocks,
+                     finished, finished_outside)
 
 
 def _block_limit(allocator, running, max_steps: int) -> int:

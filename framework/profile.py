@@ -23,7 +23,7 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from framework.cost_model import COST_MODELS, BatchShape
 from framework.hardware import load_hardware
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 #: (prompt lengths, request counts, decode steps, most prompt tokens per cell)
 GRIDS: dict[str, tuple[list[int], list[int], int, int]] = {
     "quick": ([16, 96], [1, 4], 2, 512),
-    "default": ([16, 64, 256, 1024], [1, 2, 4, 8, 16, 32, 64], 4, 8192),
+    "default": ([16, 64, 128, 256, 512], [1, 2, 4, 8, 16, 32], 4, 4096),
     "large": ([16, 64, 256, 1024, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 4, 65536),
 }
 
@@ -46,9 +46,12 @@ def grid_cells(name: str) -> list[tuple[int, int, int]]:
     return [(m, length, decode) for length in lengths for m in counts if m * length <= budget]
 
 
-def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: int = 0) -> list[tuple[BatchShape, float]]:
+def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: int = 0,
+            timer: Callable[[], float] = time.perf_counter) -> list[tuple[BatchShape, float]]:
     """Median seconds per distinct step shape over ``repeats`` passes of ``cells`` on ``engine``
-    (a model-executor ``LLMEngine``; its prefix cache should be off so every prompt computes)."""
+    (a model-executor ``LLMEngine``; its prefix cache should be off so every prompt computes),
+    timed with ``timer`` (``time.process_time`` leaves out other processes' time on a shared
+    machine, provided torch runs one thread)."""
     from framework.sampling_params import SamplingParams
 
     shapes: list[BatchShape] = []
@@ -70,9 +73,9 @@ def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: 
                     engine.add_request(f"p{rep}-{m}-{length}-{i}", [rng.randrange(3, vocab) for _ in range(length)], params)
                 while engine.has_unfinished_requests():
                     before = len(shapes)
-                    t0 = time.perf_counter()
+                    t0 = timer()
                     engine.step()
-                    dt = time.perf_counter() - t0
+                    dt = timer() - t0
                     if rep and len(shapes) > before:
                         seconds[tuple(shapes[-1].to_list())].append(dt)
     finally:
@@ -110,6 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--preparer", default="v1")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time steps by the wall clock, or by process CPU time (a machine shared with other "
+                         "work; use with --threads 1)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = LLMEngine(config)
     dtype_bytes = engine.executor.dtype.itemsize
     started = time.perf_counter()
-    samples = measure(engine, cells, args.repeats, args.seed)
+    samples = measure(engine, cells, args.repeats, args.seed,
+                      time.process_time if args.clock == "cpu" else time.perf_counter)
     measured_s = time.perf_counter() - started
     started = time.perf_counter()
     params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size)
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tensor_parallel_size": 1, "block_size": args.block_size, "params": params, "fit": fit,
         "measured": {"device": engine.executor.device, "backend": args.backend, "preparer": args.preparer,
                      "torch": str(torch.__version__), "threads": torch.get_num_threads(), "grid": args.grid,
-                     "repeats": args.repeats, "seconds": round(measured_s, 1),
+                     "repeats": args.repeats, "clock": args.clock, "seconds": round(measured_s, 1),
                      "date": datetime.datetime.now().isoformat(timespec="seconds")},
         "samples": {"fields": BatchShape.field_names() + ["seconds"],
                     "rows": [shape.to_list() + [t] for shape, t in samples]},

@@ -6,7 +6,7 @@ with a ``Replica`` view of every replica as of the arrival time.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from framework.registry import Registry
@@ -18,14 +18,17 @@ if TYPE_CHECKING:
 
 class Replica:
     """What a router may read about one replica: load and cache contents. Counts are exact at
-    the routing time; the prefix cache is as of the end of the replica's latest step, which may
-    run up to one step past it (a step's effects are applied when it is simulated)."""
+    the routing time; cache contents are as of the end of the replica's latest step that started
+    before it (a step's effects are applied when it is simulated, up to one step early)."""
 
     def __init__(self, index: int, engine: LLMEngine) -> None:
         self.index = index
         self.engine = engine
         self.num_routed = 0
         self.num_finished = 0
+        # Set by the cluster: the routing time, and how to bring the replica's state up to it.
+        self._now = 0.0
+        self._settle: Callable[[int, float], None] = lambda index, t: None
 
     @property
     def num_outstanding(self) -> int:
@@ -34,10 +37,12 @@ class Replica:
 
     @property
     def kv_usage(self) -> float:
+        self._settle(self.index, self._now)
         return self.engine.allocator.usage
 
     def prefix_tokens(self, request: Request) -> int:
         """Tokens of ``request``'s prompt this replica's prefix cache holds (whole blocks)."""
+        self._settle(self.index, self._now)
         return self.engine.allocator.find_prefix(request).num_tokens
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator
 from dataclasses import fields
-from itertools import repeat
+from itertools import islice, repeat
 from typing import TextIO
 
 from framework.engine import StepStats
@@ -54,10 +54,12 @@ class StepLog:
     def write_csv(self, f: TextIO, extra: dict[str, object] | None = None, header: bool = True) -> None:
         """Write the rows to the open text file ``f``; ``extra`` adds constant leading columns
         (e.g. ``{"replica": 0}``). Rows are formatted in one pass per row (a simulated run can
-        have a million steps): integers as such, floats with 12 significant digits."""
+        have a million steps): integers as such, floats with 17 significant digits (exact)."""
         extra = extra or {}
         if header:
             f.write(",".join([*extra, *self.columns]) + "\n")
         prefix = "".join(f"{value}," for value in extra.values()).replace("%", "%%")
-        fmt = prefix + ",".join("%.12g" if c.typecode == "d" else "%d" for c in self.columns.values()) + "\n"
-        f.write("".join([fmt % row for row in self.rows()]))
+        fmt = prefix + ",".join("%.17g" if c.typecode == "d" else "%d" for c in self.columns.values()) + "\n"
+        rows = self.rows()
+        while chunk := [fmt % row for row in islice(rows, 1 << 16)]:
+            f.write("".join(chunk))

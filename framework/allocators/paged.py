@@ -179,21 +179,44 @@ class PagedBlockAllocator(BlockAllocator):
                 while j <= num_steps:
                     events[j].append((req, (computed + j) // bs - 1))
                     j += bs
+        # The loop below is _pop_free and _seal inlined for one block: it runs for every block
+        # a simulated request fills while decoding.
+        free, blocks, index = self._free, self._blocks, self._hash_to_block
+        in_use = self.num_used_blocks
         used: list[int] = []
         done = 0
         for j in sorted(events):
             if track:
-                used.extend([self.num_used_blocks] * (j - 1 - done))
-            for req, index in events[j]:
-                if index < 0:
-                    req.block_ids.append(self._pop_free())
-                else:
-                    self._seal(req, index, index + 1)
+                used.extend([in_use] * (j - 1 - done))
+            for req, i in events[j]:
+                if i < 0:  # take the least recently used free block, evicting what it caches
+                    bid = free.popitem(last=False)[0]
+                    block = blocks[bid]
+                    if block.hash is not None:
+                        if index.get(block.hash) == bid:
+                            del index[block.hash]
+                        block.hash = block.token_ids = None
+                        self.stats.evictions += 1
+                    block.ref_count = 1
+                    req.block_ids.append(bid)
+                    in_use += 1
+                    continue
+                block = blocks[req.block_ids[i]]
+                hashes = req.block_hashes
+                if len(hashes) < i:
+                    self._request_hashes(req, i)
+                toks = tuple(req.token_ids[i * bs:(i + 1) * bs])
+                if len(hashes) == i:
+                    hashes.append(block_hash(hashes[i - 1] if i else _ROOT_HASH, toks))
+                if block.hash is None:
+                    block.hash = hashes[i]
+                    block.token_ids = toks
+                    index.setdefault(block.hash, block.block_id)
             if track:
-                used.append(self.num_used_blocks)
+                used.append(in_use)
             done = j
         if track:
-            used.extend([self.num_used_blocks] * (num_steps - done))
+            used.extend([in_use] * (num_steps - done))
         return used
 
     def _seal(self, request: Request, first: int, end: int) -> None:

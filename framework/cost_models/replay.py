@@ -20,6 +20,8 @@ class ReplayCostModel(CostModel):
     """Options: ``durations`` (seconds, in step order) or ``file`` (one duration per line, or a
     CSV with a ``duration`` column such as a run's ``steps.csv``)."""
 
+    deterministic = False
+
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2, tensor_parallel_size: int = 1,
                  block_size: int = 16, durations: Sequence[float] | None = None, file: str | None = None) -> None:
         super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
