@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--calibration", default="outputs/fidelity/calibration.yaml")
     ap.add_argument("--profile", action="store_true", help="run python -m framework.profile first")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile-repeats", type=int, default=5)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--seed", type=int, default=11)
     args = ap.parse_args()
@@ -83,7 +84,9 @@ def main() -> None:
         from framework.profile import main as profile
 
         Path(args.calibration).parent.mkdir(parents=True, exist_ok=True)
-        profile(["--out", args.calibration, "--threads", "1", "--clock", args.clock])
+        # The grid covers the regime the workload runs in: batches of 1-16, prompts up to 320.
+        profile(["--out", args.calibration, "--threads", "1", "--clock", args.clock, "--repeats", str(args.profile_repeats),
+                 "--counts", "1,2,3,4,6,8,12,16", "--lengths", "16,48,96,192,320"])
     sim_options = {"hardware": "cpu", "cost_model": {"name": "roofline", "calibration": args.calibration}}
     rows = []
     for rep in range(args.repeats):

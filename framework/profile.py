@@ -38,12 +38,16 @@ GRIDS: dict[str, tuple[list[int], list[int], int, int]] = {
 }
 
 
-def grid_cells(name: str) -> list[tuple[int, int, int]]:
-    """(requests, prompt length, decode steps) of every cell of grid ``name``."""
+def grid_cells(name: str, lengths: list[int] | None = None, counts: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """(requests, prompt length, decode steps) of every cell of grid ``name``, its prompt
+    lengths and request counts optionally replaced (calibrate over the regime to simulate)."""
     if name not in GRIDS:
         raise ValueError(f"unknown grid {name!r}; grids: {', '.join(GRIDS)}")
-    lengths, counts, decode, budget = GRIDS[name]
-    return [(m, length, decode) for length in lengths for m in counts if m * length <= budget]
+    grid_lengths, grid_counts, decode, budget = GRIDS[name]
+    lengths, counts = lengths or grid_lengths, counts or grid_counts
+    if min(lengths) < 1 or min(counts) < 1:
+        raise ValueError("prompt lengths and request counts must be >= 1")
+    return [(m, length, decode) for length in lengths for m in counts if m * length <= max(budget, length)]
 
 
 def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: int = 0,
@@ -83,6 +87,10 @@ def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: 
     return [(BatchShape.from_list(list(key)), statistics.median(values)) for key, values in seconds.items()]
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def relative_errors(model: Any, samples: list[tuple[BatchShape, float]]) -> list[float]:
     return [abs(model.step_time(shape) - t) / t for shape, t in samples]
 
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cost-model", default="roofline")
     ap.add_argument("--out", default="calibration.yaml")
     ap.add_argument("--grid", default="default", choices=sorted(GRIDS))
+    ap.add_argument("--lengths", type=_ints, default=None, help="prompt lengths, e.g. 16,64,256 (default: the grid's)")
+    ap.add_argument("--counts", type=_ints, default=None, help="requests per cell, e.g. 1,2,4,8 (default: the grid's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -124,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from framework.config import EngineConfig
     from framework.engine import LLMEngine
 
-    cells = grid_cells(args.grid)
+    cells = grid_cells(args.grid, args.lengths, args.counts)
     hardware = load_hardware(args.hardware)
     max_seqs = max(m for m, _, _ in cells)
     max_len = max(length for _, length, _ in cells) + max(d for _, _, d in cells) + 2
@@ -149,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tensor_parallel_size": 1, "block_size": args.block_size, "params": params, "fit": fit,
         "measured": {"device": engine.executor.device, "backend": args.backend, "preparer": args.preparer,
                      "torch": str(torch.__version__), "threads": torch.get_num_threads(), "grid": args.grid,
-                     "repeats": args.repeats, "clock": args.clock, "seconds": round(measured_s, 1),
+                     "repeats": args.repeats, "clock": args.clock, "cells": [list(c) for c in cells],
+                     "seconds": round(measured_s, 1),
                      "date": datetime.datetime.now().isoformat(timespec="seconds")},
         "samples": {"fields": BatchShape.field_names() + ["seconds"],
                     "rows": [shape.to_list() + [t] for shape, t in samples]},

@@ -86,3 +86,17 @@ def test_bad_setups_are_refused():
         Cluster.build(CONFIG, num_replicas=2, router="nope")
     with pytest.raises(ValueError, match="in time order"):
         Cluster.build(CONFIG).run([arrival(1.0, "r1"), arrival(0.5, "r2")])
+
+
+@pytest.mark.parametrize("router", ["least_outstanding", "prefix_aware"])
+def test_lazy_decode_runs_route_and_serve_exactly_like_stepping(router):
+    arrivals = list(ChatWorkload(num_requests=150, rate=30.0, seed=4, vocab_size=128256))
+    results = []
+    for fast in (True, False):
+        config = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=32, max_num_batched_tokens=4096,
+                              num_gpu_blocks_override=400, max_model_len=2048, executor_options={"fast_forward": fast})
+        cluster = Cluster.build(config, num_replicas=3, router=router, router_options={})
+        results.append(sorted((o.request_id, i, tuple(o.metrics.token_times), o.metrics.num_cached_tokens)
+                              for i, o in cluster.run(arrivals)))
+    assert results[0] == results[1]
+    assert len({r[1] for r in results[0]}) == 3 and any(r[3] for r in results[0])
