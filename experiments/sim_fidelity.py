@@ -77,19 +77,26 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="run python -m framework.profile first")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile-repeats", type=int, default=5)
+    ap.add_argument("--profile-each", action="store_true", help="recalibrate before every repeat (implies --profile)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--seed", type=int, default=11)
     args = ap.parse_args()
-    if args.profile:
+    args.profile = args.profile or args.profile_each
+    def calibrate() -> None:
         from framework.profile import main as profile
 
         Path(args.calibration).parent.mkdir(parents=True, exist_ok=True)
         # The grid covers the regime the workload runs in: batches of 1-16, prompts up to 320.
         profile(["--out", args.calibration, "--threads", "1", "--clock", args.clock, "--repeats", str(args.profile_repeats),
                  "--counts", "1,2,3,4,6,8,12,16", "--lengths", "16,48,96,192,320"])
+
+    if args.profile:
+        calibrate()
     sim_options = {"hardware": "cpu", "cost_model": {"name": "roofline", "calibration": args.calibration}}
     rows = []
     for rep in range(args.repeats):
+        if args.profile_each and rep:
+            calibrate()  # right before the real run, under the same load (a shared machine drifts)
         started = time.perf_counter()
         real_engine = LLMEngine(engine_config("model"), clock=CPUClock() if args.clock == "cpu" else WallClock())
         real, steps = serve(real_engine, args.seed)

@@ -139,7 +139,8 @@ class RooflineCostModel(CostModel):
     def step_time(self, batch: BatchShape) -> float:
         if batch.is_pure_decode:
             return self.decode_step_time(batch.num_seqs, batch.decode_context)
-        t = self._base(batch.num_seqs, batch.num_tokens, batch.num_sampled)
+        # A step that only moves blocks (a swap-in ahead of its request's turn) runs no model.
+        t = self._base(batch.num_seqs, batch.num_tokens, batch.num_sampled) if batch.num_tokens else self._step
         if batch.num_prefill_seqs:
             t += max(self._pre_c_pair * batch.prefill_pairs * self._inv[2],
                      self._pre_m_ctx * batch.prefill_context * self._inv[3])
@@ -153,9 +154,12 @@ class RooflineCostModel(CostModel):
         """``step_time`` as ``offset + sum over groups of max over (param, leg) of theta[param] * leg``,
         where ``theta`` is ``fit_vector()``: what calibration fits."""
         n, tok, s = batch.num_seqs, batch.num_tokens, batch.num_sampled
-        offset = self._launch + self._ar_fixed + self._ar_tok * tok + self._ar_row * s
+        offset = 0.0
         if batch.swap_in_blocks or batch.swap_out_blocks:
             offset += (batch.swap_in_blocks + batch.swap_out_blocks) * self._swap_block
+        if not tok:
+            return offset, [[(4, 1e-6)], [(1, batch.copy_blocks * self._copy_m_block)]]
+        offset += self._launch + self._ar_fixed + self._ar_tok * tok + self._ar_row * s
         groups = [
             [(0, self._lin_c_tok * tok), (1, self._lin_m_fixed + self._lin_m_tok * tok)],
             [(1, self._elem_m_tok * tok + batch.copy_blocks * self._copy_m_block)],

@@ -85,6 +85,9 @@ def test_swaps_cross_pcie_and_copies_stay_in_device_memory():
     assert m.step_time(swapped) == pytest.approx(base + 15 * block / 25e9, rel=1e-9)
     copied = BatchShape(**{**decode(4, 4000).__dict__, "copy_blocks": 3})
     assert m.step_time(copied) == pytest.approx(base + 3 * 2 * block / BW, rel=1e-9)
+    # A step that only moves blocks runs no model: its overhead and the transfer.
+    stepped = model(step_overhead_us=100)
+    assert stepped.step_time(BatchShape(swap_in_blocks=2)) == pytest.approx(100e-6 + 2 * block / 25e9, rel=1e-9)
 
 
 def test_overheads_add_per_step_request_layer_and_token():
@@ -109,7 +112,8 @@ def test_legs_reproduce_step_time_for_every_shape():
     mixed = BatchShape(num_seqs=5, num_tokens=260, num_sampled=4, num_decode_seqs=4, decode_context=9000,
                        num_prefill_seqs=1, prefill_tokens=256, prefill_context=1256, prefill_pairs=256 * 1000 + 256 * 257 // 2,
                        swap_in_blocks=2, copy_blocks=1)
-    for shape in (mixed, decode(9, 3000), prefill(4000)):
+    swaps_only = BatchShape(swap_out_blocks=4, copy_blocks=1)
+    for shape in (mixed, decode(9, 3000), prefill(4000), swaps_only):
         offset, groups = m.legs(shape)
         assert predict(offset, groups, m.fit_vector()) == pytest.approx(m.step_time(shape), rel=1e-12)
 
