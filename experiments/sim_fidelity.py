@@ -1,8 +1,8 @@
 """Fidelity of the simulator on this CPU: calibrate on the tiny model, then serve a held-out
 workload for real and in simulation and compare.
 
-    python experiments/sim_fidelity.py --calibration cal.yaml --repeats 3 --clock cpu
-    python experiments/sim_fidelity.py --profile --clock cpu       # calibrate first (profile grid)
+    python experiments/sim_fidelity.py --repeats 3                  # calibration interleaved with the real run
+    python experiments/sim_fidelity.py --calibration cal.yaml       # a calibration from python -m framework.profile
 
 Per repeat: one real run (the ``model`` executor, one torch thread) and one simulated run (the
 ``sim`` executor on the ``cpu`` hardware with the calibration) of the same Poisson chat workload,
@@ -12,9 +12,11 @@ which differs from the profile grid (random lengths, arrivals, prefix hits, queu
   against the step's measured duration (median and p90 of |pred/measured - 1|);
 - TTFT and TPOT p50 (and p90) of the simulated run against the real one.
 
-``--clock cpu`` times the real run by process CPU time (``framework.clock.CPUClock``): on a
-machine shared with other work it leaves out the time other processes held the cores; ``wall``
-is the plain wall clock.
+Real runs are timed by process CPU time (``framework.clock.CPUClock``), which leaves out the time
+other processes hold the cores on a shared machine; ``--clock wall`` uses the wall clock. On a
+shared machine the speed also drifts by tens of percent over minutes, so by default the profile
+grid's cells run *between* the real run's steps (its clock paused meanwhile): calibration and
+measurement then see the same machine. ``--calibration FILE`` uses a finished calibration instead.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +34,11 @@ from framework.cluster import Cluster
 from framework.config import EngineConfig
 from framework.cost_model import BatchShape
 from framework.engine import LLMEngine
+from framework.hardware import load_hardware
+from framework.profile import Profiler, calibrate, calibration_record, grid_cells, profile_engine_config
+
+#: The profile grid covers the regime the workload runs in: batches of 1-16, prompts up to 320.
+LENGTHS, COUNTS = [16, 48, 96, 192, 320], [1, 2, 3, 4, 6, 8, 12, 16]
 
 
 def workload(seed: int) -> ChatWorkload:
@@ -45,10 +51,20 @@ def engine_config(executor: str, **options) -> EngineConfig:
                         max_num_seqs=32, max_num_batched_tokens=1024, num_threads=1 if executor == "model" else None)
 
 
-def serve(engine: LLMEngine, seed: int) -> tuple[dict, list[tuple[BatchShape, float]]]:
-    shapes: list[BatchShape] = []
-    durations: list[float] = []
+class PausableCPUClock(CPUClock):
+    def pause(self) -> None:
+        self._paused_at = time.process_time()
+
+    def resume(self) -> None:
+        self._skipped -= time.process_time() - self._paused_at
+
+
+def serve(engine: LLMEngine, seed: int, between_steps=None) -> tuple[dict, list[tuple[BatchShape, float]]]:
+    """Serve the workload; for the model executor also record (shape, measured seconds) per step
+    and call ``between_steps()`` after every step."""
+    steps: list[tuple[BatchShape, float]] = []
     if engine.config.executor == "model":
+        shapes: list[BatchShape] = []
         execute = engine.executor.execute
 
         def recording_execute(out):
@@ -59,7 +75,9 @@ def serve(engine: LLMEngine, seed: int) -> tuple[dict, list[tuple[BatchShape, fl
 
         def on_step(stats, out):
             if out.scheduled:
-                durations.append(stats.duration)
+                steps.append((shapes[-1], stats.duration))
+            if between_steps is not None:
+                between_steps()
 
         engine.step_callbacks.append(on_step)
     outs = [o for _, o in Cluster([engine]).run(workload(seed))]
@@ -68,46 +86,75 @@ def serve(engine: LLMEngine, seed: int) -> tuple[dict, list[tuple[BatchShape, fl
     stats = {"ttft_p50": float(np.median(ttft)), "ttft_p90": float(np.percentile(ttft, 90)),
              "tpot_p50": float(np.median(tpot)), "tpot_p90": float(np.percentile(tpot, 90)),
              "duration": engine.clock.now(), "steps": engine.num_steps}
-    return stats, list(zip(shapes, durations))
+    return stats, steps
+
+
+def real_run_with_calibration(seed: int, profile_repeats: int, clock: str) -> tuple[dict, list, dict]:
+    """The real run, with the profile grid's cells run between its steps (its clock paused)."""
+    cells = grid_cells("default", LENGTHS, COUNTS)
+    profile_engine = LLMEngine(profile_engine_config(cells, num_threads=1))
+    timer = time.process_time if clock == "cpu" else time.perf_counter
+    profiler = Profiler(profile_engine, seed, timer)
+    for cell in cells:  # warm-up pass, not recorded
+        profiler.run_cell(*cell, record=False)
+    queue = [cell for _ in range(profile_repeats) for cell in cells]
+    real_clock = PausableCPUClock() if clock == "cpu" else WallClock()
+    every = 12
+    count = 0
+
+    def between_steps():
+        nonlocal count
+        count += 1
+        if queue and count % every == 0 and isinstance(real_clock, PausableCPUClock):
+            real_clock.pause()
+            profiler.run_cell(*queue.pop())
+            real_clock.resume()
+
+    real, steps = serve(LLMEngine(engine_config("model"), clock=real_clock), seed, between_steps)
+    while queue:
+        profiler.run_cell(*queue.pop())
+    profiler.close()
+    samples = profiler.samples()
+    hardware = load_hardware("cpu")
+    dtype_bytes = profile_engine.executor.dtype.itemsize
+    params, fit = calibrate(samples, profile_engine.model_config, hardware, dtype_bytes)
+    calibration = calibration_record("roofline", "tiny-llama", hardware, dtype_bytes, 16, params, fit, samples,
+                                     {"clock": clock, "cells": [list(c) for c in cells], "repeats": profile_repeats,
+                                      "interleaved_with_real_run": True})
+    return real, steps, calibration
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calibration", default="outputs/fidelity/calibration.yaml")
-    ap.add_argument("--profile", action="store_true", help="run python -m framework.profile first")
+    ap.add_argument("--calibration", default=None, help="a calibration YAML (default: calibrate alongside each real run)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--profile-repeats", type=int, default=5)
-    ap.add_argument("--profile-each", action="store_true", help="recalibrate before every repeat (implies --profile)")
+    ap.add_argument("--profile-repeats", type=int, default=3)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--save-calibration", default=None, help="write the last interleaved calibration here")
     args = ap.parse_args()
-    args.profile = args.profile or args.profile_each
-    def calibrate() -> None:
-        from framework.profile import main as profile
-
-        Path(args.calibration).parent.mkdir(parents=True, exist_ok=True)
-        # The grid covers the regime the workload runs in: batches of 1-16, prompts up to 320.
-        profile(["--out", args.calibration, "--threads", "1", "--clock", args.clock, "--repeats", str(args.profile_repeats),
-                 "--counts", "1,2,3,4,6,8,12,16", "--lengths", "16,48,96,192,320"])
-
-    if args.profile:
-        calibrate()
-    sim_options = {"hardware": "cpu", "cost_model": {"name": "roofline", "calibration": args.calibration}}
     rows = []
     for rep in range(args.repeats):
-        if args.profile_each and rep:
-            calibrate()  # right before the real run, under the same load (a shared machine drifts)
         started = time.perf_counter()
-        real_engine = LLMEngine(engine_config("model"), clock=CPUClock() if args.clock == "cpu" else WallClock())
-        real, steps = serve(real_engine, args.seed)
-        sim_engine = LLMEngine(engine_config("sim", **sim_options))
-        assert sim_engine.allocator.num_blocks == real_engine.allocator.num_blocks
+        if args.calibration is None:
+            real, steps, calibration = real_run_with_calibration(args.seed, args.profile_repeats, args.clock)
+            if args.save_calibration:
+                import yaml
+
+                with open(args.save_calibration, "w") as f:
+                    yaml.safe_dump(calibration, f, sort_keys=False, default_flow_style=None, width=120)
+        else:
+            calibration = args.calibration
+            clock = CPUClock() if args.clock == "cpu" else WallClock()
+            real, steps = serve(LLMEngine(engine_config("model"), clock=clock), args.seed)
+        sim_engine = LLMEngine(engine_config("sim", hardware="cpu", cost_model={"name": "roofline", "calibration": calibration}))
         sim, _ = serve(sim_engine, args.seed)
         cost = sim_engine.executor.cost_model
         errors = sorted(abs(cost.step_time(shape) / t - 1) for shape, t in steps)
         row = {"step_time_median_abs_err": statistics.median(errors), "step_time_p90_abs_err": errors[int(0.9 * len(errors))],
                "steps": len(steps),
                **{f"{k}_rel_err": sim[k] / real[k] - 1 for k in ("ttft_p50", "tpot_p50", "ttft_p90", "tpot_p90")},
+               "fit_median_abs_err": cost.calibration["fit"]["median_abs_rel_error"] if cost.calibration else None,
                "real": real, "sim": sim, "seconds": time.perf_counter() - started}
         rows.append(row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
@@ -115,8 +162,7 @@ def main() -> None:
         print("   real", json.dumps({k: round(v, 5) for k, v in real.items()}))
         print("   sim ", json.dumps({k: round(v, 5) for k, v in sim.items()}), flush=True)
     for key in ("step_time_median_abs_err", "ttft_p50_rel_err", "tpot_p50_rel_err"):
-        values = [r[key] for r in rows]
-        print(f"{key:26s} " + "  ".join(f"{v:+.3f}" for v in values))
+        print(f"{key:26s} " + "  ".join(f"{r[key]:+.3f}" for r in rows))
     sys.stdout.flush()
 
 

@@ -30,11 +30,12 @@ from framework.hardware import load_hardware
 
 logger = logging.getLogger(__name__)
 
-#: (prompt lengths, request counts, decode steps, most prompt tokens per cell)
+#: (prompt lengths, request counts, decode steps, most prompt tokens per cell). A dozen decode steps
+#: per cell: the first after a prefill runs slower (cold caches), as it does in real runs too.
 GRIDS: dict[str, tuple[list[int], list[int], int, int]] = {
     "quick": ([16, 96], [1, 4], 2, 512),
-    "default": ([16, 64, 128, 256, 512], [1, 2, 4, 8, 16, 32], 4, 4096),
-    "large": ([16, 64, 256, 1024, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 4, 65536),
+    "default": ([16, 64, 128, 256, 512], [1, 2, 4, 8, 16, 32], 12, 4096),
+    "large": ([16, 64, 256, 1024, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 12, 65536),
 }
 
 
@@ -50,41 +51,84 @@ def grid_cells(name: str, lengths: list[int] | None = None, counts: list[int] | 
     return [(m, length, decode) for length in lengths for m in counts if m * length <= max(budget, length)]
 
 
+class Profiler:
+    """Times engine steps of chosen compositions on a model-executor ``LLMEngine`` (prefix cache
+    off, so every prompt computes), keeping every duration per distinct ``BatchShape``."""
+
+    def __init__(self, engine: Any, seed: int = 0, timer: Callable[[], float] = time.perf_counter) -> None:
+        self.engine = engine
+        self.timer = timer
+        self.rng = random.Random(seed)
+        self.seconds: dict[tuple, list[float]] = defaultdict(list)
+        self._shapes: list[BatchShape] = []
+        self._cells = 0
+        execute = engine.executor.execute
+
+        def recording_execute(out):
+            self._shapes.append(BatchShape.from_scheduler_output(out))
+            return execute(out)
+
+        engine.executor.execute = recording_execute
+
+    def close(self) -> None:
+        del self.engine.executor.execute
+
+    def run_cell(self, m: int, length: int, decode: int, record: bool = True) -> None:
+        """``m`` requests of ``length``-token prompts, prefilled then decoded ``decode`` steps."""
+        from framework.sampling_params import SamplingParams
+
+        engine, vocab = self.engine, self.engine.model_config.vocab_size
+        params = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True)
+        self._cells += 1
+        for i in range(m):
+            engine.add_request(f"profile-{self._cells}-{i}", [self.rng.randrange(3, vocab) for _ in range(length)], params)
+        while engine.has_unfinished_requests():
+            before = len(self._shapes)
+            t0 = self.timer()
+            engine.step()
+            dt = self.timer() - t0
+            if record and len(self._shapes) > before:
+                self.seconds[tuple(self._shapes[-1].to_list())].append(dt)
+
+    def samples(self) -> list[tuple[BatchShape, float]]:
+        """Median seconds of every distinct shape measured."""
+        return [(BatchShape.from_list(list(key)), statistics.median(v)) for key, v in self.seconds.items()]
+
+
 def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: int = 0,
             timer: Callable[[], float] = time.perf_counter) -> list[tuple[BatchShape, float]]:
     """Median seconds per distinct step shape over ``repeats`` passes of ``cells`` on ``engine``
     (a model-executor ``LLMEngine``; its prefix cache should be off so every prompt computes),
     timed with ``timer`` (``time.process_time`` leaves out other processes' time on a shared
-    machine, provided torch runs one thread)."""
-    from framework.sampling_params import SamplingParams
-
-    shapes: list[BatchShape] = []
-    execute = engine.executor.execute
-
-    def recording_execute(out):
-        shapes.append(BatchShape.from_scheduler_output(out))
-        return execute(out)
-
-    engine.executor.execute = recording_execute
-    rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    seconds: dict[tuple, list[float]] = defaultdict(list)
+    machine, provided torch runs one thread). A first pass warms up and is not recorded."""
+    profiler = Profiler(engine, seed, timer)
     try:
-        for rep in range(repeats + 1):  # pass 0 warms up (allocator, kernels, caches) and is dropped
-            for m, length, decode in cells:
-                params = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True)
-                for i in range(m):
-                    engine.add_request(f"p{rep}-{m}-{length}-{i}", [rng.randrange(3, vocab) for _ in range(length)], params)
-                while engine.has_unfinished_requests():
-                    before = len(shapes)
-                    t0 = timer()
-                    engine.step()
-                    dt = timer() - t0
-                    if rep and len(shapes) > before:
-                        seconds[tuple(shapes[-1].to_list())].append(dt)
+        for rep in range(repeats + 1):
+            for cell in cells:
+                profiler.run_cell(*cell, record=rep > 0)
     finally:
-        del engine.executor.execute
-    return [(BatchShape.from_list(list(key)), statistics.median(values)) for key, values in seconds.items()]
+        profiler.close()
+    return profiler.samples()
+
+
+def profile_engine_config(cells: list[tuple[int, int, int]], model: str = "tiny-llama", **kw: Any) -> Any:
+    """The ``EngineConfig`` of a profiling engine big enough for ``cells`` (no prefix caching)."""
+    from framework.config import EngineConfig
+
+    max_len = max(length for _, length, _ in cells) + max(d for _, _, d in cells) + 2
+    return EngineConfig(model=model, executor="model", max_num_seqs=max(m for m, _, _ in cells),
+                        max_num_batched_tokens=max(2048, max_len), max_model_len=max_len,
+                        enable_prefix_caching=False, **kw)
+
+
+def calibration_record(cost_model: str, model: str, hardware: Any, dtype_bytes: int, block_size: int,
+                       params: dict[str, float], fit: dict[str, float], samples: list[tuple[BatchShape, float]],
+                       measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a calibration YAML holds (``cost_model.calibration`` loads its ``params``)."""
+    return {"cost_model": cost_model, "model": model, "hardware": hardware.to_dict(), "dtype_bytes": dtype_bytes,
+            "tensor_parallel_size": 1, "block_size": block_size, "params": params, "fit": fit,
+            "measured": measured or {}, "samples": {"fields": BatchShape.field_names() + ["seconds"],
+                        "rows": [shape.to_list() + [t] for shape, t in samples]}}
 
 
 def _ints(text: str) -> list[int]:
@@ -131,18 +175,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
 
-    from framework.config import EngineConfig
     from framework.engine import LLMEngine
 
     cells = grid_cells(args.grid, args.lengths, args.counts)
     hardware = load_hardware(args.hardware)
-    max_seqs = max(m for m, _, _ in cells)
-    max_len = max(length for _, length, _ in cells) + max(d for _, _, d in cells) + 2
-    config = EngineConfig(model=args.model, executor="model", backend=args.backend, preparer=args.preparer,
-                          device=args.device, dtype=args.dtype, block_size=args.block_size, max_num_seqs=max_seqs,
-                          max_num_batched_tokens=max(2048, max_len), max_model_len=max_len,
-                          enable_prefix_caching=False, num_threads=args.threads, seed=args.seed)
-    engine = LLMEngine(config)
+    engine = LLMEngine(profile_engine_config(cells, args.model, backend=args.backend, preparer=args.preparer,
+                                             device=args.device, dtype=args.dtype, block_size=args.block_size,
+                                             num_threads=args.threads, seed=args.seed))
     dtype_bytes = engine.executor.dtype.itemsize
     started = time.perf_counter()
     samples = measure(engine, cells, args.repeats, args.seed,
@@ -151,20 +190,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size)
     fit["fit_seconds"] = time.perf_counter() - started
-
     import torch
 
-    result = {
-        "cost_model": args.cost_model, "model": args.model, "hardware": hardware.to_dict(), "dtype_bytes": dtype_bytes,
-        "tensor_parallel_size": 1, "block_size": args.block_size, "params": params, "fit": fit,
-        "measured": {"device": engine.executor.device, "backend": args.backend, "preparer": args.preparer,
-                     "torch": str(torch.__version__), "threads": torch.get_num_threads(), "grid": args.grid,
-                     "repeats": args.repeats, "clock": args.clock, "cells": [list(c) for c in cells],
-                     "seconds": round(measured_s, 1),
-                     "date": datetime.datetime.now().isoformat(timespec="seconds")},
-        "samples": {"fields": BatchShape.field_names() + ["seconds"],
-                    "rows": [shape.to_list() + [t] for shape, t in samples]},
-    }
+    measured = {"device": engine.executor.device, "backend": args.backend, "preparer": args.preparer,
+                "torch": str(torch.__version__), "threads": torch.get_num_threads(), "grid": args.grid,
+                "repeats": args.repeats, "clock": args.clock, "cells": [list(c) for c in cells],
+                "seconds": round(measured_s, 1), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    result = calibration_record(args.cost_model, args.model, hardware, dtype_bytes, args.block_size, params, fit,
+                                samples, measured)
     import yaml
 
     out = Path(args.out)
