@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m framework.profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama", help="preset or Hugging Face checkpoint directory")
-    ap.add_argument("--hardware", default="cpu", help="conf/hardware preset or YAML the fit is relative to")
+    ap.add_argument("--hardware", default=None,
+                    help="conf/hardware preset or YAML the fit is relative to (default: cpu when running on a CPU)")
     ap.add_argument("--cost-model", default="roofline")
     ap.add_argument("--out", default="calibration.yaml")
     ap.add_argument("--grid", default="default", choices=sorted(GRIDS))
@@ -178,10 +179,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from framework.engine import LLMEngine
 
     cells = grid_cells(args.grid, args.lengths, args.counts)
-    hardware = load_hardware(args.hardware)
     engine = LLMEngine(profile_engine_config(cells, args.model, backend=args.backend, preparer=args.preparer,
                                              device=args.device, dtype=args.dtype, block_size=args.block_size,
                                              num_threads=args.threads, seed=args.seed))
+    if args.hardware is None:
+        if engine.executor.device != "cpu":
+            ap.error(f"measuring on {engine.executor.device}: name its hardware description with --hardware "
+                     f"(presets: a100-80gb, h100-sxm, h200, l40s, or a YAML path)")
+        args.hardware = "cpu"
+    hardware = load_hardware(args.hardware)
     dtype_bytes = engine.executor.dtype.itemsize
     started = time.perf_counter()
     samples = measure(engine, cells, args.repeats, args.seed,

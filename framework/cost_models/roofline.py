@@ -19,6 +19,7 @@ measured steps by bounded least squares on relative error.
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from typing import Any
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.hardware import Hardware
 from models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 #: Fitted parameters and their defaults (a vLLM-like stack on a datacenter GPU, uncalibrated).
 PARAMS: dict[str, float] = {
@@ -58,6 +61,10 @@ class RooflineCostModel(CostModel):
                              f"{sorted(PARAMS) + sorted(STRUCTURE) + ['calibration']}")
         self.calibration = load_calibration(calibration) if calibration is not None else None
         fitted = self.calibration["params"] if self.calibration else {}
+        fitted_on = (self.calibration or {}).get("hardware", {}).get("name")
+        if fitted_on is not None and fitted_on != hardware.name:
+            logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
+                           fitted_on, hardware.name)
         self.params = {**PARAMS, **{k: float(v) for k, v in fitted.items() if k in PARAMS},
                        **{k: float(v) for k, v in options.items() if k in PARAMS}}
         self.structure = {**STRUCTURE, **{k: float(v) for k, v in options.items() if k in STRUCTURE}}
