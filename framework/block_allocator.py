@@ -8,7 +8,7 @@ simulated runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -122,23 +122,28 @@ class BlockAllocator(ABC):
         make no such promise)."""
         return None
 
-    def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False) -> list[int]:
-        """The allocations of ``num_steps`` steps that each compute one token of every request:
-        the same effect as calling ``allocate_slots(request, 1)`` for step ``j = 1..num_steps``
-        and each request in order, with ``num_computed_tokens`` ``j - 1`` past its current value
-        (left unchanged here). The requests' new tokens are already in ``token_ids``, and
+    def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False,
+                            active: Sequence[int] | None = None,
+                            pauses: Mapping[int, Callable[[], None]] | None = None) -> list[int]:
+        """The allocations of ``num_steps`` steps that each compute one token of every request
+        still taking part: the same effect as calling ``allocate_slots(request, 1)`` for step
+        ``j = 1..num_steps`` and each request in order, with ``num_computed_tokens`` ``j - 1`` past
+        its value at the call. Request ``i`` takes part in the first ``active[i]`` steps (default:
+        all); after step ``j``'s allocations, ``pauses[j]()`` runs (the caller finishes requests
+        there, which frees blocks). The requests' new tokens are already in ``token_ids``, and
         ``decode_run_blocks`` said the free blocks suffice. Returns the blocks in use after each
         step when ``track``, else []. This default replays the calls that can change anything."""
         bs = self.block_size
-        events: dict[int, list[tuple[Request, int]]] = {}
-        for req in requests:
+        pauses = pauses or {}
+        events: dict[int, list[tuple[Request, int]]] = {j: [] for j in pauses}
+        for k, req in enumerate(requests):
             computed = req.num_computed_tokens
+            last = num_steps if active is None else active[k]
             # Step j writes position computed + j - 1: it fills a block when computed + j is a
             # multiple of bs, and starts one on the step after.
             fill = (-computed) % bs or bs
             begin = fill % bs + 1
-            steps = set(range(fill, num_steps + 1, bs)) | set(range(begin, num_steps + 1, bs))
-            for j in steps:
+            for j in sorted(set(range(fill, last + 1, bs)) | set(range(begin, last + 1, bs))):
                 events.setdefault(j, []).append((req, computed))
         used: list[int] = []
         done = 0
@@ -146,11 +151,14 @@ class BlockAllocator(ABC):
             if track:
                 used.extend([self.num_used_blocks] * (j - 1 - done))
             for req, computed in events[j]:
+                saved = req.num_computed_tokens
                 req.num_computed_tokens = computed + j - 1
                 ok = self.allocate_slots(req, 1)
-                req.num_computed_tokens = computed
+                req.num_computed_tokens = saved
                 if not ok:
                     raise RuntimeError(f"decode run: {req.request_id} found no free block although the pool was checked")
+            if j in pauses:
+                pauses[j]()
             if track:
                 used.append(self.num_used_blocks)
             done = j

@@ -169,7 +169,9 @@ class Cluster:
                 plans[i] = None
                 emit_all(i, engine.commit_decode_run(plan, len(plan.end_times)))
             else:
-                plan = engine.plan_decode_run(math.inf if lazy or nxt is None else nxt.time)
+                # A lazy plan ends at its first finish, so that the finish is an event; otherwise
+                # a run goes through finishes up to the next arrival.
+                plan = engine.plan_decode_run(math.inf if lazy or nxt is None else nxt.time, through_finishes=not lazy)
                 if plan is None:
                     emit_all(i, engine.step(final_only=True))
                 elif lazy:

@@ -208,22 +208,26 @@ class LLMEngine:
             return self.step(final_only=True)
         return self.commit_decode_run(plan, len(plan.end_times))
 
-    def plan_decode_run(self, until: float = math.inf) -> DecodePlan | None:
+    def plan_decode_run(self, until: float = math.inf, through_finishes: bool = True) -> DecodePlan | None:
         """The pure-decode steps that provably come next (changes nothing), or None."""
-        return plan_decode_run(self, until)
+        return plan_decode_run(self, until, through_finishes)
 
     def commit_decode_run(self, plan: DecodePlan, num_steps: int) -> list[RequestOutput]:
         """Take the first ``num_steps`` steps of ``plan`` (made since the engine last changed);
         returns the outputs of the requests that finished."""
         run = commit_decode_run(self, plan, num_steps)
         self._stalled_steps = 0
-        outside = [o for o in self._make_outputs(run.finished_outside) if o.finished] if run.finished_outside else []
-        done = [o for o in self._make_outputs(run.finished) if o.finished] if run.finished else []
-        if self.step_callbacks:
-            run.num_finished_first, run.num_finished_last = len(outside), len(done)
-            for callback in self.step_callbacks:
-                callback.on_decode_run(run)  # type: ignore[attr-defined]
-        return outside + done
+        outputs = [o for o in self._make_outputs(run.finished_outside) if o.finished] if run.finished_outside else []
+        if outputs:
+            run.outputs_finished[1] = len(outputs)
+        for step, group in run.finished:
+            done = [o for o in self._make_outputs(group) if o.finished]
+            if done:
+                run.outputs_finished[step] = run.outputs_finished.get(step, 0) + len(done)
+                outputs += done
+        for callback in self.step_callbacks:
+            callback.on_decode_run(run)  # type: ignore[attr-defined]
+        return outputs
 
     def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
         if out.scheduled or done or _has_block_ops(out) or not self.scheduler.has_unfinished_requests():

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from framework.request import Request, RequestStatus
@@ -40,24 +40,23 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecodeRun:
-    """Steps ``first_step .. first_step + len(end_times) - 1``, each one token for each of the
-    ``num_seqs`` requests running at its start. Step ``k`` of the run starts at ``start_time``
-    (k = 0) or at the previous end time; ``kv_blocks_used[k]`` is the device blocks in use after
-    it (empty when no step callback asked)."""
+    """Steps ``first_step .. first_step + len(end_times) - 1``, each one token for each request
+    running at its start (``batch_sizes[k]`` of them on step ``k``). Step ``k`` of the run starts
+    at ``start_time`` (k = 0) or at the previous end time; ``kv_blocks_used[k]`` is the device
+    blocks in use after it (empty when no step callback asked)."""
 
     first_step: int
     start_time: float
     end_times: list[float]
-    num_seqs: int
+    batch_sizes: list[int]
     kv_blocks_used: list[int]
     num_usable_blocks: int
-    #: Requests that finished on the run's last step (their outputs are still to be made).
-    finished: list[Request]
+    #: (step k, requests that finished on it), in step order; their outputs are still to be made.
+    finished: list[tuple[int, list[Request]]]
     #: Requests finished outside a step (ignored on arrival) that the run's first step delivers.
     finished_outside: list[Request]
-    #: Outputs completed by the run's first and last steps (set by the engine before callbacks).
-    num_finished_first: int = 0
-    num_finished_last: int = 0
+    #: Outputs completed on each step (set by the engine before callbacks).
+    outputs_finished: dict[int, int] = field(default_factory=dict)
 
 
 def declares_steady_decode(policy: SchedulerPolicy) -> bool:
@@ -89,11 +88,12 @@ class DecodePlan:
     lefts: list[int]
 
 
-def plan_decode_run(engine: LLMEngine, until: float = math.inf) -> DecodePlan | None:
-    """Plan the pure-decode steps that provably come next, ending with the first step on which a
-    request finishes, before a step that would start at or after ``until`` (the next arrival) or
-    need a block the pool lacks. None when not even one step qualifies (the caller then takes an
-    ordinary ``engine.step()``)."""
+def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes: bool = True) -> DecodePlan | None:
+    """Plan the pure-decode steps that provably come next: every running request computes one
+    token per step until it finishes (``through_finishes``; else the run ends with the first
+    step on which one does), stopping before a step that would start at or after ``until`` (the
+    next arrival) or need a block the pool lacks. None when not even one step qualifies (the
+    caller then takes an ordinary ``engine.step()``)."""
     executor = engine.executor
     if not getattr(executor, "fast_forward", False):
         return None
@@ -105,38 +105,44 @@ def plan_decode_run(engine: LLMEngine, until: float = math.inf) -> DecodePlan | 
     if any(not hasattr(cb, "on_decode_run") for cb in engine.step_callbacks) or not declares_steady_decode(engine.policy):
         return None
 
-    # Steps until the first request finishes (its last step ends the run) ...
-    max_steps = math.inf
-    context = 0
-    tokens = []
-    lefts = []
     sampled_token = executor.sampled_token
-    for req in running:
+    tokens = [sampled_token] * len(running)
+    lefts = []
+    contexts = []
+    running_status = RequestStatus.RUNNING
+    for k, req in enumerate(running):
         num_tokens = len(req.token_ids)
-        if req.status is not RequestStatus.RUNNING or num_tokens - req.num_computed_tokens != 1:
+        if num_tokens - req.num_computed_tokens != 1 or req.status is not running_status:
             return None
         params = req.sampling_params
-        token = sampled_token
-        if params.stop_token_ids and token in params.stop_token_ids:
-            token = executor.token_for(req)
-            if token in params.stop_token_ids:
+        if params.stop_token_ids and sampled_token in params.stop_token_ids:
+            tokens[k] = executor.token_for(req)
+            if tokens[k] in params.stop_token_ids:
                 return None
-        if not params.ignore_eos and token in req.eos_token_ids:
+        if not params.ignore_eos and tokens[k] in req.eos_token_ids:
             return None
-        left = params.max_tokens - (num_tokens - len(req.prompt_token_ids))
+        left = params.max_tokens - num_tokens + len(req.prompt_token_ids)
         if req.max_model_len is not None and req.max_model_len - num_tokens < left:
             left = req.max_model_len - num_tokens
-        if left < max_steps:
-            max_steps = left
-        context += num_tokens
-        tokens.append(token)
         lefts.append(left)
-    # ... and before one would need a block the pool does not have.
-    max_steps = _block_limit(engine.allocator, running, int(max_steps))
+        contexts.append(num_tokens)
+    # Up to the last finish (or the first), and before a step would need a block the pool lacks
+    # (counting every request's blocks to the end: frees on the way are ignored, conservatively).
+    max_steps = _block_limit(engine.allocator, running, max(lefts) if through_finishes else min(lefts))
     if max_steps < 1:
         return None
+    # Segments between finishes: (steps, batch size, keys attended on the segment's first step).
+    segments = []
+    done = 0
+    for finish in sorted(set(lefts)):
+        first = done + 1
+        if first > max_steps:
+            break
+        alive = [c for c, left in zip(contexts, lefts) if left >= first]
+        segments.append((min(finish, max_steps) - done, len(alive), sum(alive) + len(alive) * done))
+        done = finish
     start = engine.clock.now()
-    times = executor.plan_decode_run(len(running), context, max_steps, until)
+    times = executor.plan_decode_run(segments, until)
     if not times:
         return None
     return DecodePlan(start, times, list(running), tokens, lefts)
@@ -148,40 +154,54 @@ def commit_decode_run(engine: LLMEngine, plan: DecodePlan, num: int) -> DecodeRu
     to step callbacks (``LLMEngine.commit_decode_run`` does both)."""
     if not 0 < num <= len(plan.end_times):
         raise ValueError(f"a plan of {len(plan.end_times)} steps cannot commit {num}")
-    scheduler, allocator, executor = engine.scheduler, engine.allocator, engine.executor
+    scheduler, allocator, executor, clock = engine.scheduler, engine.allocator, engine.executor, engine.clock
     running, tokens, lefts = plan.running, plan.tokens, plan.lefts
     times = plan.end_times[:num]
     finished_outside = scheduler.take_finished_outside_step()
     first_step = engine.num_steps + 1  # StepStats counts steps from 1
-    for req, token in zip(running, tokens):
-        req.token_ids.extend([token] * num)
-    used = allocator.allocate_decode_run(running, num, bool(engine.step_callbacks))
-    # Every request gets its tokens in bulk, but one finishing on the last step gets that step's
-    # token from the scheduler's own update, which also finishes it and frees its blocks.
-    finishing = [req for req, left in zip(running, lefts) if left == num]
-    bulk_times = times[:-1] if finishing else times
+    # Each request gets its tokens, times and computed tokens in bulk, except that one finishing
+    # on step F (<= num) gets its F-th from the scheduler's own update, which finishes it and
+    # frees its blocks: that runs between step F's allocations and step F + 1's.
+    active = [left if left < num else num for left in lefts]
+    common = [executor.sampled_token] * num
+    groups: dict[int, list[Request]] = {}
+    for req, token, steps, left in zip(running, tokens, active, lefts):
+        bulk = steps - 1 if left <= num else steps
+        if bulk:
+            req.token_ids.extend(common[:bulk] if token == executor.sampled_token else [token] * bulk)
+            req.token_times.extend(times[:bulk])
+            if req.first_token_time is None:
+                req.first_token_time = times[0]
+        if left <= num:
+            groups.setdefault(left, []).append(req)
+    finished: list[tuple[int, list[Request]]] = []
+
+    def finisher(step: int, group: list[Request]):
+        def finish() -> None:
+            clock.wait_until(times[step - 1])
+            for req in group:
+                req.num_computed_tokens += step - 1
+            out = SchedulerOutput(scheduled=group, num_scheduled_tokens={r.request_id: 1 for r in group})
+            sampled = {r.request_id: t for r, t, left in zip(running, tokens, lefts) if left == step}
+            scheduler.update_from_output(out, sampled)
+            finished.append((step, [r for r in group if r.is_finished]))
+        return finish
+
+    pauses = {step: finisher(step, group) for step, group in groups.items()}
+    used = allocator.allocate_decode_run(running, num, bool(engine.step_callbacks), active, pauses)
     for req, left in zip(running, lefts):
-        if left == num:
-            req.num_computed_tokens += num - 1
-            req.token_times.extend(bulk_times)
-            del req.token_ids[-1]
-        else:
+        if left > num:
             req.num_computed_tokens += num
-            req.token_times.extend(times)
-        if req.first_token_time is None and req.token_times:
-            req.first_token_time = req.token_times[0]
     executor.commit_decode_run(plan.start_time, times)
-    finished: list[Request] = []
-    if finishing:
-        out = SchedulerOutput(scheduled=finishing, num_scheduled_tokens={r.request_id: 1 for r in finishing})
-        sampled = {r.request_id: t for r, t, left in zip(running, tokens, lefts) if left == num}
-        scheduler.update_from_output(out, sampled)
-        finished = [r for r in finishing if r.is_finished]
-        if used:
-            used[-1] = allocator.num_used_blocks
     scheduler.num_steps += num
     engine.num_steps += num
-    return DecodeRun(first_step, plan.start_time, times, len(running), used, allocator.num_usable_blocks,
+    sizes = []
+    alive = len(running)
+    for k in range(1, num + 1):
+        sizes.append(alive)
+        if k in groups:
+            alive -= len(groups[k])
+    return DecodeRun(first_step, plan.start_time, times, sizes, used, allocator.num_usable_blocks,
                      finished, finished_outside)
 
 

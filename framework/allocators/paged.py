@@ -3,7 +3,7 @@ swap space (vLLM's block manager, nano-vllm's ``BlockManager``, seed 003)."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from framework.block_allocator import ALLOCATORS, NULL_BLOCK, BlockAllocator, PrefixHit
 from framework.request import Request, RequestStatus
@@ -161,34 +161,39 @@ class PagedBlockAllocator(BlockAllocator):
                 needed += n
         return needed
 
-    def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False) -> list[int]:
+    def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False,
+                            active: Sequence[int] | None = None,
+                            pauses: Mapping[int, Callable[[], None]] | None = None) -> list[int]:
         bs = self.block_size
         # events[j]: what happens on step j, in request order: (request, -1) takes a fresh block
         # (the step starts one), (request, i) seals block i (the step fills it). Requests are
         # visited in order and each adds its start before its fill, as allocate_slots does when
         # one step does both (block_size 1).
         events: defaultdict[int, list[tuple[Request, int]]] = defaultdict(list)
-        for req in requests:
+        caching = self.enable_prefix_caching
+        for k, req in enumerate(requests):
             computed = req.num_computed_tokens
+            last = num_steps if active is None else active[k]
             j = len(req.block_ids) * bs - computed + 1
-            while j <= num_steps:
+            while j <= last:
                 events[j].append((req, -1))
                 j += bs
-            if self.enable_prefix_caching:
+            if caching:
                 j = (-computed) % bs or bs
-                while j <= num_steps:
+                while j <= last:
                     events[j].append((req, (computed + j) // bs - 1))
                     j += bs
+        steps = sorted(events.keys() | pauses.keys()) if pauses else sorted(events)
         # The loop below is _pop_free and _seal inlined for one block: it runs for every block
         # a simulated request fills while decoding.
         free, blocks, index = self._free, self._blocks, self._hash_to_block
         in_use = self.num_used_blocks
         used: list[int] = []
         done = 0
-        for j in sorted(events):
+        for j in steps:
             if track:
                 used.extend([in_use] * (j - 1 - done))
-            for req, i in events[j]:
+            for req, i in events.get(j, ()):
                 if i < 0:  # take the least recently used free block, evicting what it caches
                     bid = free.popitem(last=False)[0]
                     block = blocks[bid]
@@ -207,11 +212,14 @@ class PagedBlockAllocator(BlockAllocator):
                     self._request_hashes(req, i)
                 toks = tuple(req.token_ids[i * bs:(i + 1) * bs])
                 if len(hashes) == i:
-                    hashes.append(block_hash(hashes[i - 1] if i else _ROOT_HASH, toks))
+                    hashes.append(hash((hashes[i - 1] if i else _ROOT_HASH, toks)))  # block_hash, inlined
                 if block.hash is None:
                     block.hash = hashes[i]
                     block.token_ids = toks
                     index.setdefault(block.hash, block.block_id)
+            if pauses and j in pauses:
+                pauses[j]()
+                in_use = self.num_used_blocks
             if track:
                 used.append(in_use)
             done = j

@@ -130,18 +130,21 @@ class SimExecutor(Executor):
         self.busy_time += dt
         return ExecutorOutput(sampled)
 
-    def plan_decode_run(self, num_seqs: int, context: int, max_steps: int, until: float = math.inf) -> list[float]:
-        """End times of up to ``max_steps`` consecutive pure-decode steps of ``num_seqs`` rows
-        attending to ``context`` keys in the first (``num_seqs`` more each step), stopping before
-        the first step that would start at or after ``until``. The times are what stepping one
-        by one gives, bit for bit; the caller must ``commit_decode_run`` all of them."""
+    def plan_decode_run(self, segments: list[tuple[int, int, int]], until: float = math.inf) -> list[float]:
+        """End times of consecutive pure-decode steps: segment ``(steps, num_seqs, context)`` is
+        ``steps`` steps of ``num_seqs`` rows attending to ``context`` keys in its first step
+        (``num_seqs`` more each step). Stops before the first step that would start at or after
+        ``until``. The times are what stepping one by one gives, bit for bit."""
         t = self.clock.now()
         times: list[float] = []
         cost = self.cost_model.decode_step_time
-        while len(times) < max_steps and t < until:
-            t = t + cost(num_seqs, context)
-            times.append(t)
-            context += num_seqs
+        for steps, num_seqs, context in segments:
+            for _ in range(steps):
+                if t >= until:
+                    return times
+                t = t + cost(num_seqs, context)
+                times.append(t)
+                context += num_seqs
         return times
 
     def commit_decode_run(self, start: float, times: list[float]) -> None:

@@ -22,7 +22,7 @@ class CountingLog(StepLog):
         self.runs = 0
 
     def on_decode_run(self, run):
-        self.runs += 1
+        self.runs += len(run.end_times)  # steps taken in runs
         super().on_decode_run(run)
 
 
@@ -63,7 +63,8 @@ SCENARIOS = {
 def test_decode_runs_equal_stepping_one_by_one(scenario):
     steps, requests, state, _ = serve(False, **SCENARIOS[scenario])
     fast_steps, fast_requests, fast_state, runs = serve(True, **SCENARIOS[scenario])
-    assert runs > 0.2 * len(requests)  # the fast path did the bulk of the work
+    # The fast path took a good share of the steps (most, unless preemptions keep requests waiting).
+    assert runs > (0.8 if scenario == "plenty of blocks" else 0.1) * len(steps["step"])
     assert fast_steps == steps
     assert fast_requests == requests
     assert fast_state == state
