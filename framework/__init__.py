@@ -2,7 +2,8 @@
 
 Four pluggable parts, each an abstract class with a registry: ``SchedulerPolicy`` (POLICIES),
 ``BlockAllocator`` (ALLOCATORS), ``AttentionBackend`` (BACKENDS) and ``InputPreparer``
-(PREPARERS); plus ``Executor`` (EXECUTORS) for real or simulated execution.
+(PREPARERS); plus ``Executor`` (EXECUTORS) for real or simulated execution, and for simulated
+runs ``CostModel`` (COST_MODELS) and, across replicas of a ``Cluster``, ``Router`` (ROUTERS).
 """
 import os as _os
 import sys as _sys
@@ -16,21 +17,41 @@ if "OMP_WAIT_POLICY" not in _os.environ:
                        "for fast CPU runs", stacklevel=2)
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata  # noqa: E402
 from framework.block_allocator import ALLOCATORS, BlockAllocator  # noqa: E402
 from framework.config import EngineConfig  # noqa: E402
 from framework.engine import LLMEngine, StepStats  # noqa: E402
 from framework.executor import EXECUTORS, Executor  # noqa: E402
-from framework.input_preparer import PREPARERS, InputPreparer, ModelInput  # noqa: E402
 from framework.llm import LLM  # noqa: E402
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from framework.registry import Registry, UnknownNameError  # noqa: E402
 from framework.request import Request, RequestStatus  # noqa: E402
 from framework.sampling_params import SamplingParams  # noqa: E402
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulerPolicy  # noqa: E402
+from framework.cost_model import COST_MODELS, BatchShape, CostModel  # noqa: E402
+from framework.router import ROUTERS, Router  # noqa: E402
+from framework.cluster import Arrival, Cluster  # noqa: E402
+
+# The attention and input-preparation interfaces are tensor code: they load torch (about 2 s and
+# 250 MB) on first use, so that simulated runs, which never touch a tensor, never pay for it.
+_TORCH_EXPORTS = {
+    "BACKENDS": "framework.attention", "AttentionBackend": "framework.attention",
+    "AttentionMetadata": "framework.attention", "PREPARERS": "framework.input_preparer",
+    "InputPreparer": "framework.input_preparer", "ModelInput": "framework.input_preparer",
+}
+
+
+def __getattr__(name: str):
+    module = _TORCH_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'framework' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
-    "ALLOCATORS", "BACKENDS", "EXECUTORS", "LLM", "POLICIES", "PREPARERS", "AttentionBackend",
+    "ALLOCATORS", "BACKENDS", "COST_MODELS", "EXECUTORS", "LLM", "POLICIES", "PREPARERS", "ROUTERS", "Arrival",
+    "AttentionBackend", "BatchShape", "Cluster", "CostModel", "Router",
     "AttentionMetadata", "BlockAllocator", "CompletionOutput", "EngineConfig", "Executor", "InputPreparer",
     "LLMEngine", "ModelInput", "Registry", "Request", "RequestMetrics", "RequestOutput", "RequestStatus",
     "SamplingParams", "Scheduler", "SchedulerOutput", "SchedulerPolicy", "StepStats", "UnknownNameError",

@@ -8,7 +8,7 @@ simulated runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -112,6 +112,59 @@ class BlockAllocator(ABC):
         """Give ``request`` blocks for its first ``num_computed_tokens + prefix + num_new_tokens``
         tokens, taking the ``prefix`` blocks first (only for a request holding no blocks).
         All-or-nothing: on False nothing changed."""
+
+    # -- decode runs (simulator fast-forward, framework/fast_forward.py) ---------------------------
+    def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
+        """At least as many free blocks as ``allocate_decode_run(requests, num_steps)`` would take
+        (the caller only checks the pool covers them), or None when this allocator cannot promise
+        that skipping ``allocate_slots(request, 1)`` calls on steps where a request neither starts
+        nor fills a block changes nothing (no decode runs then; the default, for allocators that
+        make no such promise)."""
+        return None
+
+    def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False,
+                            active: Sequence[int] | None = None,
+                            pauses: Mapping[int, Callable[[], None]] | None = None) -> list[int]:
+        """The allocations of ``num_steps`` steps that each compute one token of every request
+        still taking part: the same effect as calling ``allocate_slots(request, 1)`` for step
+        ``j = 1..num_steps`` and each request in order, with ``num_computed_tokens`` ``j - 1`` past
+        its value at the call. Request ``i`` takes part in the first ``active[i]`` steps (default:
+        all); after step ``j``'s allocations, ``pauses[j]()`` runs (the caller finishes requests
+        there, which frees blocks). The requests' new tokens are already in ``token_ids``, and
+        ``decode_run_blocks`` said the free blocks suffice. Returns the blocks in use after each
+        step when ``track``, else []. This default replays the calls that can change anything."""
+        bs = self.block_size
+        pauses = pauses or {}
+        events: dict[int, list[tuple[Request, int]]] = {j: [] for j in pauses}
+        for k, req in enumerate(requests):
+            computed = req.num_computed_tokens
+            last = num_steps if active is None else active[k]
+            # Step j writes position computed + j - 1: it fills a block when computed + j is a
+            # multiple of bs, and starts one on the step after.
+            fill = (-computed) % bs or bs
+            begin = fill % bs + 1
+            for j in sorted(set(range(fill, last + 1, bs)) | set(range(begin, last + 1, bs))):
+                events.setdefault(j, []).append((req, computed))
+        used: list[int] = []
+        done = 0
+        for j in sorted(events):
+            if track:
+                used.extend([self.num_used_blocks] * (j - 1 - done))
+            for req, computed in events[j]:
+                saved = req.num_computed_tokens
+                req.num_computed_tokens = computed + j - 1
+                ok = self.allocate_slots(req, 1)
+                req.num_computed_tokens = saved
+                if not ok:
+                    raise RuntimeError(f"decode run: {req.request_id} found no free block although the pool was checked")
+            if j in pauses:
+                pauses[j]()
+            if track:
+                used.append(self.num_used_blocks)
+            done = j
+        if track:
+            used.extend([self.num_used_blocks] * (num_steps - done))
+        return used
 
     @abstractmethod
     def free(self, request: Request) -> None:

@@ -3,18 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from framework.block_allocator import ALLOCATORS
-from framework.clock import Clock, WallClock
+from framework.clock import Clock
 from framework.config import EngineConfig
 from framework.executor import EXECUTORS
-from framework.attention import BACKENDS
-from framework.input_preparer import PREPARERS
+from framework.fast_forward import DecodePlan, commit_decode_run, plan_decode_run
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from framework.request import Request
 from framework.sampling_params import SamplingParams
@@ -58,8 +56,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
-        self.clock = clock or WallClock()
+        self.clock = clock or EXECUTORS.get(config.executor).make_clock()
         if config.num_threads:
+            import torch  # here, not at module level: simulated runs never load torch
+
             torch.set_num_threads(config.num_threads)
         self.source = resolve_model(config.model)
         self.model_config = self.source.config
@@ -68,6 +68,9 @@ class LLMEngine:
         policy_cls = POLICIES.get(config.policy)
         allocator_cls = ALLOCATORS.get(config.allocator)
         if config.executor == "model":
+            from framework.attention import BACKENDS
+            from framework.input_preparer import PREPARERS
+
             BACKENDS.get(config.backend)
             PREPARERS.get(config.preparer)
         self.policy = policy_cls(**config.policy_options)
@@ -129,13 +132,13 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text")
             ids = self.tokenizer.encode(text)
-        ids = [int(t) for t in ids]
+        ids = _token_ids(ids)
         if not ids:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad} is out of the vocabulary [0, {vocab})")
         return ids, text
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -156,6 +159,8 @@ class LLMEngine:
                           max_model_len=self.config.max_model_len, prompt=text,
                           parent_id=request_id if params.n > 1 else None, index=i)
             if child_params.seed is not None:
+                import torch
+
                 req.generator = torch.Generator(device=self._generator_device).manual_seed(child_params.seed)
             children.append(req)
         self._parents[request_id] = children
@@ -183,7 +188,10 @@ class LLMEngine:
         return len(self._parents)
 
     # -- one step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one step. Returns an output for every request that progressed, or with
+        ``final_only`` only for those that finished: a batch run that reads results at the end
+        then skips building a cumulative output per running request every step."""
         start = self.clock.now()
         out = self.scheduler.schedule()
         sampled = self.executor.execute(out).sampled if (out.scheduled or _has_block_ops(out)) else {}
@@ -195,7 +203,11 @@ class LLMEngine:
             if req.forks:
                 self._settle_forks(req)
         self._check_progress(out, done_elsewhere)
-        outputs = self._make_outputs(progressed + done_elsewhere)
+        if final_only:
+            outputs = [o for o in self._make_outputs([r for r in progressed if r.is_finished] + done_elsewhere)
+                       if o.finished]
+        else:
+            outputs = self._make_outputs(progressed + done_elsewhere)
         self.num_steps += 1
         if self.step_callbacks:
             stats = self._step_stats(out, start, sum(o.finished for o in outputs))
@@ -223,6 +235,37 @@ class LLMEngine:
             child.finished_time = leader.finished_time
         leader.forks = []
         self._leaders.pop(leader.request_id, None)
+
+    def advance(self, until: float = math.inf) -> list[RequestOutput]:
+        """``step(final_only=True)``, or, when the executor fast-forwards (the sim executor's
+        ``fast_forward``), a run of pure-decode steps with exactly the effect of stepping them one
+        by one (``framework/fast_forward.py``), none of them starting at or after ``until`` (the
+        next arrival). Returns the outputs of the requests that finished."""
+        plan = self.plan_decode_run(until)
+        if plan is None:
+            return self.step(final_only=True)
+        return self.commit_decode_run(plan, len(plan.end_times))
+
+    def plan_decode_run(self, until: float = math.inf, through_finishes: bool = True) -> DecodePlan | None:
+        """The pure-decode steps that provably come next (changes nothing), or None."""
+        return plan_decode_run(self, until, through_finishes)
+
+    def commit_decode_run(self, plan: DecodePlan, num_steps: int) -> list[RequestOutput]:
+        """Take the first ``num_steps`` steps of ``plan`` (made since the engine last changed);
+        returns the outputs of the requests that finished."""
+        run = commit_decode_run(self, plan, num_steps)
+        self._stalled_steps = 0
+        outputs = [o for o in self._make_outputs(run.finished_outside) if o.finished] if run.finished_outside else []
+        if outputs:
+            run.outputs_finished[1] = len(outputs)
+        for step, group in run.finished:
+            done = [o for o in self._make_outputs(group) if o.finished]
+            if done:
+                run.outputs_finished[step] = run.outputs_finished.get(step, 0) + len(done)
+                outputs += done
+        for callback in self.step_callbacks:
+            callback.on_decode_run(run)  # type: ignore[attr-defined]
+        return outputs
 
     def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
         if out.scheduled or done or _has_block_ops(out) or not self.scheduler.has_unfinished_requests():
@@ -276,13 +319,15 @@ class LLMEngine:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
             completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
         token_times = first.token_times if len(children) == 1 else sorted(t for r in children for t in r.token_times)
+        finished = all(r.is_finished for r in children)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=_min(r.first_scheduled_time for r in children),
             first_token_time=_min(r.first_token_time for r in children),
             last_token_time=token_times[-1] if token_times else None,
-            finished_time=_max(r.finished_time for r in children) if all(r.is_finished for r in children) else None,
-            token_times=list(token_times),
+            finished_time=_max(r.finished_time for r in children) if finished else None,
+            # A finished request's times never change again: its output may share the list.
+            token_times=token_times if finished else list(token_times),
             num_prompt_tokens=first.num_prompt_tokens,
             num_generated_tokens=sum(r.num_output_tokens for r in children),
             num_cached_tokens=first.num_cached_tokens,
@@ -290,10 +335,23 @@ class LLMEngine:
             num_swaps=sum(r.num_swaps for r in children))
         return RequestOutput(
             request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=completions, finished=all(r.is_finished for r in children), metrics=metrics,
+            outputs=completions, finished=finished, metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority)
+
+
+def _token_ids(ids: Iterable[Any]) -> list[int]:
+    """``ids`` as a list of ints. A list whose ``sum`` is an ``int`` holds only ints (``sum``
+    turns float, Decimal or numpy on meeting one, and fails on anything else) and is kept as is:
+    converting token by token would dominate the cost of big simulated workloads."""
+    if type(ids) is list:
+        try:
+            if type(sum(ids)) is int:
+                return ids
+        except TypeError:
+            pass
+    return list(map(int, ids))
 
 
 def _has_block_ops(out: SchedulerOutput) -> bool:

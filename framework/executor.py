@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from framework.clock import Clock, WallClock
 from framework.registry import Registry
 
 if TYPE_CHECKING:
-    from framework.clock import Clock
     from framework.config import EngineConfig
     from framework.scheduler import SchedulerOutput
+    from models.config import ModelConfig
     from models.loader import ModelSource
+
+GiB = 1 << 30
 
 
 @dataclass
@@ -40,6 +43,11 @@ class Executor(ABC):
         self.source = source
         self.clock = clock
 
+    @classmethod
+    def make_clock(cls) -> Clock:
+        """The clock an engine runs on when it is given none: wall time, for real execution."""
+        return WallClock()
+
     @property
     def tokenizer(self) -> Any | None:
         return None
@@ -60,3 +68,31 @@ class Executor(ABC):
 
 EXECUTORS: Registry[Executor] = Registry(
     "executor", Executor, entry_point_group="framework.executors", builtin="framework.executors")
+
+
+def size_kv_cache(config: EngineConfig, bytes_per_block: int, device_budget: Callable[[], float]) -> tuple[int, int]:
+    """(device blocks, the null block included; CPU swap blocks) for blocks of ``bytes_per_block``.
+
+    Device blocks: ``num_gpu_blocks_override``, else ``kv_cache_memory_gb``, else what
+    ``device_budget()`` bytes hold. Swap blocks: ``swap_space`` GiB. Both are capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use (more would only feed the
+    prefix cache, and reserve memory a laptop run never touches).
+    """
+    assert config.max_model_len is not None
+    useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    else:
+        budget = config.kv_cache_memory_gb * GiB if config.kv_cache_memory_gb is not None else device_budget()
+        num_blocks = min(int(budget // bytes_per_block), useful)
+    num_cpu_blocks = min(int(config.swap_space * GiB // bytes_per_block), useful)
+    return num_blocks, num_cpu_blocks
+
+
+def activation_peak_bytes(model: ModelConfig, config: EngineConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Activation memory of the largest step on one device: the widest per-token tensors (fused
+    gate/up, qkv, residual) for every batched token, twice, plus float32 logits for every sequence."""
+    tp = tensor_parallel_size
+    kv = max(model.num_key_value_heads // tp, 1) * model.head_dim
+    per_token = (2 * model.intermediate_size // tp + model.q_size // tp + 2 * kv + 4 * model.hidden_size) * dtype_bytes
+    return config.max_num_batched_tokens * per_token * 2 + config.max_num_seqs * model.vocab_size // tp * 4

@@ -54,6 +54,10 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
             continue  # no executor group: the engine's default (or engine.executor) applies
         name, options = _split(cfg.get(part), default)
         kwargs[part], kwargs[f"{part}_options"] = name, options
+    if kwargs.get("executor") == "sim":  # the simulated device and cost model are groups of their own
+        for key in ("hardware", "cost_model"):
+            if cfg.get(key) is not None:
+                kwargs["executor_options"][key] = OmegaConf.to_container(cfg[key], resolve=True)
     model, model_options = _split(cfg.get("model"), "tiny-llama")
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     engine["check_invariants"] = bool(OmegaConf.select(cfg, "scheduler.check_invariants", default=False))

@@ -40,6 +40,7 @@ class Registry(Generic[T]):
         self.entry_point_group = entry_point_group
         self.builtin = builtin
         self._classes: dict[str, type[T]] = {}
+        self._lazy: dict[str, str] = {}
         self._entry_points: dict[str, Any] | None = None
         self._builtins_loaded = False
 
@@ -63,15 +64,25 @@ class Registry(Generic[T]):
 
         return decorator
 
+    def register_lazy(self, name: str, module: str) -> None:
+        """Name an implementation that ``module`` registers when imported, and import it only
+        when ``name`` is first asked for (for built-ins with heavy imports, e.g. torch)."""
+        self._lazy[name] = module
+
     # -- lookup ----------------------------------------------------------------------------------
     def list(self) -> list[str]:
         """Every registered name: built in, registered at run time, and installed plugins."""
         self._load_builtins()
-        return sorted(set(self._classes) | set(self._plugin_entry_points()))
+        return sorted(set(self._classes) | set(self._lazy) | set(self._plugin_entry_points()))
 
     def get(self, name: str) -> type[T]:
         self._load_builtins()
         if name in self._classes:
+            return self._classes[name]
+        if name in self._lazy:
+            importlib.import_module(self._lazy[name])
+            if name not in self._classes:
+                raise ImportError(f"importing {self._lazy[name]} did not register the {self.kind} {name!r}")
             return self._classes[name]
         ep = self._plugin_entry_points().get(name)
         if ep is not None:

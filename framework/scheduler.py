@@ -115,6 +115,12 @@ class SchedulerPolicy(ABC):
     #: Whether a prompt may be split across steps; if not, longer prompts than the step budget
     #: are finished IGNORED on arrival.
     chunks_prefills: ClassVar[bool] = False
+    #: A promise that lets a simulator advance many steps at once (``framework/fast_forward.py``):
+    #: while nothing waits or is swapped and every running request has one token to compute,
+    #: ``schedule`` gives each running request one token, in ``running`` order, and preempts
+    #: only when blocks run out. Only honoured when declared by the class defining ``schedule``
+    #: (or one of its subclasses), so a new ``schedule`` does not inherit it by accident.
+    steady_decode: ClassVar[bool] = False
 
     def __init__(self, preemption_mode: str = RECOMPUTE) -> None:
         if preemption_mode not in (RECOMPUTE, SWAP):

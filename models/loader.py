@@ -10,12 +10,13 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from models.config import ModelConfig
 from models.presets import PRESETS
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -69,6 +70,8 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not bins:
         raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
     for file in bins:
+        import torch  # only for .bin checkpoints; describing a model needs no torch
+
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 

@@ -19,6 +19,8 @@ class FCFSPolicy(SchedulerPolicy):
     that preempted nobody, and decode in that same step.
     """
 
+    steady_decode = True  # with nothing waiting, the decode loop below schedules every running request
+
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
         # Swapped requests (preemption_mode="swap") come back, at the end, before any admission.
         waiting = [] if scheduler.swapped else self.waiting_order(scheduler.waiting)

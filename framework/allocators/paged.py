@@ -2,8 +2,8 @@
 swap space (vLLM's block manager, nano-vllm's ``BlockManager``, seed 003)."""
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from framework.block_allocator import ALLOCATORS, NULL_BLOCK, BlockAllocator, PrefixHit
 from framework.request import Request, RequestStatus
@@ -41,6 +41,7 @@ class PagedBlockAllocator(BlockAllocator):
         self._hash_to_block: dict[int, int] = {}
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self._copies: list[tuple[int, int]] = []
+        self._forked = False  # whether fork() ever shared blocks (see decode_run_blocks)
 
     # -- capacity --------------------------------------------------------------------------------
     @property
@@ -69,16 +70,22 @@ class PagedBlockAllocator(BlockAllocator):
     def find_prefix(self, request: Request) -> PrefixHit:
         if not self.enable_prefix_caching or request.block_ids:
             return PrefixHit()
-        bs = self.block_size
+        bs, tokens, hashes = self.block_size, request.token_ids, request.block_hashes
         # At least one token must be computed to produce logits, so never match the last token.
-        max_blocks = (request.num_tokens - 1) // bs
+        max_blocks = (len(tokens) - 1) // bs
         hit: list[int] = []
-        for i, h in enumerate(self._request_hashes(request, max_blocks)):
-            bid = self._hash_to_block.get(h)
-            if bid is None:
-                break
-            block = self._blocks[bid]
-            if block.token_ids != tuple(request.token_ids[i * bs:(i + 1) * bs]):
+        # Hashes are extended only as far as the search goes (sealing computes the rest), and
+        # each block's token tuple serves both its hash and the collision check.
+        index, blocks = self._hash_to_block, self._blocks
+        for i in range(max_blocks):
+            toks = tuple(tokens[i * bs:(i + 1) * bs])
+            if i < len(hashes):
+                h = hashes[i]
+            else:
+                h = block_hash(hashes[i - 1] if i else _ROOT_HASH, toks)
+                hashes.append(h)
+            bid = index.get(h)
+            if bid is None or blocks[bid].token_ids != toks:
                 break
             hit.append(bid)
         return PrefixHit(hit, len(hit) * bs)
@@ -98,14 +105,22 @@ class PagedBlockAllocator(BlockAllocator):
         cow = (num_new_tokens > 0 and start % bs != 0 and bool(request.block_ids)
                and start // bs < len(request.block_ids)
                and self._blocks[request.block_ids[start // bs]].ref_count > 1)
-        reclaimed = sum(1 for b in prefix_ids if self._blocks[b].ref_count == 0)
+        blocks = self._blocks
+        reclaimed = 0
+        for bid in prefix_ids:
+            if blocks[bid].ref_count == 0:
+                reclaimed += 1
         if num_new_blocks + cow + reclaimed > len(self._free):
             return False
         first_allocation = not request.block_ids and request.num_computed_tokens == 0
 
         if prefix_ids:
-            for bid in prefix_ids:
-                self._touch(bid)
+            free = self._free
+            for bid in prefix_ids:  # runs for every cached block a request reuses
+                block = blocks[bid]
+                if block.ref_count == 0:
+                    del free[bid]
+                block.ref_count += 1
             request.block_ids.extend(prefix_ids)
         if cow:
             idx = start // bs
@@ -124,25 +139,120 @@ class PagedBlockAllocator(BlockAllocator):
             self._seal(request, start // bs, total // bs)
         return True
 
+    # -- decode runs ----------------------------------------------------------------------------
+    def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
+        # A one-token step allocates only when it starts a block and seals only when it fills
+        # one; it would copy only when writing into a shared partial block, which we rule out.
+        # Only fork() shares a block a request still writes into (prefix hits are full blocks),
+        # so without one the bound below (each request starts at most one block per bs steps)
+        # settles the common case without visiting the requests.
+        bs, blocks = self.block_size, self._blocks
+        bound = len(requests) * -(-num_steps // bs)
+        if not self._forked and bound <= len(self._free):
+            return bound
+        needed = 0
+        for req in requests:
+            held = req.block_ids
+            start = req.num_computed_tokens
+            if start % bs and blocks[held[start // bs]].ref_count > 1:
+                return None
+            n = (start + num_steps + bs - 1) // bs - len(held)
+            if n > 0:
+                needed += n
+        return needed
+
+    def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False,
+                            active: Sequence[int] | None = None,
+                            pauses: Mapping[int, Callable[[], None]] | None = None) -> list[int]:
+        bs = self.block_size
+        # events[j]: what happens on step j, in request order: (request, -1) takes a fresh block
+        # (the step starts one), (request, i) seals block i (the step fills it). Requests are
+        # visited in order and each adds its start before its fill, as allocate_slots does when
+        # one step does both (block_size 1).
+        events: defaultdict[int, list[tuple[Request, int]]] = defaultdict(list)
+        caching = self.enable_prefix_caching
+        for k, req in enumerate(requests):
+            computed = req.num_computed_tokens
+            last = num_steps if active is None else active[k]
+            j = len(req.block_ids) * bs - computed + 1
+            while j <= last:
+                events[j].append((req, -1))
+                j += bs
+            if caching:
+                j = (-computed) % bs or bs
+                while j <= last:
+                    events[j].append((req, (computed + j) // bs - 1))
+                    j += bs
+        steps = sorted(events.keys() | pauses.keys()) if pauses else sorted(events)
+        # The loop below is _pop_free and _seal inlined for one block: it runs for every block
+        # a simulated request fills while decoding.
+        free, blocks, index = self._free, self._blocks, self._hash_to_block
+        in_use = self.num_used_blocks
+        used: list[int] = []
+        done = 0
+        for j in steps:
+            if track:
+                used.extend([in_use] * (j - 1 - done))
+            for req, i in events.get(j, ()):
+                if i < 0:  # take the least recently used free block, evicting what it caches
+                    bid = free.popitem(last=False)[0]
+                    block = blocks[bid]
+                    if block.hash is not None:
+                        if index.get(block.hash) == bid:
+                            del index[block.hash]
+                        block.hash = block.token_ids = None
+                        self.stats.evictions += 1
+                    block.ref_count = 1
+                    req.block_ids.append(bid)
+                    in_use += 1
+                    continue
+                block = blocks[req.block_ids[i]]
+                hashes = req.block_hashes
+                if len(hashes) < i:
+                    self._request_hashes(req, i)
+                toks = tuple(req.token_ids[i * bs:(i + 1) * bs])
+                if len(hashes) == i:
+                    hashes.append(hash((hashes[i - 1] if i else _ROOT_HASH, toks)))  # block_hash, inlined
+                if block.hash is None:
+                    block.hash = hashes[i]
+                    block.token_ids = toks
+                    index.setdefault(block.hash, block.block_id)
+            if pauses and j in pauses:
+                pauses[j]()
+                in_use = self.num_used_blocks
+            if track:
+                used.append(in_use)
+            done = j
+        if track:
+            used.extend([in_use] * (num_steps - done))
+        return used
+
     def _seal(self, request: Request, first: int, end: int) -> None:
         """Make full blocks [first, end) findable by later requests."""
         if end <= first:
             return
-        bs = self.block_size
-        hashes = self._request_hashes(request, end)
+        bs, tokens, blocks = self.block_size, request.token_ids, self._blocks
+        hashes = request.block_hashes
+        if len(hashes) < first:
+            self._request_hashes(request, first)
+        # Hashes of blocks not yet hashed are computed here rather than by _request_hashes, so
+        # each block's token tuple is built once (this runs for every block every request fills).
+        block_ids, index = request.block_ids, self._hash_to_block
         for i in range(first, end):
-            block = self._blocks[request.block_ids[i]]
-            if block.hash is not None:
-                continue
-            block.hash = hashes[i]
-            block.token_ids = tuple(request.token_ids[i * bs:(i + 1) * bs])
-            self._hash_to_block.setdefault(block.hash, block.block_id)
-
-    def _touch(self, bid: int) -> None:
-        block = self._blocks[bid]
-        if block.ref_count == 0:
-            del self._free[bid]
-        block.ref_count += 1
+            block = blocks[block_ids[i]]
+            if i < len(hashes):
+                if block.hash is not None:
+                    continue
+                h, toks = hashes[i], tuple(tokens[i * bs:(i + 1) * bs])
+            else:
+                toks = tuple(tokens[i * bs:(i + 1) * bs])
+                h = block_hash(hashes[i - 1] if i else _ROOT_HASH, toks)
+                hashes.append(h)
+                if block.hash is not None:
+                    continue
+            block.hash = h
+            block.token_ids = toks
+            index.setdefault(h, block.block_id)
 
     def _pop_free(self) -> int:
         bid, _ = self._free.popitem(last=False)
@@ -165,8 +275,14 @@ class PagedBlockAllocator(BlockAllocator):
                 self._free.move_to_end(bid, last=False)
 
     def free(self, request: Request) -> None:
-        for bid in reversed(request.block_ids):
-            self._release(bid)
+        blocks, free = self._blocks, self._free
+        for bid in reversed(request.block_ids):  # _release, inlined: this runs for every block
+            block = blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                free[bid] = None
+                if block.hash is None:
+                    free.move_to_end(bid, last=False)
         request.block_ids = []
         if request.cpu_block_ids:
             self._cpu_free.extend(request.cpu_block_ids)
@@ -178,6 +294,7 @@ class PagedBlockAllocator(BlockAllocator):
         for bid in parent.block_ids:
             self._blocks[bid].ref_count += 1
         child.block_ids = list(parent.block_ids)
+        self._forked = True
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []

@@ -9,20 +9,20 @@ import torch
 from framework.attention import BACKENDS
 from framework.clock import Clock
 from framework.config import EngineConfig
-from framework.executor import EXECUTORS, Executor, ExecutorOutput
+from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
 from framework.input_preparer import PREPARERS
 from framework.model_runner import ModelRunner
 from framework.sampler import Sampler
 from framework.scheduler import SchedulerOutput
 from models.llama import LlamaForCausalLM
 from models.loader import ModelSource, iter_checkpoint, load_tokenizer
+from models.presets import SHAPE_ONLY_PRESETS
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-GiB = 1 << 30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,6 +46,10 @@ def resolve_dtype(name: str, model_dtype: str | None, device: torch.device) -> t
 class ModelExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
         super().__init__(config, source, clock)
+        if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
+            raise ValueError(
+                f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
+                f"pass a Hugging Face checkpoint directory to the model executor")
         cfg = source.config
         self._device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self._device)
@@ -76,33 +80,16 @@ class ModelExecutor(Executor):
         return self.config.block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
 
     def kv_block_counts(self) -> tuple[int, int]:
-        config, per_block = self.config, self.bytes_per_block()
-        useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
-        if config.num_gpu_blocks_override is not None:
-            num_blocks = config.num_gpu_blocks_override
-        else:
-            if config.kv_cache_memory_gb is not None:
-                budget = config.kv_cache_memory_gb * GiB
-            elif self._device.type == "cuda":
-                budget = self._cuda_budget()
-            else:
-                budget = config.cpu_kv_cache_gb * GiB
-            # More blocks than every running request can use only feed the prefix cache; cap them
-            # so a laptop run does not reserve gigabytes it never touches.
-            num_blocks = min(int(budget // per_block), useful)
-        num_cpu_blocks = min(int(config.swap_space * GiB // per_block), useful)
-        return num_blocks, num_cpu_blocks
+        return size_kv_cache(self.config, self.bytes_per_block(), self._device_budget)
 
-    def _cuda_budget(self) -> float:
+    def _device_budget(self) -> float:
+        if self._device.type != "cuda":
+            return self.config.cpu_kv_cache_gb * GiB
         free, total = torch.cuda.mem_get_info(self._device)
-        cfg, config = self.source.config, self.config
         esize = torch.empty((), dtype=self.dtype).element_size()
-        # Activation peak of the largest step: the widest per-token tensors (fused gate/up, qkv,
-        # residual) for every batched token, plus float32 logits for every sequence.
-        per_token = (2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size + 4 * cfg.hidden_size) * esize
-        activations = config.max_num_batched_tokens * per_token * 2 + config.max_num_seqs * cfg.vocab_size * 4
+        activations = activation_peak_bytes(self.source.config, self.config, esize)
         used = total - free
-        return max(0.0, total * config.gpu_memory_utilization - used - activations)
+        return max(0.0, total * self.config.gpu_memory_utilization - used - activations)
 
     def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
         cfg, config = self.source.config, self.config

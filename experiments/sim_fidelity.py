@@ -1,0 +1,170 @@
+"""Fidelity of the simulator on this CPU: calibrate on the tiny model, then serve a held-out
+workload for real and in simulation and compare.
+
+    python experiments/sim_fidelity.py --repeats 3                  # calibration interleaved with the real run
+    python experiments/sim_fidelity.py --calibration cal.yaml       # a calibration from python -m framework.profile
+
+Per repeat: one real run (the ``model`` executor, one torch thread) and one simulated run (the
+``sim`` executor on the ``cpu`` hardware with the calibration) of the same Poisson chat workload,
+which differs from the profile grid (random lengths, arrivals, prefix hits, queueing). Reported:
+
+- step times: the calibrated cost model's prediction for every real step's exact batch shape
+  against the step's measured duration (median and p90 of |pred/measured - 1|);
+- TTFT and TPOT p50 (and p90) of the simulated run against the real one.
+
+Real runs are timed by process CPU time (``framework.clock.CPUClock``), which leaves out the time
+other processes hold the cores on a shared machine; ``--clock wall`` uses the wall clock. On a
+shared machine the speed also drifts by tens of percent over minutes, so by default the profile
+grid's cells run *between* the real run's steps (its clock paused meanwhile): calibration and
+measurement then see the same machine. ``--calibration FILE`` uses a finished calibration instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from framework.chat_workload import ChatWorkload
+from framework.clock import CPUClock, WallClock
+from framework.cluster import Cluster
+from framework.config import EngineConfig
+from framework.cost_model import BatchShape
+from framework.engine import LLMEngine
+from framework.hardware import load_hardware
+from framework.profile import Profiler, calibrate, calibration_record, grid_cells, profile_engine_config
+
+#: The profile grid covers the regime the workload runs in: batches of 1-16, prompts up to 320.
+LENGTHS, COUNTS = [16, 48, 96, 192, 320], [1, 2, 3, 4, 6, 8, 12, 16]
+
+
+def workload(seed: int) -> ChatWorkload:
+    return ChatWorkload(num_requests=60, rate=5.0, seed=seed, vocab_size=1024, system_prompt_len=48,
+                        user_len_median=48, output_len_median=32, max_prompt_len=320, max_output_len=96)
+
+
+def engine_config(executor: str, **options) -> EngineConfig:
+    return EngineConfig(model="tiny-llama", executor=executor, executor_options=options, max_model_len=512,
+                        max_num_seqs=32, max_num_batched_tokens=1024, num_threads=1 if executor == "model" else None)
+
+
+class PausableCPUClock(CPUClock):
+    def pause(self) -> None:
+        self._paused_at = time.process_time()
+
+    def resume(self) -> None:
+        self._skipped -= time.process_time() - self._paused_at
+
+
+def serve(engine: LLMEngine, seed: int, between_steps=None) -> tuple[dict, list[tuple[BatchShape, float]]]:
+    """Serve the workload; for the model executor also record (shape, measured seconds) per step
+    and call ``between_steps()`` after every step."""
+    steps: list[tuple[BatchShape, float]] = []
+    if engine.config.executor == "model":
+        shapes: list[BatchShape] = []
+        execute = engine.executor.execute
+
+        def recording_execute(out):
+            shapes.append(BatchShape.from_scheduler_output(out))
+            return execute(out)
+
+        engine.executor.execute = recording_execute
+
+        def on_step(stats, out):
+            if out.scheduled:
+                steps.append((shapes[-1], stats.duration))
+            if between_steps is not None:
+                between_steps()
+
+        engine.step_callbacks.append(on_step)
+    outs = [o for _, o in Cluster([engine]).run(workload(seed))]
+    ttft = np.array([o.metrics.ttft for o in outs])
+    tpot = np.array([o.metrics.tpot for o in outs if o.metrics.tpot is not None])
+    stats = {"ttft_p50": float(np.median(ttft)), "ttft_p90": float(np.percentile(ttft, 90)),
+             "tpot_p50": float(np.median(tpot)), "tpot_p90": float(np.percentile(tpot, 90)),
+             "duration": engine.clock.now(), "steps": engine.num_steps}
+    return stats, steps
+
+
+def real_run_with_calibration(seed: int, profile_repeats: int, clock: str) -> tuple[dict, list, dict]:
+    """The real run, with the profile grid's cells run between its steps (its clock paused)."""
+    cells = grid_cells("default", LENGTHS, COUNTS)
+    profile_engine = LLMEngine(profile_engine_config(cells, num_threads=1))
+    timer = time.process_time if clock == "cpu" else time.perf_counter
+    profiler = Profiler(profile_engine, seed, timer)
+    for cell in cells:  # warm-up pass, not recorded
+        profiler.run_cell(*cell, record=False)
+    queue = [cell for _ in range(profile_repeats) for cell in cells]
+    real_clock = PausableCPUClock() if clock == "cpu" else WallClock()
+    every = 12
+    count = 0
+
+    def between_steps():
+        nonlocal count
+        count += 1
+        if queue and count % every == 0 and isinstance(real_clock, PausableCPUClock):
+            real_clock.pause()
+            profiler.run_cell(*queue.pop())
+            real_clock.resume()
+
+    real, steps = serve(LLMEngine(engine_config("model"), clock=real_clock), seed, between_steps)
+    while queue:
+        profiler.run_cell(*queue.pop())
+    profiler.close()
+    samples = profiler.samples()
+    hardware = load_hardware("cpu")
+    dtype_bytes = profile_engine.executor.dtype.itemsize
+    params, fit = calibrate(samples, profile_engine.model_config, hardware, dtype_bytes)
+    calibration = calibration_record("roofline", "tiny-llama", hardware, dtype_bytes, 16, params, fit, samples,
+                                     {"clock": clock, "cells": [list(c) for c in cells], "repeats": profile_repeats,
+                                      "interleaved_with_real_run": True})
+    return real, steps, calibration
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calibration", default=None, help="a calibration YAML (default: calibrate alongside each real run)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile-repeats", type=int, default=3)
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--save-calibration", default=None, help="write the last interleaved calibration here")
+    args = ap.parse_args()
+    rows = []
+    for rep in range(args.repeats):
+        started = time.perf_counter()
+        if args.calibration is None:
+            real, steps, calibration = real_run_with_calibration(args.seed, args.profile_repeats, args.clock)
+            if args.save_calibration:
+                import yaml
+
+                with open(args.save_calibration, "w") as f:
+                    yaml.safe_dump(calibration, f, sort_keys=False, default_flow_style=None, width=120)
+        else:
+            calibration = args.calibration
+            clock = CPUClock() if args.clock == "cpu" else WallClock()
+            real, steps = serve(LLMEngine(engine_config("model"), clock=clock), args.seed)
+        sim_engine = LLMEngine(engine_config("sim", hardware="cpu", cost_model={"name": "roofline", "calibration": calibration}))
+        sim, _ = serve(sim_engine, args.seed)
+        cost = sim_engine.executor.cost_model
+        errors = sorted(abs(cost.step_time(shape) / t - 1) for shape, t in steps)
+        row = {"step_time_median_abs_err": statistics.median(errors), "step_time_p90_abs_err": errors[int(0.9 * len(errors))],
+               "steps": len(steps),
+               **{f"{k}_rel_err": sim[k] / real[k] - 1 for k in ("ttft_p50", "tpot_p50", "ttft_p90", "tpot_p90")},
+               "fit_median_abs_err": cost.calibration["fit"]["median_abs_rel_error"] if cost.calibration else None,
+               "real": real, "sim": sim, "seconds": time.perf_counter() - started}
+        rows.append(row)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                          if not isinstance(v, dict)}), flush=True)
+        print("   real", json.dumps({k: round(v, 5) for k, v in real.items()}))
+        print("   sim ", json.dumps({k: round(v, 5) for k, v in sim.items()}), flush=True)
+    for key in ("step_time_median_abs_err", "ttft_p50_rel_err", "tpot_p50_rel_err"):
+        print(f"{key:26s} " + "  ".join(f"{r[key]:+.3f}" for r in rows))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

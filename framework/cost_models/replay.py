@@ -1,0 +1,58 @@
+"""Replayed step times: the k-th step takes the k-th measured duration, whatever it computes.
+
+For re-running a measured timeline step for step (the sim-versus-model identity check, or a
+trace from a real deployment): not a function of the batch shape, so the contract's purity
+clause does not hold, and a run that takes more steps than were recorded is an error.
+"""
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+
+from framework.cost_model import COST_MODELS, BatchShape, CostModel
+from framework.hardware import Hardware
+from models.config import ModelConfig
+
+
+@COST_MODELS.register("replay")
+class ReplayCostModel(CostModel):
+    """Options: ``durations`` (seconds, in step order) or ``file`` (one duration per line, or a
+    CSV with a ``duration`` column such as a run's ``steps.csv``)."""
+
+    deterministic = False
+
+    def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2, tensor_parallel_size: int = 1,
+                 block_size: int = 16, durations: Sequence[float] | None = None, file: str | None = None) -> None:
+        super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
+        if (durations is None) == (file is None):
+            raise ValueError("the replay cost model needs exactly one of durations=[...] or file=PATH")
+        self.durations = [float(d) for d in durations] if durations is not None else read_durations(file)
+        if any(d < 0 for d in self.durations):
+            raise ValueError("replayed step durations must be >= 0 seconds")
+        self.num_replayed = 0
+
+    def step_time(self, batch: BatchShape) -> float:
+        return self._next()
+
+    def decode_step_time(self, num_seqs: int, context: int) -> float:
+        return self._next()
+
+    def _next(self) -> float:
+        k = self.num_replayed
+        if k >= len(self.durations):
+            raise RuntimeError(f"the replay cost model has {len(self.durations)} recorded steps and step {k + 1} was asked for")
+        self.num_replayed = k + 1
+        return self.durations[k]
+
+
+def read_durations(file: str | Path) -> list[float]:
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise ValueError(f"replay file {str(file)!r} does not exist")
+    with open(path) as f:
+        first = f.readline()
+        f.seek(0)
+        if "duration" in first:
+            return [float(row["duration"]) for row in csv.DictReader(f)]
+        return [float(line) for line in f if line.strip()]

@@ -1,0 +1,220 @@
+"""Roofline step times: every part of a step takes the longer of its compute time (FLOPs over
+peak FLOP/s) and its memory time (bytes over bandwidth), each derated by an efficiency factor,
+plus the overheads a serving stack pays per step, per request and per kernel.
+
+Per tensor-parallel device, for ``N`` scheduled tokens of which ``S`` sample:
+
+- linear layers: ``2 N P`` FLOPs, their weights plus their inputs and outputs in bytes
+  (``P`` = one device's share of the layers' matrices); the LM head likewise for ``S`` rows;
+- attention: prefill rows ``4 d H`` FLOPs per query-key pair and their keys and values read once;
+  decode rows the same per key, which makes them memory bound; the KV cache write, norms, RoPE,
+  the activation and the residuals are memory traffic;
+- tensor parallelism: two ring all-reduces of the hidden states per layer and a gather of the
+  logits, over the interconnect; swap traffic over PCIe; copy-on-write copies in device memory;
+- overheads: a fixed CPU cost per step, per request (input preparation, sampling, and backends
+  that loop over requests), per token, and a launch cost per kernel.
+
+The efficiency factors and overheads are parameters (``PARAMS``); ``calibrate`` fits them to
+measured steps by bounded least squares on relative error.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from framework.cost_model import COST_MODELS, BatchShape, CostModel
+from framework.hardware import Hardware
+from models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+#: Fitted parameters and their defaults (a vLLM-like stack on a datacenter GPU, uncalibrated).
+PARAMS: dict[str, float] = {
+    "matmul_efficiency": 0.7,       # fraction of peak FLOP/s dense GEMMs reach
+    "memory_efficiency": 0.8,       # fraction of bandwidth weight and activation streams reach
+    "attention_efficiency": 0.5,    # fraction of peak FLOP/s prefill attention reaches
+    "kv_efficiency": 0.6,           # fraction of bandwidth paged KV reads reach
+    "step_overhead_us": 1000.0,     # scheduler, input preparation, sampling: per step
+    "seq_overhead_us": 20.0,        # ... per scheduled request (and per-request kernels)
+    "token_overhead_us": 0.0,       # ... per scheduled token
+}
+#: Structure, not fitted: kernels launched per decoder layer and per step outside the layers.
+STRUCTURE: dict[str, float] = {"kernels_per_layer": 12, "kernels_per_step": 6}
+_EFFICIENCIES = ("matmul_efficiency", "memory_efficiency", "attention_efficiency", "kv_efficiency")
+_OVERHEADS = ("step_overhead_us", "seq_overhead_us", "token_overhead_us")
+
+
+@COST_MODELS.register("roofline")
+class RooflineCostModel(CostModel):
+    """Options: any of ``PARAMS`` and ``STRUCTURE``, and ``calibration`` (a YAML written by
+    ``python -m framework.profile``, whose fitted parameters apply under the explicit ones)."""
+
+    def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2, tensor_parallel_size: int = 1,
+                 block_size: int = 16, calibration: str | Path | dict[str, Any] | None = None,
+                 **options: float) -> None:
+        super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
+        unknown = sorted(set(options) - set(PARAMS) - set(STRUCTURE))
+        if unknown:
+            raise ValueError(f"unknown roofline option(s) {unknown}; options: "
+                             f"{sorted(PARAMS) + sorted(STRUCTURE) + ['calibration']}")
+        self.calibration = load_calibration(calibration) if calibration is not None else None
+        fitted = self.calibration["params"] if self.calibration else {}
+        fitted_on = (self.calibration or {}).get("hardware", {}).get("name")
+        if fitted_on is not None and fitted_on != hardware.name:
+            logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
+                           fitted_on, hardware.name)
+        self.params = {**PARAMS, **{k: float(v) for k, v in fitted.items() if k in PARAMS},
+                       **{k: float(v) for k, v in options.items() if k in PARAMS}}
+        self.structure = {**STRUCTURE, **{k: float(v) for k, v in options.items() if k in STRUCTURE}}
+        for name in _EFFICIENCIES:
+            if not self.params[name] > 0:
+                raise ValueError(f"roofline {name} must be > 0, got {self.params[name]!r}")
+        for name in _OVERHEADS:
+            if self.params[name] < 0:
+                raise ValueError(f"roofline {name} must be >= 0, got {self.params[name]!r}")
+        self._geometry()
+        p = self.params
+        self._inv = [1.0 / p[name] for name in _EFFICIENCIES]
+        self._step, self._seq, self._tok = (p[name] * 1e-6 for name in _OVERHEADS)
+        self._decode_slope = self._decode_ctx_c * self._inv[2]
+        if self._decode_ctx_m * self._inv[3] > self._decode_slope:
+            self._decode_slope = self._decode_ctx_m * self._inv[3]
+        self._decode_base: dict[int, float] = {}
+
+    # -- geometry: per-device sizes and unit-efficiency times --------------------------------------
+    def _geometry(self) -> None:
+        m, hw, tp, b = self.model, self.hardware, self.tp, self.dtype_bytes
+        h, L = m.hidden_size, m.num_hidden_layers
+        qs = m.num_attention_heads // tp * m.head_dim
+        kvs = max(m.num_key_value_heads // tp, 1) * m.head_dim
+        inter = m.intermediate_size // tp
+        vocab = m.vocab_size / tp
+        F, B = hw.flops, hw.memory_bandwidth
+        layer_params = h * (qs + 2 * kvs) + qs * h + 3 * h * inter
+        gemm_io = 4 * h + 2 * qs + 2 * kvs + 3 * inter          # GEMM inputs and outputs, per token
+        elementwise_io = 9 * h + 3 * inter + 4 * qs + 4 * kvs   # norms, RoPE, act, residuals, KV write, q/o
+        self.num_layers = L
+        #: Bytes of one KV block on one device (all layers, K and V).
+        self.block_bytes = self.block_size * 2 * L * kvs * b
+        # Seconds at 100% efficiency: compute (c) and memory (m) legs, per unit of their driver.
+        self._lin_c_tok = 2 * L * layer_params / F
+        self._lin_m_fixed = L * layer_params * b / B
+        self._lin_m_tok = L * gemm_io * b / B
+        self._head_c_row = 2 * h * vocab / F
+        self._head_m_fixed = h * vocab * b / B
+        self._head_m_row = (h * b + vocab * 4) / B               # float32 logits
+        self._elem_m_tok = (L * elementwise_io + h) * b / B      # + the embedding gather
+        self._copy_m_block = 2 * self.block_bytes / B
+        self._pre_c_pair = 4 * L * qs / F
+        self._pre_m_ctx = 2 * L * kvs * b / B
+        self._decode_ctx_c = 4 * L * qs / F
+        self._decode_ctx_m = 2 * L * kvs * b / B
+        kernels = L * self.structure["kernels_per_layer"] + self.structure["kernels_per_step"]
+        self._ar_tok = self._ar_row = self._ar_fixed = 0.0
+        if tp > 1:
+            if not hw.interconnect_gb_s > 0:
+                raise ValueError(f"tensor_parallel_size={tp} needs hardware {hw.name!r} to give interconnect_gb_s")
+            ring = 2 * (tp - 1) / tp
+            self._ar_tok = 2 * L * ring * h * b / hw.interconnect_bandwidth
+            self._ar_row = (tp - 1) / tp * m.vocab_size * 4 / hw.interconnect_bandwidth
+            self._ar_fixed = (2 * L + 1) * hw.interconnect_latency
+            kernels += 2 * L + 1
+        self._launch = kernels * hw.launch_overhead
+        # No PCIe figure: a swap would take forever, which is what the step time then says.
+        self._swap_block = self.block_bytes / hw.pcie_bandwidth if hw.pcie_gb_s > 0 else math.inf
+
+    # -- step times ------------------------------------------------------------------------------
+    def _base(self, n: int, tokens: int, sampled: int) -> float:
+        """Everything but attention, swaps and copies."""
+        inv_mm, inv_mem = self._inv[0], self._inv[1]
+        lin = max(self._lin_c_tok * tokens * inv_mm, (self._lin_m_fixed + self._lin_m_tok * tokens) * inv_mem)
+        head = 0.0
+        if sampled:
+            head = max(self._head_c_row * sampled * inv_mm, (self._head_m_fixed + self._head_m_row * sampled) * inv_mem)
+        cpu = self._step + self._seq * n + self._tok * tokens
+        comm = self._ar_fixed + self._ar_tok * tokens + self._ar_row * sampled
+        return cpu + self._launch + comm + lin + head + self._elem_m_tok * tokens * inv_mem
+
+    def decode_step_time(self, num_seqs: int, context: int) -> float:
+        base = self._decode_base.get(num_seqs)
+        if base is None:
+            base = self._decode_base[num_seqs] = self._base(num_seqs, num_seqs, num_seqs)
+        return base + context * self._decode_slope
+
+    def step_time(self, batch: BatchShape) -> float:
+        if batch.is_pure_decode:
+            return self.decode_step_time(batch.num_seqs, batch.decode_context)
+        # A step that only moves blocks (a swap-in ahead of its request's turn) runs no model.
+        t = self._base(batch.num_seqs, batch.num_tokens, batch.num_sampled) if batch.num_tokens else self._step
+        if batch.num_prefill_seqs:
+            t += max(self._pre_c_pair * batch.prefill_pairs * self._inv[2],
+                     self._pre_m_ctx * batch.prefill_context * self._inv[3])
+        t += batch.decode_context * self._decode_slope
+        if batch.swap_in_blocks or batch.swap_out_blocks:
+            t += (batch.swap_in_blocks + batch.swap_out_blocks) * self._swap_block
+        return t + batch.copy_blocks * self._copy_m_block * self._inv[1]
+
+    # -- calibration -----------------------------------------------------------------------------
+    def legs(self, batch: BatchShape) -> tuple[float, list[list[tuple[int, float]]]]:
+        """``step_time`` as ``offset + sum over groups of max over (param, leg) of theta[param] * leg``,
+        where ``theta`` is ``fit_vector()``: what calibration fits."""
+        n, tok, s = batch.num_seqs, batch.num_tokens, batch.num_sampled
+        offset = 0.0
+        if batch.swap_in_blocks or batch.swap_out_blocks:
+            offset += (batch.swap_in_blocks + batch.swap_out_blocks) * self._swap_block
+        if not tok:
+            return offset, [[(4, 1e-6)], [(1, batch.copy_blocks * self._copy_m_block)]]
+        offset += self._launch + self._ar_fixed + self._ar_tok * tok + self._ar_row * s
+        groups = [
+            [(0, self._lin_c_tok * tok), (1, self._lin_m_fixed + self._lin_m_tok * tok)],
+            [(1, self._elem_m_tok * tok + batch.copy_blocks * self._copy_m_block)],
+            [(2, self._decode_ctx_c * batch.decode_context), (3, self._decode_ctx_m * batch.decode_context)],
+            [(4, 1e-6)], [(5, 1e-6 * n)], [(6, 1e-6 * tok)],
+        ]
+        if s:
+            groups.append([(0, self._head_c_row * s), (1, self._head_m_fixed + self._head_m_row * s)])
+        if batch.num_prefill_seqs:
+            groups.append([(2, self._pre_c_pair * batch.prefill_pairs), (3, self._pre_m_ctx * batch.prefill_context)])
+        return offset, groups
+
+    def fit_vector(self) -> list[float]:
+        return self._inv + [self.params[name] for name in _OVERHEADS]
+
+    @classmethod
+    def calibrate(cls, samples: list[tuple[BatchShape, float]], model: ModelConfig, hardware: Hardware,
+                  dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 16) -> dict[str, Any]:
+        from framework.calibration import fit_max_linear
+
+        if len(samples) < len(PARAMS):
+            raise ValueError(f"calibration needs at least {len(PARAMS)} measured steps, got {len(samples)}")
+        probe = cls(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
+        rows = [probe.legs(shape) for shape, _ in samples]
+        # Efficiencies may exceed 1 against nominal figures (e.g. weights that stay in a CPU cache),
+        # but not absurdly: theta = 1/efficiency >= 0.01.
+        lower = [0.01] * 4 + [0.0] * 3
+        theta = fit_max_linear(rows, [t for _, t in samples], probe.fit_vector(), lower)
+        params = {name: 1.0 / theta[i] for i, name in enumerate(_EFFICIENCIES)}
+        params.update({name: theta[4 + i] for i, name in enumerate(_OVERHEADS)})
+        return params
+
+
+def load_calibration(spec: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """A calibration written by ``framework.profile``: a dict with ``params`` (and provenance)."""
+    if isinstance(spec, dict):
+        data = spec
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ValueError(f"calibration file {str(spec)!r} does not exist (write one with python -m framework.profile)")
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
+        raise ValueError(f"calibration {spec!r} has no 'params' mapping; was it written by python -m framework.profile?")
+    unknown = sorted(set(data["params"]) - set(PARAMS))
+    if unknown:
+        raise ValueError(f"calibration {spec!r} has unknown parameter(s) {unknown}; known: {sorted(PARAMS)}")
+    return data

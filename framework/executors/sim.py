@@ -1,0 +1,153 @@
+"""The simulated executor: no weights, no KV tensors; each step lasts what a cost model says.
+
+Everything above the executor (policy, scheduler, block allocator with its prefix cache and swap
+space) runs unchanged, so a policy studied here behaves as it does on the real executor; only
+the forward pass is replaced by advancing a ``VirtualClock`` by the predicted step time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from framework.clock import Clock, VirtualClock
+from framework.config import EngineConfig
+from framework.cost_model import COST_MODELS, BatchShape, CostModel
+from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
+from framework.hardware import DTYPE_BYTES, Hardware, load_hardware
+from framework.request import Request
+from framework.scheduler import SchedulerOutput
+from models.loader import ModelSource
+
+
+@EXECUTORS.register("sim")
+class SimExecutor(Executor):
+    """Options (``executor_options``):
+
+    - ``hardware``: a ``conf/hardware`` preset name, a YAML path or a dict (default ``a100-80gb``);
+    - ``tensor_parallel_size``: devices per replica (weights, heads and KV cache are split);
+    - ``cost_model``: ``{"name": ..., **options}`` (default ``{"name": "roofline"}``);
+    - ``fast_forward``: let the run driver advance pure-decode runs in one go
+      (``framework/fast_forward.py``: same results, fewer Python steps); off for step-by-step;
+    - ``sampled_token``: the token every request samples (default: the highest id that is not an
+      EOS id). Requests never stop on it: output lengths are the requests' ``max_tokens``.
+    """
+
+    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock,
+                 hardware: str | dict[str, Any] | Hardware = "a100-80gb", tensor_parallel_size: int = 1,
+                 cost_model: dict[str, Any] | str | None = None, fast_forward: bool = True,
+                 sampled_token: int | None = None) -> None:
+        super().__init__(config, source, clock)
+        if not isinstance(clock, VirtualClock):
+            raise ValueError("executor=sim advances simulated time: give the engine a VirtualClock (or no clock)")
+        self.hardware = load_hardware(hardware)
+        self.tp = tensor_parallel_size
+        self.dtype_bytes = DTYPE_BYTES[self._dtype_name(config.dtype)]
+        model = source.config
+        spec = {"name": cost_model} if isinstance(cost_model, str) else dict(cost_model or {})
+        name = spec.pop("name", "roofline")
+        self.cost_model: CostModel = COST_MODELS.create(name, model, self.hardware, self.dtype_bytes,
+                                                        tensor_parallel_size, config.block_size, **spec)
+        self.fast_forward = bool(fast_forward)
+        eos = set(model.eos_token_ids)
+        if sampled_token is None:
+            sampled_token = next(t for t in range(model.vocab_size - 1, -1, -1) if t not in eos)
+        if not 0 <= sampled_token < model.vocab_size or sampled_token in eos:
+            raise ValueError(f"sampled_token must be a non-EOS id in [0, {model.vocab_size}), got {sampled_token!r}")
+        self.sampled_token = sampled_token
+        self._eos = eos
+        kv_heads = max(model.num_key_value_heads // self.tp, 1)
+        #: One KV block on one device: what the budget is divided into.
+        self.bytes_per_block = config.block_size * 2 * model.num_hidden_layers * kv_heads * model.head_dim * self.dtype_bytes
+        self.num_steps = 0
+        self.busy_time = 0.0
+
+    @classmethod
+    def make_clock(cls) -> Clock:
+        return VirtualClock()
+
+    def _dtype_name(self, dtype: str) -> str:
+        """``auto`` as the model executor resolves it: the checkpoint's 16-bit dtype on a GPU,
+        the device's default otherwise."""
+        if dtype != "auto":
+            return dtype
+        model_dtype = self.source.config.torch_dtype
+        if self.hardware.device_type == "cuda" and model_dtype in ("float16", "bfloat16"):
+            return model_dtype
+        return self.hardware.dtype
+
+    # -- memory ----------------------------------------------------------------------------------
+    def kv_block_counts(self) -> tuple[int, int]:
+        return size_kv_cache(self.config, self.bytes_per_block, self._device_budget)
+
+    def weight_bytes(self) -> float:
+        """One device's share of the weights."""
+        return self.source.config.num_params() * self.dtype_bytes / self.tp
+
+    def _device_budget(self) -> float:
+        """vLLM's sizing: ``gpu_memory_utilization`` of the device, less the runtime's own memory,
+        the weights and the activation peak of the largest step."""
+        hw, config = self.hardware, self.config
+        if hw.device_type == "cpu":
+            return config.cpu_kv_cache_gb * GiB
+        weights = self.weight_bytes()
+        activations = activation_peak_bytes(self.source.config, config, self.dtype_bytes, self.tp)
+        budget = hw.memory_bytes * config.gpu_memory_utilization - hw.runtime_reserved_gib * GiB - weights - activations
+        if budget <= 0:
+            raise ValueError(
+                f"model {config.model!r} does not fit on {hw.name!r} with tensor_parallel_size={self.tp}: "
+                f"{weights / GiB:.1f} GiB of weights and {activations / GiB:.1f} GiB of activations per device, "
+                f"{hw.memory_gib * config.gpu_memory_utilization:.1f} GiB usable; raise tensor_parallel_size "
+                f"or pick larger hardware")
+        return budget
+
+    def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+
+    # -- steps -----------------------------------------------------------------------------------
+    def token_for(self, request: Request) -> int:
+        """The token ``request`` samples: the sampled token, unless it is one of its stop tokens."""
+        stops = request.sampling_params.stop_token_ids
+        if not stops or self.sampled_token not in stops:
+            return self.sampled_token
+        return next(t for t in range(self.source.config.vocab_size) if t not in stops and t not in self._eos)
+
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput:
+        shape = BatchShape(swap_in_blocks=len(out.blocks_to_swap_in), swap_out_blocks=len(out.blocks_to_swap_out),
+                           copy_blocks=len(out.blocks_to_copy))
+        counts = out.num_scheduled_tokens
+        sampled: dict[str, int] = {}
+        for req in out.scheduled:
+            q = counts[req.request_id]
+            c = req.num_computed_tokens
+            samples = c + q >= len(req.token_ids)
+            shape.add_row(c, q, samples)
+            if samples:
+                sampled[req.request_id] = self.token_for(req)
+        dt = self.cost_model.step_time(shape)
+        self.clock.advance(dt)  # type: ignore[attr-defined]
+        self.num_steps += 1
+        self.busy_time += dt
+        return ExecutorOutput(sampled)
+
+    def plan_decode_run(self, segments: list[tuple[int, int, int]], until: float = math.inf) -> list[float]:
+        """End times of consecutive pure-decode steps: segment ``(steps, num_seqs, context)`` is
+        ``steps`` steps of ``num_seqs`` rows attending to ``context`` keys in its first step
+        (``num_seqs`` more each step). Stops before the first step that would start at or after
+        ``until``. The times are what stepping one by one gives, bit for bit."""
+        t = self.clock.now()
+        times: list[float] = []
+        cost = self.cost_model.decode_step_time
+        for steps, num_seqs, context in segments:
+            for _ in range(steps):
+                if t >= until:
+                    return times
+                t = t + cost(num_seqs, context)
+                times.append(t)
+                context += num_seqs
+        return times
+
+    def commit_decode_run(self, start: float, times: list[float]) -> None:
+        self.clock.wait_until(times[-1])
+        self.num_steps += len(times)
+        self.busy_time += times[-1] - start

@@ -1,0 +1,112 @@
+"""Device descriptions for the simulator's cost model: ``conf/hardware/NAME.yaml`` or a dict.
+
+Figures are the datasheet's (peak dense matrix throughput in the serving dtype, memory bandwidth
+and size, interconnect), plus the launch and runtime costs a serving stack pays on top. What a
+real kernel reaches of the peaks is not a device fact: the cost model's efficiency factors say
+that, and calibration measures them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device (one GPU of a tensor-parallel group). Units are in the field names."""
+
+    name: str
+    peak_tflops: float
+    memory_bandwidth_gb_s: float
+    memory_gib: float
+    launch_overhead_us: float = 0.0
+    interconnect_gb_s: float = 0.0
+    interconnect_latency_us: float = 0.0
+    pcie_gb_s: float = 0.0
+    runtime_reserved_gib: float = 0.0
+    #: What ``dtype=auto`` means on this device (as the model executor resolves it).
+    dtype: str = "bfloat16"
+    #: ``cuda``: the KV cache gets ``gpu_memory_utilization`` of the memory left by weights and
+    #: activations; ``cpu``: it gets ``cpu_kv_cache_gb``, as the model executor does on a CPU.
+    device_type: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"hardware {self.name!r}: device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"hardware {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        for name in ("peak_tflops", "memory_bandwidth_gb_s", "memory_gib"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("launch_overhead_us", "interconnect_gb_s", "interconnect_latency_us", "pcie_gb_s",
+                     "runtime_reserved_gib"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)!r}")
+
+    # -- SI units --------------------------------------------------------------------------------
+    @property
+    def flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return self.memory_bandwidth_gb_s * 1e9
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GiB
+
+    @property
+    def launch_overhead(self) -> float:
+        return self.launch_overhead_us * 1e-6
+
+    @property
+    def interconnect_bandwidth(self) -> float:
+        return self.interconnect_gb_s * 1e9
+
+    @property
+    def interconnect_latency(self) -> float:
+        return self.interconnect_latency_us * 1e-6
+
+    @property
+    def pcie_bandwidth(self) -> float:
+        return self.pcie_gb_s * 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Hardware:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware field(s) {unknown}; known fields: {sorted(known)}")
+        if "name" not in d:
+            raise ValueError("a hardware description needs a 'name'")
+        return cls(**d)
+
+
+def hardware_presets() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def load_hardware(spec: str | dict[str, Any] | Hardware) -> Hardware:
+    """A ``Hardware`` from a preset name (``conf/hardware/NAME.yaml``), a YAML path or a dict."""
+    if isinstance(spec, Hardware):
+        return spec
+    if isinstance(spec, dict):
+        return Hardware.from_dict(dict(spec))
+    path = Path(spec).expanduser()
+    if not path.suffix:
+        path = HARDWARE_DIR / f"{spec}.yaml"
+    if not path.is_file():
+        raise ValueError(f"hardware {spec!r} is neither a preset ({', '.join(hardware_presets())}) nor a YAML file")
+    import yaml
+
+    with open(path) as f:
+        return Hardware.from_dict(yaml.safe_load(f))

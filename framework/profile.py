@@ -1,0 +1,223 @@
+"""``python -m framework.profile``: measure the real executor, fit the cost model, write a YAML.
+
+Runs the ``model`` executor (the real forward pass, on the device at hand: this CPU, or a GPU
+when there is one) through a grid of batch compositions: ``m`` requests of ``L``-token prompts,
+prefilled in as few steps as the token budget allows and then decoded for a few steps. Every
+engine step is timed from its start to its end (scheduler, forward pass, sampling and output
+bookkeeping: what a real run's timeline is made of) and recorded with its ``BatchShape``. The
+grid runs ``--repeats`` times and each distinct shape keeps its median, which shrugs off the
+noise of a shared machine. The cost model then fits its parameters to the medians (a small
+least-squares problem, well under a second), and the YAML it writes is what
+``cost_model.calibration=FILE`` loads::
+
+    python -m framework.profile --model tiny-llama --hardware cpu --out calibration/cpu-tiny-llama.yaml
+    python -m framework.profile --hardware h100-sxm --model /path/to/checkpoint --grid large
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+from framework.cost_model import COST_MODELS, BatchShape
+from framework.hardware import load_hardware
+
+logger = logging.getLogger(__name__)
+
+#: (prompt lengths, request counts, decode steps, most prompt tokens per cell). A dozen decode steps
+#: per cell: the first after a prefill runs slower (cold caches), as it does in real runs too.
+GRIDS: dict[str, tuple[list[int], list[int], int, int]] = {
+    "quick": ([16, 96], [1, 4], 2, 512),
+    "default": ([16, 64, 128, 256, 512], [1, 2, 4, 8, 16, 32], 12, 4096),
+    "large": ([16, 64, 256, 1024, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 12, 65536),
+}
+
+
+def grid_cells(name: str, lengths: list[int] | None = None, counts: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """(requests, prompt length, decode steps) of every cell of grid ``name``, its prompt
+    lengths and request counts optionally replaced (calibrate over the regime to simulate)."""
+    if name not in GRIDS:
+        raise ValueError(f"unknown grid {name!r}; grids: {', '.join(GRIDS)}")
+    grid_lengths, grid_counts, decode, budget = GRIDS[name]
+    lengths, counts = lengths or grid_lengths, counts or grid_counts
+    if min(lengths) < 1 or min(counts) < 1:
+        raise ValueError("prompt lengths and request counts must be >= 1")
+    return [(m, length, decode) for length in lengths for m in counts if m * length <= max(budget, length)]
+
+
+class Profiler:
+    """Times engine steps of chosen compositions on a model-executor ``LLMEngine`` (prefix cache
+    off, so every prompt computes), keeping every duration per distinct ``BatchShape``."""
+
+    def __init__(self, engine: Any, seed: int = 0, timer: Callable[[], float] = time.perf_counter) -> None:
+        self.engine = engine
+        self.timer = timer
+        self.rng = random.Random(seed)
+        self.seconds: dict[tuple, list[float]] = defaultdict(list)
+        self._shapes: list[BatchShape] = []
+        self._cells = 0
+        execute = engine.executor.execute
+
+        def recording_execute(out):
+            self._shapes.append(BatchShape.from_scheduler_output(out))
+            return execute(out)
+
+        engine.executor.execute = recording_execute
+
+    def close(self) -> None:
+        del self.engine.executor.execute
+
+    def run_cell(self, m: int, length: int, decode: int, record: bool = True) -> None:
+        """``m`` requests of ``length``-token prompts, prefilled then decoded ``decode`` steps."""
+        from framework.sampling_params import SamplingParams
+
+        engine, vocab = self.engine, self.engine.model_config.vocab_size
+        params = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True)
+        self._cells += 1
+        for i in range(m):
+            engine.add_request(f"profile-{self._cells}-{i}", [self.rng.randrange(3, vocab) for _ in range(length)], params)
+        while engine.has_unfinished_requests():
+            before = len(self._shapes)
+            t0 = self.timer()
+            engine.step()
+            dt = self.timer() - t0
+            if record and len(self._shapes) > before:
+                self.seconds[tuple(self._shapes[-1].to_list())].append(dt)
+
+    def samples(self) -> list[tuple[BatchShape, float]]:
+        """Median seconds of every distinct shape measured."""
+        return [(BatchShape.from_list(list(key)), statistics.median(v)) for key, v in self.seconds.items()]
+
+
+def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: int = 0,
+            timer: Callable[[], float] = time.perf_counter) -> list[tuple[BatchShape, float]]:
+    """Median seconds per distinct step shape over ``repeats`` passes of ``cells`` on ``engine``
+    (a model-executor ``LLMEngine``; its prefix cache should be off so every prompt computes),
+    timed with ``timer`` (``time.process_time`` leaves out other processes' time on a shared
+    machine, provided torch runs one thread). A first pass warms up and is not recorded."""
+    profiler = Profiler(engine, seed, timer)
+    try:
+        for rep in range(repeats + 1):
+            for cell in cells:
+                profiler.run_cell(*cell, record=rep > 0)
+    finally:
+        profiler.close()
+    return profiler.samples()
+
+
+def profile_engine_config(cells: list[tuple[int, int, int]], model: str = "tiny-llama", **kw: Any) -> Any:
+    """The ``EngineConfig`` of a profiling engine big enough for ``cells`` (no prefix caching)."""
+    from framework.config import EngineConfig
+
+    max_len = max(length for _, length, _ in cells) + max(d for _, _, d in cells) + 2
+    return EngineConfig(model=model, executor="model", max_num_seqs=max(m for m, _, _ in cells),
+                        max_num_batched_tokens=max(2048, max_len), max_model_len=max_len,
+                        enable_prefix_caching=False, **kw)
+
+
+def calibration_record(cost_model: str, model: str, hardware: Any, dtype_bytes: int, block_size: int,
+                       params: dict[str, float], fit: dict[str, float], samples: list[tuple[BatchShape, float]],
+                       measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a calibration YAML holds (``cost_model.calibration`` loads its ``params``)."""
+    return {"cost_model": cost_model, "model": model, "hardware": hardware.to_dict(), "dtype_bytes": dtype_bytes,
+            "tensor_parallel_size": 1, "block_size": block_size, "params": params, "fit": fit,
+            "measured": measured or {}, "samples": {"fields": BatchShape.field_names() + ["seconds"],
+                        "rows": [shape.to_list() + [t] for shape, t in samples]}}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def relative_errors(model: Any, samples: list[tuple[BatchShape, float]]) -> list[float]:
+    return [abs(model.step_time(shape) - t) / t for shape, t in samples]
+
+
+def calibrate(samples: list[tuple[BatchShape, float]], model_config: Any, hardware: Any, dtype_bytes: int,
+              cost_model: str = "roofline", block_size: int = 16) -> tuple[dict[str, float], dict[str, float]]:
+    """Fitted parameters and the fit's relative errors on ``samples``."""
+    cls = COST_MODELS.get(cost_model)
+    params = cls.calibrate(samples, model_config, hardware, dtype_bytes, 1, block_size)
+    fitted = cls(model_config, hardware, dtype_bytes, 1, block_size, **params)
+    errors = sorted(relative_errors(fitted, samples))
+    return params, {"samples": len(samples), "median_abs_rel_error": statistics.median(errors),
+                    "p90_abs_rel_error": errors[int(0.9 * (len(errors) - 1))], "max_abs_rel_error": errors[-1]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m framework.profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-llama", help="preset or Hugging Face checkpoint directory")
+    ap.add_argument("--hardware", default=None,
+                    help="conf/hardware preset or YAML the fit is relative to (default: cpu when running on a CPU)")
+    ap.add_argument("--cost-model", default="roofline")
+    ap.add_argument("--out", default="calibration.yaml")
+    ap.add_argument("--grid", default="default", choices=sorted(GRIDS))
+    ap.add_argument("--lengths", type=_ints, default=None, help="prompt lengths, e.g. 16,64,256 (default: the grid's)")
+    ap.add_argument("--counts", type=_ints, default=None, help="requests per cell, e.g. 1,2,4,8 (default: the grid's)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--backend", default="naive")
+    ap.add_argument("--preparer", default="v1")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time steps by the wall clock, or by process CPU time (a machine shared with other "
+                         "work; use with --threads 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+
+    from framework.engine import LLMEngine
+
+    cells = grid_cells(args.grid, args.lengths, args.counts)
+    engine = LLMEngine(profile_engine_config(cells, args.model, backend=args.backend, preparer=args.preparer,
+                                             device=args.device, dtype=args.dtype, block_size=args.block_size,
+                                             num_threads=args.threads, seed=args.seed))
+    if args.hardware is None:
+        if engine.executor.device != "cpu":
+            ap.error(f"measuring on {engine.executor.device}: name its hardware description with --hardware "
+                     f"(presets: a100-80gb, h100-sxm, h200, l40s, or a YAML path)")
+        args.hardware = "cpu"
+    hardware = load_hardware(args.hardware)
+    dtype_bytes = engine.executor.dtype.itemsize
+    started = time.perf_counter()
+    samples = measure(engine, cells, args.repeats, args.seed,
+                      time.process_time if args.clock == "cpu" else time.perf_counter)
+    measured_s = time.perf_counter() - started
+    started = time.perf_counter()
+    params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size)
+    fit["fit_seconds"] = time.perf_counter() - started
+    import torch
+
+    measured = {"device": engine.executor.device, "backend": args.backend, "preparer": args.preparer,
+                "torch": str(torch.__version__), "threads": torch.get_num_threads(), "grid": args.grid,
+                "repeats": args.repeats, "clock": args.clock, "cells": [list(c) for c in cells],
+                "seconds": round(measured_s, 1), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    result = calibration_record(args.cost_model, args.model, hardware, dtype_bytes, args.block_size, params, fit,
+                                samples, measured)
+    import yaml
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        yaml.safe_dump(result, f, sort_keys=False, default_flow_style=None, width=120)
+    print(f"measured {len(samples)} step shapes in {measured_s:.1f}s; fitted {args.cost_model} in "
+          f"{fit['fit_seconds'] * 1000:.0f} ms: median |error| {fit['median_abs_rel_error']:.1%}, "
+          f"p90 {fit['p90_abs_rel_error']:.1%}")
+    for name, value in params.items():
+        print(f"  {name:24s} {value:.4g}")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

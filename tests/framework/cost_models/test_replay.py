@@ -1,0 +1,35 @@
+import pytest
+
+from framework.cost_model import COST_MODELS, BatchShape
+from framework.hardware import load_hardware
+from models.config import ModelConfig
+from models.presets import PRESETS
+
+CFG = ModelConfig.from_hf(PRESETS["tiny-llama"])
+
+
+def replay(**kw):
+    return COST_MODELS.create("replay", CFG, load_hardware("cpu"), 4, **kw)
+
+
+def test_replays_durations_in_step_order_whatever_the_shape():
+    m = replay(durations=[0.5, 0.25, 0.125])
+    assert [m.step_time(BatchShape(num_seqs=9)), m.decode_step_time(3, 10), m.step_time(BatchShape())] == [0.5, 0.25, 0.125]
+    with pytest.raises(RuntimeError, match="3 recorded steps and step 4"):
+        m.step_time(BatchShape())
+
+
+def test_reads_a_plain_list_or_a_steps_csv(tmp_path):
+    plain = tmp_path / "d.txt"
+    plain.write_text("0.1\n0.2\n\n")
+    assert replay(file=str(plain)).durations == [0.1, 0.2]
+    steps = tmp_path / "steps.csv"
+    steps.write_text("step,start_time,duration\n1,0.0,0.3\n2,0.3,0.4\n")
+    assert replay(file=str(steps)).durations == [0.3, 0.4]
+
+
+@pytest.mark.parametrize("kw, match", [({}, "exactly one of"), ({"durations": [1], "file": "x"}, "exactly one of"),
+                                       ({"durations": [-1.0]}, ">= 0"), ({"file": "/no/such"}, "does not exist")])
+def test_bad_options(kw, match):
+    with pytest.raises(ValueError, match=match):
+        replay(**kw)

@@ -1,0 +1,149 @@
+"""Roofline step times against hand computations from the published shape of Llama-3-8B and the
+A100-80GB datasheet, and the properties the simulator relies on."""
+import math
+
+import pytest
+
+from framework.cost_model import COST_MODELS, BatchShape
+from framework.cost_models.roofline import PARAMS, RooflineCostModel
+from framework.hardware import load_hardware
+from models.config import ModelConfig
+from models.presets import PRESETS
+
+LLAMA3_8B = ModelConfig.from_hf(PRESETS["llama-3-8b"])
+# Datasheet A100-80GB without launch costs, so the roofline terms are what is checked.
+A100 = load_hardware({**load_hardware("a100-80gb").to_dict(), "launch_overhead_us": 0.0})
+IDEAL = dict(matmul_efficiency=1.0, memory_efficiency=1.0, attention_efficiency=1.0, kv_efficiency=1.0,
+             step_overhead_us=0.0, seq_overhead_us=0.0, token_overhead_us=0.0)
+PEAK, BW = 312e12, 2039e9
+# Llama-3-8B: 32 layers, hidden 4096, 32 query heads and 8 KV heads of 128, MLP 14336, vocab 128256.
+LINEAR_PARAMS = 32 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336)  # qkv, o, gate/up/down
+HEAD_PARAMS = 4096 * 128256
+KV_BYTES_PER_TOKEN = 2 * 32 * 1024 * 2  # K and V, 32 layers, 8 x 128 dims, bf16
+
+
+def model(tp=1, hardware=A100, **params):
+    return RooflineCostModel(LLAMA3_8B, hardware, 2, tp, 16, **{**IDEAL, **params})
+
+
+def decode(m, context):
+    return BatchShape(num_seqs=m, num_tokens=m, num_sampled=m, num_decode_seqs=m, decode_context=context)
+
+
+def prefill(q):
+    return BatchShape(num_seqs=1, num_tokens=q, num_sampled=1, num_prefill_seqs=1, prefill_tokens=q,
+                      prefill_context=q, prefill_pairs=q * (q + 1) // 2)
+
+
+def test_single_decode_is_reading_the_weights_and_the_kv_cache():
+    # Batch 1 at 1024 tokens of context: every weight and every cached K/V byte is read once.
+    expected = (2 * (LINEAR_PARAMS + HEAD_PARAMS) + 1024 * KV_BYTES_PER_TOKEN) / BW
+    got = model().step_time(decode(1, 1024))
+    assert got == pytest.approx(expected, rel=3e-3)  # the rest is activations: a few MB
+    assert 6.5e-3 < got < 8e-3
+
+
+def test_long_prefill_is_compute_bound():
+    # 2048 prompt tokens: 2 FLOPs per weight per token, plus causal attention's 4 * d * H FLOPs per
+    # query-key pair in each layer; one logits row.
+    q = 2048
+    linear = 2 * q * LINEAR_PARAMS / PEAK
+    attention = 4 * 32 * 4096 * (q * (q + 1) // 2) / PEAK
+    head = 2 * HEAD_PARAMS / BW  # one row: reading the head dominates
+    got = model().step_time(prefill(q))
+    assert got == pytest.approx(linear + attention + head, rel=0.08)  # + norms/activations traffic
+    assert got > linear + attention + head
+    assert model(matmul_efficiency=0.5).step_time(prefill(q)) == pytest.approx(got + linear, rel=1e-9)
+
+
+def test_decode_batch_amortises_weights_until_compute_bound():
+    m = model()
+    small, large = m.step_time(decode(8, 8 * 1024)), m.step_time(decode(512, 512 * 8))
+    assert small < 2 * m.step_time(decode(1, 1024))  # still bound by reading the weights once
+    # 512 rows: 2 * 512 FLOPs per weight exceeds the ridge point (312e12 / 2039e9 = 153 FLOP/byte).
+    assert large > 2 * 512 * LINEAR_PARAMS / PEAK
+
+
+def test_tensor_parallel_splits_weights_and_adds_all_reduces():
+    # Batch 1 at 1024 tokens on 2 GPUs: each reads half the weights and half the KV cache, then
+    # two ring all-reduces of 4096 bf16 values per layer over 300 GB/s NVLink (each GPU sends
+    # 2 (p-1)/p of the data, 8 us latency each) and a gather of the float32 logits.
+    all_reduce = 32 * 2 * (2 * (1 / 2) * 4096 * 2 / 300e9 + 8e-6)
+    gather = (1 / 2) * 128256 * 4 / 300e9 + 8e-6
+    expected = (2 * (LINEAR_PARAMS + HEAD_PARAMS) + 1024 * KV_BYTES_PER_TOKEN) / 2 / BW + all_reduce + gather
+    assert model(tp=2).step_time(decode(1, 1024)) == pytest.approx(expected, rel=3e-3)
+    # 8 KV heads over 16 GPUs: each holds one, replicated (vLLM's rule), so the KV read halves only 8x.
+    h16 = model(tp=16).step_time(decode(1, 1 << 20)) - model(tp=16).step_time(decode(1, 0))
+    assert h16 == pytest.approx((1 << 20) * KV_BYTES_PER_TOKEN / 8 / BW, rel=1e-9)
+
+
+def test_swaps_cross_pcie_and_copies_stay_in_device_memory():
+    m = model()
+    base = m.step_time(decode(4, 4000))
+    block = 16 * KV_BYTES_PER_TOKEN
+    swapped = BatchShape(**{**decode(4, 4000).__dict__, "swap_in_blocks": 10, "swap_out_blocks": 5})
+    assert m.step_time(swapped) == pytest.approx(base + 15 * block / 25e9, rel=1e-9)
+    copied = BatchShape(**{**decode(4, 4000).__dict__, "copy_blocks": 3})
+    assert m.step_time(copied) == pytest.approx(base + 3 * 2 * block / BW, rel=1e-9)
+    # A step that only moves blocks runs no model: its overhead and the transfer.
+    stepped = model(step_overhead_us=100)
+    assert stepped.step_time(BatchShape(swap_in_blocks=2)) == pytest.approx(100e-6 + 2 * block / 25e9, rel=1e-9)
+
+
+def test_overheads_add_per_step_request_layer_and_token():
+    base = model().step_time(prefill(100))
+    m = model(step_overhead_us=100, seq_overhead_us=10, token_overhead_us=0.5)
+    assert m.step_time(prefill(100)) == pytest.approx(base + 100e-6 + 10e-6 + 50e-6, rel=1e-9)
+    launches = RooflineCostModel(LLAMA3_8B, load_hardware("a100-80gb"), 2, 1, 16, **IDEAL)
+    assert launches.step_time(prefill(100)) == pytest.approx(base + (32 * 12 + 6) * 4e-6, rel=1e-9)
+
+
+def test_decode_step_time_is_step_time_bit_for_bit():
+    m = RooflineCostModel(LLAMA3_8B, load_hardware("h100-sxm"), 2, 2, 16)
+    for num, ctx in [(1, 1), (3, 700), (64, 64 * 900), (255, 1)]:
+        assert m.decode_step_time(num, ctx) == m.step_time(decode(num, ctx))
+
+
+def test_legs_reproduce_step_time_for_every_shape():
+    from framework.calibration import predict
+
+    m = model(tp=2, hardware=load_hardware("h100-sxm"), matmul_efficiency=0.6, memory_efficiency=0.7,
+              attention_efficiency=0.4, kv_efficiency=0.5, step_overhead_us=300, seq_overhead_us=7)
+    mixed = BatchShape(num_seqs=5, num_tokens=260, num_sampled=4, num_decode_seqs=4, decode_context=9000,
+                       num_prefill_seqs=1, prefill_tokens=256, prefill_context=1256, prefill_pairs=256 * 1000 + 256 * 257 // 2,
+                       swap_in_blocks=2, copy_blocks=1)
+    swaps_only = BatchShape(swap_out_blocks=4, copy_blocks=1)
+    for shape in (mixed, decode(9, 3000), prefill(4000), swaps_only):
+        offset, groups = m.legs(shape)
+        assert predict(offset, groups, m.fit_vector()) == pytest.approx(m.step_time(shape), rel=1e-12)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="unknown roofline option.*matmul_efficiency"):
+        model(matmul_eff=0.5)
+    with pytest.raises(ValueError, match="matmul_efficiency must be > 0"):
+        model(matmul_efficiency=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must .* divide"):
+        model(tp=3)
+    with pytest.raises(ValueError, match="calibration file .* does not exist"):
+        RooflineCostModel(LLAMA3_8B, A100, calibration="/no/such.yaml")
+    assert "roofline" in COST_MODELS.list() and set(PARAMS) >= set(IDEAL)
+
+
+def test_calibration_parameters_apply_under_explicit_options(tmp_path):
+    import yaml
+
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump({"params": {"matmul_efficiency": 0.25, "step_overhead_us": 50.0}}))
+    m = RooflineCostModel(LLAMA3_8B, A100, calibration=str(path), step_overhead_us=10.0)
+    assert m.params["matmul_efficiency"] == 0.25 and m.params["step_overhead_us"] == 10.0
+    path.write_text(yaml.safe_dump({"params": {"bogus": 1}}))
+    with pytest.raises(ValueError, match="unknown parameter"):
+        RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
+
+
+def test_no_pcie_makes_swaps_infinitely_slow_but_nothing_else():
+    hw = load_hardware({**A100.to_dict(), "pcie_gb_s": 0})
+    m = RooflineCostModel(LLAMA3_8B, hw, 2, 1, 16, **IDEAL)
+    assert math.isfinite(m.step_time(decode(2, 100)))
+    assert m.step_time(BatchShape(**{**decode(2, 100).__dict__, "swap_in_blocks": 1})) == math.inf

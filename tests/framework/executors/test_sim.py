@@ -1,0 +1,114 @@
+"""The simulated executor: vLLM's KV sizing from the model and device description, virtual time
+from the cost model, and outputs whose lengths are the requests' own."""
+import subprocess
+import sys
+
+import pytest
+
+from framework import LLM, EngineConfig, LLMEngine, SamplingParams
+from framework.clock import VirtualClock, WallClock
+from framework.cost_model import BatchShape
+from framework.executor import EXECUTORS
+from framework.hardware import GiB, load_hardware
+
+LLAMA3_8B_PARAMS = 8_030_261_248
+
+
+def sim_engine(**kw):
+    args = dict(model="llama-3-8b", executor="sim")
+    args.update(kw)
+    return LLMEngine(EngineConfig(**args))
+
+
+def test_kv_blocks_are_what_vllm_leaves_after_weights_and_activations():
+    engine = sim_engine(max_num_batched_tokens=4096, max_num_seqs=128)
+    # 0.9 of 80 GiB, less the CUDA runtime (0.75 GiB), bf16 weights and the largest step's
+    # activations: 4096 tokens x (fused gate/up + qkv + 4 x hidden) bf16 values, twice, and float32
+    # logits for 128 rows. A block is 16 tokens x 32 layers x K and V x 8 heads x 128 x 2 bytes.
+    activations = 4096 * (2 * 14336 + 4096 + 2 * 1024 + 4 * 4096) * 2 * 2 + 128 * 128256 * 4
+    budget = 80 * GiB * 0.9 - 0.75 * GiB - LLAMA3_8B_PARAMS * 2 - activations
+    assert engine.allocator.num_blocks == int(budget // (16 * 32 * 2 * 8 * 128 * 2))
+    assert engine.allocator.num_cpu_blocks == 4 * GiB // (16 * 32 * 2 * 8 * 128 * 2)  # swap_space=4 GiB
+    h200 = sim_engine(max_num_batched_tokens=4096, max_num_seqs=128, executor_options={"hardware": "h200"})
+    assert h200.allocator.num_blocks > 1.9 * engine.allocator.num_blocks  # 140 GiB, same weights
+
+
+def test_tensor_parallelism_shards_weights_and_kv_heads():
+    one = sim_engine(model="llama-3-70b", executor_options={"hardware": "h100-sxm", "tensor_parallel_size": 4})
+    two = sim_engine(model="llama-3-70b", executor_options={"hardware": "h100-sxm", "tensor_parallel_size": 8})
+    assert one.executor.weight_bytes() == pytest.approx(70.55e9 * 2 / 4, rel=1e-3)
+    assert one.executor.bytes_per_block == 16 * 80 * 2 * 2 * 128 * 2  # 8 KV heads / 4 GPUs = 2 each
+    assert two.allocator.num_blocks > 2 * one.allocator.num_blocks  # half the weights and half the KV per GPU
+
+
+def test_a_model_that_does_not_fit_is_a_clear_error():
+    with pytest.raises(ValueError, match="does not fit on 'l40s'.*raise tensor_parallel_size"):
+        sim_engine(model="llama-3-70b", executor_options={"hardware": "l40s"})
+
+
+def test_explicit_kv_sizes_and_the_cpu_device_follow_the_model_executor():
+    assert sim_engine(num_gpu_blocks_override=1000).allocator.num_blocks == 1000
+    assert sim_engine(kv_cache_memory_gb=2.0).allocator.num_blocks == 2 * GiB // (16 * 131072)
+    cpu = sim_engine(model="tiny-llama", max_model_len=256, cpu_kv_cache_gb=0.004,
+                     executor_options={"hardware": "cpu"})
+    assert cpu.executor.dtype_bytes == 4  # dtype=auto on a CPU is float32, as the model executor has it
+    # 16 tokens x K and V x 4 layers x 4 KV heads x 32 dims x 4 bytes
+    assert cpu.allocator.num_blocks == int(0.004 * GiB // (16 * 2 * 4 * 4 * 32 * 4))
+
+
+def test_sim_runs_on_virtual_time_from_the_cost_model():
+    engine = sim_engine()
+    assert isinstance(engine.clock, VirtualClock) and EXECUTORS.get("model").make_clock().__class__ is WallClock
+    with pytest.raises(ValueError, match="VirtualClock"):
+        LLMEngine(EngineConfig(model="llama-3-8b", executor="sim"), clock=WallClock())
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("a", list(range(10, 110)), params)
+    cost = engine.executor.cost_model
+    prefill = BatchShape(num_seqs=1, num_tokens=100, num_sampled=1, num_prefill_seqs=1, prefill_tokens=100,
+                         prefill_context=100, prefill_pairs=100 * 101 // 2)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    times = outs[-1].metrics.token_times
+    t1 = cost.step_time(prefill)
+    t2 = t1 + cost.decode_step_time(1, 101)
+    assert times == [t1, t2, t2 + cost.decode_step_time(1, 102)]
+    assert engine.clock.now() == times[-1]
+
+
+def test_outputs_run_to_max_tokens_and_never_stop_on_the_sampled_token():
+    llm = LLM(model="tiny-llama", executor="sim", max_model_len=512, executor_options={"hardware": "cpu"})
+    token = llm.engine.executor.sampled_token
+    assert token not in llm.engine.model_config.eos_token_ids
+    outs = llm.generate([{"prompt_token_ids": [5] * 20}, {"prompt_token_ids": [6] * 30}],
+                        [SamplingParams(max_tokens=40), SamplingParams(max_tokens=7, stop_token_ids=[token])])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [40, 7]
+    assert outs[0].outputs[0].finish_reason == "length" and token not in outs[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="sampled_token must be a non-EOS id"):
+        LLM(model="tiny-llama", executor="sim", executor_options={"hardware": "cpu", "sampled_token": 2})
+
+
+def test_shape_only_presets_are_refused_by_the_model_executor():
+    with pytest.raises(ValueError, match="shape-only preset .* executor=sim"):
+        LLMEngine(EngineConfig(model="mistral-7b", executor="model"))
+
+
+def test_a_simulated_run_never_imports_torch():
+    code = ("import sys; from framework import LLM, SamplingParams; "
+            "llm = LLM(model='qwen2-7b', executor='sim', max_model_len=1024); "
+            "out = llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=5))[0]; "
+            "print(len(out.outputs[0].token_ids), 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["5", "False"]
+
+
+def test_hardware_presets_and_errors():
+    for name in ("a100-80gb", "h100-sxm", "h200", "l40s", "cpu"):
+        hw = load_hardware(name)
+        assert hw.flops > 0 and hw.memory_bandwidth > 0 and hw.memory_bytes > 0
+    with pytest.raises(ValueError, match="neither a preset .*a100-80gb"):
+        load_hardware("tpu-v9")
+    with pytest.raises(ValueError, match="unknown hardware field"):
+        load_hardware({"name": "x", "peak_tflops": 1, "memory_bandwidth_gb_s": 1, "memory_gib": 1, "tflops": 2})
+    with pytest.raises(ValueError, match="peak_tflops must be > 0"):
+        load_hardware({"name": "x", "peak_tflops": 0, "memory_bandwidth_gb_s": 1, "memory_gib": 1})

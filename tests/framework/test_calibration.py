@@ -1,0 +1,76 @@
+"""The least-squares fit behind ``framework.profile``: it recovers known parameters."""
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from framework.calibration import fit_max_linear, nnls, predict
+from framework.cost_model import BatchShape
+from framework.cost_models.roofline import RooflineCostModel
+from framework.hardware import load_hardware
+from models.config import ModelConfig
+from models.presets import PRESETS
+
+
+def test_nnls_matches_brute_force_over_active_sets():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        A = rng.normal(size=(12, 4))
+        b = rng.normal(size=12)
+        x = nnls(A, b)
+        assert (x >= 0).all()
+        best = np.inf
+        for k in range(5):  # the optimum is an unconstrained fit on some subset, clipped nowhere
+            for subset in itertools.combinations(range(4), k):
+                z = np.zeros(4)
+                if subset:
+                    z[list(subset)] = np.linalg.lstsq(A[:, subset], b, rcond=None)[0]
+                if (z >= 0).all():
+                    best = min(best, float(np.sum((A @ z - b) ** 2)))
+        assert float(np.sum((A @ x - b) ** 2)) == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_fit_of_a_max_of_linear_model_recovers_its_parameters():
+    # t = max(a * x, b * y) + c, sampled on both sides of the ridge.
+    rng = random.Random(1)
+    rows, times = [], []
+    for _ in range(60):
+        x, y = rng.uniform(0, 1), rng.uniform(0, 1)
+        groups = [[(0, x), (1, y)], [(2, 1.0)]]
+        rows.append((0.0, groups))
+        times.append(predict(0.0, groups, [3.0, 2.0, 0.5]))
+    theta = fit_max_linear(rows, times, [1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+    assert theta == pytest.approx([3.0, 2.0, 0.5], rel=1e-6)
+
+
+def test_roofline_calibration_recovers_efficiencies_and_overheads_from_its_own_times():
+    cfg = ModelConfig.from_hf(PRESETS["tiny-llama"])
+    hw = load_hardware("cpu")
+    truth = dict(matmul_efficiency=0.3, memory_efficiency=0.9, attention_efficiency=0.05, kv_efficiency=0.4,
+                 step_overhead_us=800.0, seq_overhead_us=30.0, token_overhead_us=2.0)
+    model = RooflineCostModel(cfg, hw, 4, **truth)
+    samples = []
+    for m, length in itertools.product([1, 2, 4, 8, 16, 32, 64], [16, 64, 256, 1024]):
+        samples.append((BatchShape(num_seqs=m, num_tokens=m * length, num_sampled=m, num_prefill_seqs=m,
+                                   prefill_tokens=m * length, prefill_context=m * length,
+                                   prefill_pairs=m * length * (length + 1) // 2), 0.0))
+        samples.append((BatchShape(num_seqs=m, num_tokens=m, num_sampled=m, num_decode_seqs=m,
+                                   decode_context=m * (length + 1)), 0.0))
+    samples = [(shape, model.step_time(shape)) for shape, _ in samples]
+    fitted = RooflineCostModel.calibrate(samples, cfg, hw, 4)
+    refit = RooflineCostModel(cfg, hw, 4, **fitted)
+    for shape, t in samples:
+        assert refit.step_time(shape) == pytest.approx(t, rel=1e-6)
+    for name in ("matmul_efficiency", "attention_efficiency", "step_overhead_us", "seq_overhead_us",
+                 "token_overhead_us"):
+        assert fitted[name] == pytest.approx(truth[name], rel=1e-4), name
+
+
+def test_calibration_needs_enough_positive_samples():
+    cfg = ModelConfig.from_hf(PRESETS["tiny-llama"])
+    shape = BatchShape(num_seqs=1, num_tokens=1, num_sampled=1, num_decode_seqs=1, decode_context=5)
+    with pytest.raises(ValueError, match="at least 7 measured steps"):
+        RooflineCostModel.calibrate([(shape, 0.01)] * 3, cfg, load_hardware("cpu"), 4)
+    with pytest.raises(ValueError, match="must be > 0"):
+        fit_max_linear([(0.0, [[(0, 1.0)]])], [0.0], [1.0], [0.0])

@@ -1,0 +1,139 @@
+"""A simulated engine that advances pure-decode runs at once ends up exactly where stepping one
+by one does: same steps, same token times, same blocks, same prefix cache."""
+import dataclasses
+
+import pytest
+
+from framework import EngineConfig, SamplingParams
+from framework.allocators.paged import PagedBlockAllocator
+from framework.block_allocator import BlockAllocator
+from framework.chat_workload import ChatWorkload
+from framework.cluster import Cluster
+from framework.fast_forward import declares_steady_decode
+from framework.request import Request, RequestStatus
+from framework.step_log import StepLog
+from policies.fcfs import FCFSPolicy
+from tests.framework.sim_support import SwapInFCFS
+
+
+class CountingLog(StepLog):
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def on_decode_run(self, run):
+        self.runs += len(run.end_times)  # steps taken in runs
+        super().on_decode_run(run)
+
+
+def serve(fast, num_requests=150, rate=6.0, n_every=0, **engine):
+    config = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=64, max_num_batched_tokens=4096,
+                          executor_options={"fast_forward": fast}, **engine)
+    cluster = Cluster.build(config)
+    log = CountingLog()
+    engine_ = cluster.engines[0]
+    engine_.step_callbacks.append(log)
+    arrivals = list(ChatWorkload(num_requests=num_requests, rate=rate, seed=3, vocab_size=2000,
+                                 max_prompt_len=900, output_len_median=120))
+    if n_every:
+        arrivals = [dataclasses.replace(a, params=dataclasses.replace(a.params, n=2)) if i % n_every == 0 else a
+                    for i, a in enumerate(arrivals)]
+    outs = cluster.run(arrivals)
+    requests = sorted((o.request_id, tuple(o.metrics.token_times), o.metrics.first_scheduled_time, o.metrics.num_cached_tokens,
+                       o.metrics.num_preemptions, o.metrics.num_swaps, tuple(len(c.token_ids) for c in o.outputs),
+                       tuple(c.finish_reason for c in o.outputs)) for _, o in outs)
+    alloc = engine_.allocator
+    state = (list(alloc._free), dict(alloc._hash_to_block), [(b.ref_count, b.hash, b.token_ids) for b in alloc._blocks],
+             alloc.stats.to_dict(), engine_.scheduler.num_preemptions, engine_.scheduler.num_swap_outs,
+             engine_.num_steps, engine_.clock.now())
+    return {name: list(col) for name, col in log.columns.items()}, requests, state, log.runs
+
+
+SCENARIOS = {
+    "plenty of blocks": {},
+    "recompute preemptions": dict(num_gpu_blocks_override=260, max_model_len=1024),
+    "swap preemptions": dict(num_gpu_blocks_override=260, max_model_len=1024, policy="test_fcfs_swap_in",
+                             policy_options={"preemption_mode": "swap"}, swap_space=0.05),
+    "block size 1": dict(block_size=1, num_gpu_blocks_override=3000, max_model_len=1024),
+    "no prefix caching, length cap": dict(enable_prefix_caching=False, block_size=32, max_model_len=700),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_decode_runs_equal_stepping_one_by_one(scenario):
+    steps, requests, state, _ = serve(False, **SCENARIOS[scenario])
+    fast_steps, fast_requests, fast_state, runs = serve(True, **SCENARIOS[scenario])
+    # The fast path took a good share of the steps (most, unless preemptions keep requests waiting).
+    assert runs > (0.8 if scenario == "plenty of blocks" else 0.1) * len(steps["step"])
+    assert fast_steps == steps
+    assert fast_requests == requests
+    assert fast_state == state
+
+
+def test_parallel_sampling_requests_too():
+    slow, fast = serve(False, num_requests=80, n_every=3), serve(True, num_requests=80, n_every=3)
+    assert fast[0] == slow[0] and fast[1] == slow[1] and fast[2] == slow[2]
+
+
+def test_scenarios_exercise_what_they_claim():
+    _, requests, state, _ = serve(True, **SCENARIOS["swap preemptions"])
+    assert state[5] > 0 and any(r[5] for r in requests)  # swaps
+    _, requests, state, _ = serve(True, **SCENARIOS["recompute preemptions"])
+    assert state[4] > 0 and state[3]["prefix_hit_tokens"] > 0 and state[3]["evictions"] > 0
+
+
+def test_only_the_class_defining_schedule_can_promise_steady_decode():
+    class Inherits(FCFSPolicy):
+        def waiting_order(self, waiting):
+            return sorted(waiting, key=lambda r: r.num_prompt_tokens)
+
+    class Overrides(FCFSPolicy):
+        def schedule(self, scheduler, step):
+            super().schedule(scheduler, step)
+
+    assert declares_steady_decode(FCFSPolicy()) and declares_steady_decode(Inherits())
+    assert not declares_steady_decode(Overrides()) and declares_steady_decode(SwapInFCFS())
+
+
+def test_paged_decode_run_allocation_equals_replaying_allocate_slots():
+    def setup():
+        alloc = PagedBlockAllocator(num_blocks=200, block_size=4)
+        reqs = []
+        for i, n in enumerate([5, 8, 11, 3, 16]):
+            req = Request(str(i), [i * 100 + t for t in range(n)], SamplingParams(), 0.0)
+            hit = alloc.find_prefix(req)
+            assert alloc.allocate_slots(req, n - hit.num_tokens, hit)
+            req.num_computed_tokens = n
+            req.status = RequestStatus.RUNNING
+            req.token_ids.append(7)  # the token sampled by the prefill
+            reqs.append(req)
+        for req in reqs:
+            req.token_ids.extend([9] * 13)  # the run's tokens, appended before allocating
+        return alloc, reqs
+
+    fast, fast_reqs = setup()
+    replayed, replay_reqs = setup()
+    used = fast.allocate_decode_run(fast_reqs, 13, track=True)
+    expected = BlockAllocator.allocate_decode_run(replayed, replay_reqs, 13, track=True)
+    assert used == expected and len(used) == 13
+    assert [r.block_ids for r in fast_reqs] == [r.block_ids for r in replay_reqs]
+    assert list(fast._free) == list(replayed._free) and fast._hash_to_block == replayed._hash_to_block
+    assert [r.num_computed_tokens for r in fast_reqs] == [5, 8, 11, 3, 16]
+    fast.check_invariants(fast_reqs)
+    for req in fast_reqs:
+        fast.free(req)
+    for req in replay_reqs:
+        replayed.free(req)
+
+
+def test_forked_blocks_end_the_promise():
+    alloc = PagedBlockAllocator(num_blocks=50, block_size=4)
+    parent = Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(), 0.0)
+    child = Request("c", [1, 2, 3, 4, 5, 6], SamplingParams(), 0.0)
+    assert alloc.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    alloc.fork(parent, child)
+    child.num_computed_tokens = 6
+    assert alloc.decode_run_blocks([parent], 3) is None  # its partial block is shared: copy-on-write
+    alloc.free(parent)
+    alloc.free(child)

@@ -1,0 +1,84 @@
+"""Everything above the executor is the same code in both modes: serving one workload with the
+real forward pass, on simulated time advanced by each step's measured duration, and with the
+simulated executor replaying those durations gives the same scheduler outputs, step for step
+(which requests, how many tokens, preemptions, swaps, prefix hits) and the same token times."""
+import time
+
+import pytest
+
+from framework import EngineConfig, LLMEngine
+from framework.chat_workload import ChatWorkload
+from framework.clock import VirtualClock
+from framework.cluster import Cluster
+from framework.executor import EXECUTORS
+from framework.executors.model import ModelExecutor
+from tests.framework.sim_support import SwapInFCFS  # noqa: F401  (registers test_fcfs_swap_in)
+
+
+@EXECUTORS.register("test_measured_model")
+class MeasuredModelExecutor(ModelExecutor):
+    """The real forward pass; simulated time advances by each step's measured duration."""
+
+    @classmethod
+    def make_clock(cls):
+        return VirtualClock()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.durations = []
+
+    def execute(self, out):
+        start = time.perf_counter()
+        result = super().execute(out)
+        self.durations.append(time.perf_counter() - start)
+        self.clock.advance(self.durations[-1])
+        return result
+
+
+def record(steps):
+    def callback(stats, out):
+        steps.append({
+            "scheduled": [(r.request_id, out.num_scheduled_tokens[r.request_id]) for r in out.scheduled],
+            "new": [(r.request_id, r.num_cached_tokens) for r in out.new_requests],
+            "resumed": [r.request_id for r in out.resumed_requests],
+            "preempted": [r.request_id for r in out.preempted],
+            "swapped_out": [r.request_id for r in out.swapped_out],
+            "swapped_in": [r.request_id for r in out.swapped_in],
+            "block_ops": (len(out.blocks_to_swap_out), len(out.blocks_to_swap_in), len(out.blocks_to_copy)),
+            "finished_rows": sorted(out.finished_req_ids),
+            "ignored": [r.request_id for r in out.ignored],
+            "times": (stats.start_time, stats.duration), "kv_blocks_used": stats.kv_blocks_used,
+        })
+    return callback
+
+
+def serve(executor, executor_options, **engine):
+    config = EngineConfig(model="tiny-llama", executor=executor, executor_options=executor_options, max_model_len=256,
+                          max_num_seqs=16, max_num_batched_tokens=512, num_gpu_blocks_override=40, swap_space=0.01,
+                          **engine)
+    cluster = Cluster([LLMEngine(config)])
+    steps = []
+    cluster.engines[0].step_callbacks.append(record(steps))  # a plain callback: no decode runs
+    workload = ChatWorkload(num_requests=30, rate=60.0, seed=5, vocab_size=1024, system_prompt_len=32,
+                            user_len_median=40, output_len_median=24, max_prompt_len=200, max_output_len=48)
+    outs = sorted((o.request_id, o.metrics.token_times, o.metrics.num_cached_tokens, o.metrics.num_preemptions,
+                   o.metrics.num_swaps, len(o.outputs[0].token_ids)) for _, o in cluster.run(workload))
+    return steps, outs, cluster.engines[0]
+
+
+@pytest.mark.parametrize("engine", [{}, {"policy": "test_fcfs_swap_in", "policy_options": {"preemption_mode": "swap"}}],
+                         ids=["recompute", "swap"])
+def test_sim_replaying_measured_step_times_makes_the_same_decisions(engine):
+    real_steps, real_outs, real = serve("test_measured_model", {}, **engine)
+    durations = real.executor.durations
+    sim_steps, sim_outs, sim = serve("sim", {"hardware": "cpu", "fast_forward": False,
+                                            "cost_model": {"name": "replay", "durations": durations}}, **engine)
+    assert sim.executor.cost_model.num_replayed == len(durations)
+    assert sim_steps == real_steps
+    assert sim_outs == real_outs
+    # The workload exercised what the check is about.
+    assert any(s["new"] and s["new"][0][1] for s in real_steps), "no prefix hits"
+    assert sum(len(s["preempted"]) + len(s["swapped_out"]) for s in real_steps) > 0, "no preemptions"
+    if engine:
+        assert any(s["swapped_in"] for s in real_steps), "no swaps"
+    assert len({s["times"][0] for s in real_steps}) == len(real_steps)  # arrivals spread over the run
