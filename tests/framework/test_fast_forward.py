@@ -13,7 +13,6 @@ from framework.fast_forward import declares_steady_decode
 from framework.request import Request, RequestStatus
 from framework.step_log import StepLog
 from policies.fcfs import FCFSPolicy
-from tests.framework.sim_support import SwapInFCFS
 
 
 class CountingLog(StepLog):
@@ -52,7 +51,7 @@ def serve(fast, num_requests=150, rate=6.0, n_every=0, **engine):
 SCENARIOS = {
     "plenty of blocks": {},
     "recompute preemptions": dict(num_gpu_blocks_override=260, max_model_len=1024),
-    "swap preemptions": dict(num_gpu_blocks_override=260, max_model_len=1024, policy="test_fcfs_swap_in",
+    "swap preemptions": dict(num_gpu_blocks_override=260, max_model_len=1024, policy="fcfs",
                              policy_options={"preemption_mode": "swap"}, swap_space=0.05),
     "block size 1": dict(block_size=1, num_gpu_blocks_override=3000, max_model_len=1024),
     "no prefix caching, length cap": dict(enable_prefix_caching=False, block_size=32, max_model_len=700),
@@ -91,8 +90,11 @@ def test_only_the_class_defining_schedule_can_promise_steady_decode():
         def schedule(self, scheduler, step):
             super().schedule(scheduler, step)
 
+    class OverridesAndPromises(Overrides):
+        steady_decode = True
+
     assert declares_steady_decode(FCFSPolicy()) and declares_steady_decode(Inherits())
-    assert not declares_steady_decode(Overrides()) and declares_steady_decode(SwapInFCFS())
+    assert not declares_steady_decode(Overrides()) and declares_steady_decode(OverridesAndPromises())
 
 
 def test_paged_decode_run_allocation_equals_replaying_allocate_slots():

@@ -12,7 +12,6 @@ from framework.clock import VirtualClock
 from framework.cluster import Cluster
 from framework.executor import EXECUTORS
 from framework.executors.model import ModelExecutor
-from tests.framework.sim_support import SwapInFCFS  # noqa: F401  (registers test_fcfs_swap_in)
 
 
 @EXECUTORS.register("test_measured_model")
@@ -66,7 +65,7 @@ def serve(executor, executor_options, **engine):
     return steps, outs, cluster.engines[0]
 
 
-@pytest.mark.parametrize("engine", [{}, {"policy": "test_fcfs_swap_in", "policy_options": {"preemption_mode": "swap"}}],
+@pytest.mark.parametrize("engine", [{}, {"policy": "fcfs", "policy_options": {"preemption_mode": "swap"}}],
                          ids=["recompute", "swap"])
 def test_sim_replaying_measured_step_times_makes_the_same_decisions(engine):
     real_steps, real_outs, real = serve("test_measured_model", {}, **engine)
