@@ -113,13 +113,17 @@ class SyntheticWorkload(Workload):
         low, high = ctx.first_token_id, ctx.vocab_size
         if not 0 <= low < high:
             raise ValueError(f"vocabulary of {high} tokens leaves no ids for random prompts (first id {low})")
+        # One int object per id, shared by every prompt (the same draws as integers(low, high)):
+        # a large workload then holds pointers into one table, not millions of separate ints.
+        ids = np.arange(low, high).astype(object)
+        draw, span = token_rng.integers, high - low
+        priorities = [c.priority for c in classes]
         requests = []
-        for i in range(n):
-            tokens = token_rng.integers(low, high, size=int(prompt_lens[i])).tolist()
-            if prefixes[i] is not None:
-                tokens = prefixes[i] + tokens
-            requests.append(WorkloadRequest(str(i), tokens, int(output_lens[i]), float(times[i]),
-                                            classes[class_of[i]].priority))
+        for i, (prompt_len, output_len, t, c, prefix) in enumerate(zip(
+                prompt_lens.tolist(), output_lens.tolist(), times.tolist(), class_of.tolist(), prefixes)):
+            tokens = ids[draw(0, span, size=prompt_len)].tolist()
+            requests.append(WorkloadRequest(str(i), tokens if prefix is None else prefix + tokens, output_len, t,
+                                            priorities[c]))
         return requests
 
     def _arrivals(self, arrival_rng: np.random.Generator, class_rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

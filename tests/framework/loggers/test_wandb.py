@@ -95,6 +95,21 @@ def test_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch):
     assert summary["status"] == "completed"
 
 
+def test_a_simulated_cluster_run_logs_the_same_with_replicas(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run_dir = tmp_path / "run"
+    summary = run_experiment(config("logger=wandb", "logger.project=servelab-test", "+executor=sim", "+cluster=round_robin",
+                                    "workload.num_requests=6", "workload.output_len=[20,30]"), run_dir)
+    offline, = (run_dir / "wandb").glob("offline-run-*")
+    keys = logged_keys(next(offline.glob("run-*.wandb")))
+    # Steps of decode runs reach W&B as rows like any other (the recorder expands them).
+    assert {"step/replica", "step/time_s", "step/num_decode_tokens", "step/kv_usage"} <= keys["history"]
+    assert any(k.startswith("requests") for k in keys["history"])
+    assert {"num_replicas", "router", "hardware", "mean_tpot_ms"} <= keys["summary"]
+    assert summary["status"] == "completed" and summary["num_replicas"] == 2
+
+
 def test_logger_none_creates_nothing_wandb(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_experiment(config(), tmp_path / "run")
