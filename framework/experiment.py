@@ -230,8 +230,9 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
 
 
 class QueuePostfix:
-    """Shows the engine's queues on the progress bar every few steps. Decode runs leave the
-    queues as they were, so it takes them (``on_decode_run``) without a word."""
+    """Shows the engine's queues on the progress bar every few steps. It takes decode runs
+    (``on_decode_run``, so the fast path stays on) without a word: they change only the running
+    count, which the next ordinary step shows."""
 
     def __init__(self, bar: Any) -> None:
         self.bar = bar

@@ -21,9 +21,11 @@ def _pyplot() -> Any:
     return plt
 
 
-#: Most points a CDF line or a timeline draws; longer runs are drawn from evenly spaced ranks
-#: (CDFs) or time bins (timelines), so plotting a simulated run of millions of tokens stays quick.
+#: Most points a CDF line draws (a longer sample is drawn at evenly spaced ranks) and most steps a
+#: timeline draws one by one (a longer or multi-replica run is cut into TIMELINE_BINS time bins),
+#: so plotting a simulated run of millions of tokens stays quick.
 MAX_POINTS = 2000
+TIMELINE_BINS = 500
 
 
 def cdf_points(values: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
@@ -59,13 +61,14 @@ def latency_cdfs(records: Sequence[RequestRecord], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def timeline(steps: Mapping[str, Any], path: str | Path, max_points: int = MAX_POINTS) -> Path:
+def timeline(steps: Mapping[str, Any], path: str | Path, max_points: int = MAX_POINTS,
+             bins: int = TIMELINE_BINS) -> Path:
     """Against run time: tokens per step (prefill and decode), queue lengths and KV cache usage.
 
     ``steps`` holds ``steps.csv`` columns (``time_s``, ``duration``, ``num_prefill_tokens``,
     ``num_decode_tokens``, ``num_running``, ``num_waiting``, ``num_swapped``, ``kv_usage`` and,
     for a cluster, ``replica``). One replica with at most ``max_points`` steps is drawn step by
-    step; otherwise the run is cut into ``max_points`` time bins: tokens become tokens per second
+    step; otherwise the run is cut into ``bins`` time bins: tokens become tokens per second
     of the bin, queue lengths the sum over replicas of each one's last value in the bin, and KV
     usage the mean over replicas of each one's mean in the bin."""
     plt = _pyplot()
@@ -85,30 +88,13 @@ def timeline(steps: Mapping[str, Any], path: str | Path, max_points: int = MAX_P
         x, queues, kv = t, {k: col[k] for k in ("num_running", "num_waiting", "num_swapped")}, col["kv_usage"]
         title = f"Step timeline ({len(t)} steps)"
     else:
-        edges = np.linspace(0.0, float(t.max()) * (1 + 1e-9) + 1e-9, max_points + 1)
-        x, bins = edges[:-1], np.clip(np.searchsorted(edges, t, side="right") - 1, 0, max_points - 1)
-        width = edges[1] - edges[0]
-        prefill = np.bincount(bins, col["num_prefill_tokens"], max_points) / width
-        decode = np.bincount(bins, col["num_decode_tokens"], max_points) / width
+        edges, prefill, decode, queues, kv = binned_timeline(col, replicas, bins)
+        x = edges[:-1]
         a.stairs(prefill, edges, fill=True, label="prefill", color="tab:orange")
         a.stairs(prefill + decode, edges, baseline=prefill, fill=True, label="decode", color="tab:blue")
         a.set_ylabel("tokens per second")
-        queues = {k: np.zeros(max_points) for k in ("num_running", "num_waiting", "num_swapped")}
-        kv = np.zeros(max_points)
-        for r in range(num_replicas):
-            mine = replicas == r
-            order = np.argsort(t[mine], kind="stable")
-            rb = bins[mine][order]
-            for k in queues:  # the replica's last value in each bin, carried over empty bins
-                last = np.full(max_points, np.nan)
-                last[rb] = col[k][mine][order]
-                queues[k] += _carry_forward(last)
-            counts = np.bincount(rb, minlength=max_points)
-            mean = np.bincount(rb, col["kv_usage"][mine][order], max_points) / np.maximum(counts, 1)
-            kv += _carry_forward(np.where(counts > 0, mean, np.nan))
-        kv /= num_replicas
         title = (f"Timeline ({len(t)} steps" + (f" on {num_replicas} replicas" if num_replicas > 1 else "")
-                 + f", {max_points} time bins)")
+                 + f", {bins} time bins)")
     a.legend(fontsize=8)
     for key, label in (("num_running", "running"), ("num_waiting", "waiting"), ("num_swapped", "swapped")):
         b.step(x, queues[key], where="post", label=label)
@@ -122,6 +108,34 @@ def timeline(steps: Mapping[str, Any], path: str | Path, max_points: int = MAX_P
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def binned_timeline(col: Mapping[str, np.ndarray], replicas: np.ndarray, bins: int) -> tuple[np.ndarray, ...]:
+    """``(edges, prefill, decode, queues, kv)`` of the steps cut into ``bins`` equal time bins
+    from 0 to the last step: prefill and decode tokens per second of each bin, the queue lengths
+    summed over replicas (each replica's last value in the bin, carried over bins where it took
+    no step) and the KV usage averaged over replicas (each one's mean in the bin, carried over)."""
+    t = col["time_s"]
+    edges = np.linspace(0.0, float(t.max()) * (1 + 1e-9) + 1e-9, bins + 1)
+    which = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, bins - 1)
+    width = edges[1] - edges[0]
+    prefill = np.bincount(which, col["num_prefill_tokens"], bins) / width
+    decode = np.bincount(which, col["num_decode_tokens"], bins) / width
+    queues = {k: np.zeros(bins) for k in ("num_running", "num_waiting", "num_swapped")}
+    kv = np.zeros(bins)
+    num_replicas = int(replicas.max()) + 1
+    for r in range(num_replicas):
+        mine = np.flatnonzero(replicas == r)
+        mine = mine[np.argsort(t[mine], kind="stable")]
+        ends = np.flatnonzero(np.append(which[mine][1:] != which[mine][:-1], True))  # each bin's last step
+        for k in queues:
+            last = np.full(bins, np.nan)
+            last[which[mine][ends]] = col[k][mine][ends]
+            queues[k] += _carry_forward(last)
+        counts = np.bincount(which[mine], minlength=bins)
+        mean = np.bincount(which[mine], col["kv_usage"][mine], bins) / np.maximum(counts, 1)
+        kv += _carry_forward(np.where(counts > 0, mean, np.nan))
+    return edges, prefill, decode, queues, kv / num_replicas
 
 
 def _carry_forward(values: np.ndarray) -> np.ndarray:

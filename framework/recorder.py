@@ -5,11 +5,12 @@ sent, replayable as a trace), ``requests.csv`` (a row per finished request, in f
 ``steps.csv`` (a row per engine step) and ``summary.json`` (written at the start with
 ``status: running`` and rewritten at the end with ``completed``, ``interrupted`` or ``failed``).
 A cluster run's ``requests.csv`` and ``steps.csv`` have a ``replica`` column (after
-``request_id``; first); their step rows come in chunks per replica, each replica's in step order.
+``request_id``; first); step rows come in chunks per replica, each replica's in step order.
 
-Rows are buffered and written at least every ``flush_interval`` seconds of wall time (and every
-``CHUNK_ROWS`` steps), so a killed run loses at most that much. Per step and per request the
-recorder only appends to lists; formatting happens a chunk at a time.
+Per step and per request the work is O(1): a step's row is formatted as it comes (a decode run's
+rows in one go), a request's row holds no per-token lists, and the run's step totals are kept as
+running sums. Rows are buffered and written at least every ``flush_interval`` seconds of wall
+time (and every ``CHUNK_ROWS`` steps), so a killed run loses at most that much.
 """
 from __future__ import annotations
 

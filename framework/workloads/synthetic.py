@@ -12,6 +12,10 @@ from framework.workloads.arrivals import arrival_times, check_rate
 from framework.workloads.lengths import LengthDist
 
 
+#: Requests whose prompt tokens are drawn in one call.
+_DRAW_CHUNK = 4096
+
+
 @dataclass(frozen=True)
 class SharedPrefix:
     """``fraction`` of the requests start with one of ``num_prefixes`` system prompts of
@@ -116,14 +120,19 @@ class SyntheticWorkload(Workload):
         # One int object per id, shared by every prompt (the same draws as integers(low, high)):
         # a large workload then holds pointers into one table, not millions of separate ints.
         ids = np.arange(low, high).astype(object)
-        draw, span = token_rng.integers, high - low
         priorities = [c.priority for c in classes]
         requests = []
-        for i, (prompt_len, output_len, t, c, prefix) in enumerate(zip(
-                prompt_lens.tolist(), output_lens.tolist(), times.tolist(), class_of.tolist(), prefixes)):
-            tokens = ids[draw(0, span, size=prompt_len)].tolist()
-            requests.append(WorkloadRequest(str(i), tokens if prefix is None else prefix + tokens, output_len, t,
-                                            priorities[c]))
+        lengths, ends = prompt_lens.tolist(), np.cumsum(prompt_lens).tolist()
+        for first in range(0, n, _DRAW_CHUNK):
+            # One draw for a chunk of requests: the same stream as a draw per request.
+            last = min(n, first + _DRAW_CHUNK)
+            base = ends[first] - lengths[first]
+            tokens = ids[token_rng.integers(0, high - low, size=ends[last - 1] - base)].tolist()
+            for i in range(first, last):
+                own = tokens[ends[i] - lengths[i] - base:ends[i] - base]
+                prefix = prefixes[i]
+                requests.append(WorkloadRequest(str(i), own if prefix is None else prefix + own, int(output_lens[i]),
+                                                float(times[i]), priorities[class_of[i]]))
         return requests
 
     def _arrivals(self, arrival_rng: np.random.Generator, class_rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
