@@ -184,7 +184,7 @@ class PagedBlockAllocator(BlockAllocator):
                     events[j].append((req, (computed + j) // bs - 1))
                     j += bs
         steps = sorted(events.keys() | pauses.keys()) if pauses else sorted(events)
-        # The loop below is _pop_free and _seal inlined for one block: it runs for every block
+        # The loop below is _pop_free_blocks and _seal inlined for one block: it runs for every block
         # a simulated request fills while decoding.
         free, blocks, index = self._free, self._blocks, self._hash_to_block
         in_use = self.num_used_blocks
@@ -255,7 +255,8 @@ class PagedBlockAllocator(BlockAllocator):
             index.setdefault(h, block.block_id)
 
     def _pop_free_blocks(self, num: int) -> list[int]:
-        """``num`` times ``_pop_free``, inlined: a prefill takes a block per block_size tokens."""
+        """Take the ``num`` least recently used free blocks, evicting what they cache (a prefill
+        takes a block per block_size tokens, so the loop has its lookups hoisted)."""
         free, blocks, index = self._free, self._blocks, self._hash_to_block
         popitem = free.popitem
         taken = []
@@ -272,16 +273,7 @@ class PagedBlockAllocator(BlockAllocator):
         return taken
 
     def _pop_free(self) -> int:
-        bid, _ = self._free.popitem(last=False)
-        block = self._blocks[bid]
-        if block.hash is not None:
-            if self._hash_to_block.get(block.hash) == bid:
-                del self._hash_to_block[block.hash]
-            block.hash = None
-            block.token_ids = None
-            self.stats.evictions += 1
-        block.ref_count = 1
-        return bid
+        return self._pop_free_blocks(1)[0]
 
     def _release(self, bid: int) -> None:
         block = self._blocks[bid]
