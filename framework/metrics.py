@@ -93,10 +93,12 @@ STEP_COLUMNS = ["time_s"] + STATS_COLUMNS
 
 @dataclass
 class StepTotals:
-    """Run-level aggregates of the step records, kept as steps come (O(1) memory)."""
+    """Run-level aggregates of the step records, kept as steps come: counts and sums, and each
+    step's KV usage (8 bytes a step) so that its mean is exactly rounded whatever order or
+    grouping the steps came in (a fast-forwarded run gives the step-by-step summary bit for bit)."""
 
     num_steps: int = 0
-    kv_usage_sum: float = 0.0
+    kv_usage: array = field(default_factory=lambda: array("d"))
     max_kv_usage: float = 0.0
     scheduled_tokens: int = 0
     prefill_tokens: int = 0
@@ -109,7 +111,7 @@ class StepTotals:
         if not num_steps:
             return
         self.num_steps += num_steps
-        self.kv_usage_sum += math.fsum(kv_usage)
+        self.kv_usage.extend(kv_usage)
         self.max_kv_usage = max(self.max_kv_usage, max(kv_usage))
         self.scheduled_tokens += scheduled_tokens
         self.prefill_tokens += prefill_tokens
@@ -120,7 +122,7 @@ class StepTotals:
         """Work done, independent of timing noise: recompute preemption shows up as extra
         prefill tokens, swapping as block copies, prefix caching as prefill tokens saved."""
         n = self.num_steps
-        return {"num_steps": n, "mean_kv_usage": self.kv_usage_sum / n, "max_kv_usage": float(self.max_kv_usage),
+        return {"num_steps": n, "mean_kv_usage": math.fsum(self.kv_usage) / n, "max_kv_usage": float(self.max_kv_usage),
                 "mean_tokens_per_step": self.scheduled_tokens / n, "total_scheduled_tokens": self.scheduled_tokens,
                 "total_prefill_tokens": self.prefill_tokens, "blocks_swapped_out": self.swapped_out_blocks,
                 "blocks_swapped_in": self.swapped_in_blocks}
