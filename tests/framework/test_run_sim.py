@@ -81,6 +81,34 @@ def test_a_cluster_run_writes_the_replica_columns(tmp_path):
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_interrupting_a_cluster_run_keeps_its_rows_and_frees_every_replica(tmp_path):
+    engines, counter = [], RunCounter()
+
+    class StopAfter300Steps:  # takes decode runs too, so the replicas keep fast-forwarding
+        def __call__(self, stats, out):
+            self.on_decode_run(None)
+
+        def on_decode_run(self, run):
+            counter.steps += 1 if run is None else len(run.end_times)
+            if counter.steps > 300:
+                raise KeyboardInterrupt
+
+    def attach(engine):
+        engines.append(engine)
+        engine.step_callbacks.append(StopAfter300Steps())
+
+    summary = run_experiment(compose_with(["+executor=sim", "model.name=llama-3-8b", "+cluster=round_robin", *SMALL]),
+                             tmp_path, on_engine=attach)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["status"] == "interrupted" and summary["interrupted"]
+    rows = read_csv(tmp_path / "requests.csv")
+    assert 0 < len(rows) == saved["completed"] < 24 and saved["num_unfinished"] > 0
+    assert len(read_csv(tmp_path / "steps.csv")) == saved["num_steps"] > 0
+    for engine in engines:  # aborted, every block back
+        assert not engine.has_unfinished_requests()
+        assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
+
+
 def test_real_and_simulated_runs_compare_in_one_table(tmp_path):
     common = ["progress=false", "workload.num_requests=6", "workload.prompt_len=[8,24]", "workload.output_len=[2,5]"]
     run_experiment(compose_with(["engine.max_model_len=128", "engine.num_gpu_blocks_override=64", *common]),
