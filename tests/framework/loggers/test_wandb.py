@@ -10,7 +10,7 @@ from wandb.proto import wandb_internal_pb2
 
 from framework.clock import VirtualClock
 from framework.experiment import run_experiment
-from framework.loggers.wandb import resolve_mode
+from framework.loggers.wandb import WandbLogger, resolve_mode
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["workload.num_requests=3", "workload.prompt_len=[8,16]", "workload.output_len=[2,3]", "progress=false",
@@ -161,6 +161,29 @@ def test_mode_resolution(monkeypatch, tmp_path):
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
     (tmp_path / "netrc").chmod(0o600)
     assert resolve_mode(None) == "online"
+
+
+def test_long_timelines_are_thinned_geometrically():
+    class FakeRun:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, row):
+            self.logged.append(row["step/step"])
+
+    logger = WandbLogger(max_step_rows=4)
+    logger.run = FakeRun()
+    for step in range(1, 41):
+        logger.log_step({"step": step})
+    # Steps 1-4, then every 2nd (5, 7), every 4th (9, 13), every 8th (17, 25), every 16th (33).
+    assert logger.run.logged == [1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33]
+    every = WandbLogger(max_step_rows=None)
+    every.run = FakeRun()
+    for step in range(1, 41):
+        every.log_step({"step": step})
+    assert every.run.logged == list(range(1, 41))
+    with pytest.raises(ValueError, match="max_step_rows must be a positive integer or null"):
+        WandbLogger(max_step_rows=0)
 
 
 def test_bad_mode_is_a_configuration_error(tmp_path):
