@@ -98,24 +98,20 @@ class FlatBatchPreparer(InputPreparer):
             raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
         rows = [heapq.heappop(self._free_rows) for _ in reqs]
         self.row_of.update(zip(map(_request_id, reqs), rows))
-        tokens, blocks, capacity, shift = self.token_ids, self.block_table, self.row_capacity, self._shift
-        ints: list[int] = []
-        floats: list[float] = []
+        tokens, blocks, row_ints, row_floats = self.token_ids, self.block_table, self._row_ints, self._row_floats
+        shift, width = self._shift, tokens.shape[1]
         for row, req in zip(rows, reqs):  # a few requests per step; their prompts are converted once
-            num_tokens, num_blocks, old_num_blocks = len(req.token_ids), len(req.block_ids), int(capacity[row]) >> shift
+            num_tokens, num_blocks, old_num_blocks = len(req.token_ids), len(req.block_ids), int(row_ints[row, 2]) >> shift
             tokens[row, :num_tokens] = req.token_ids
             blocks[row, :num_blocks] = req.block_ids
             if old_num_blocks > num_blocks:  # a reused row: past its blocks it reads as the null block
                 blocks[row, num_blocks:old_num_blocks] = 0
-            self.generators[row] = req.generator
             params = req.sampling_params
-            ints += (num_tokens, req.num_computed_tokens, num_blocks << shift, params.top_k, row * tokens.shape[1])
-            floats += (params.temperature, params.top_p)
+            row_ints[row] = (num_tokens, req.num_computed_tokens, num_blocks << shift, params.top_k, row * width)
+            row_floats[row] = (params.temperature, params.top_p)
+            self.generators[row] = req.generator
             self._row_flags[row] = flags = _flags(req)
             self._num_live[flags] += 1
-        rows_np = np.array(rows, dtype=np.int64)
-        self._row_ints[rows_np] = np.array(ints, dtype=np.int64).reshape(len(rows), -1)
-        self._row_floats[rows_np] = np.array(floats, dtype=np.float32).reshape(len(rows), -1)
 
     def _remove_rows(self, request_ids: Iterable[str]) -> None:
         # A free row keeps its arrays until _add_rows rewrites them for the next request.
