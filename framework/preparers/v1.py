@@ -158,14 +158,17 @@ class FlatBatchPreparer(InputPreparer):
         """Rows whose step reaches past their blocks: read the new ones off their requests."""
         rows, first = rows.take(idx), capacity.take(idx) >> self._shift
         end = (seq_lens.take(idx) + (self.block_size - 1)) >> self._shift
+        width, table = self.max_blocks_per_req, self.block_table
+        where: list[int] = []
         new_blocks: list[int] = []
-        for req, a, b in zip(self._requests(reqs, ids, idx.tolist()), first.tolist(), end.tolist()):
-            new_blocks += req.block_ids[a:b]
-        where = rows * self.max_blocks_per_req + first
-        if len(new_blocks) > len(rows):  # some rows gained several blocks: number them one by one
-            count = end - first
-            where = (where - count.cumsum() + count).repeat(count) + self._arange[: len(new_blocks)]
-        self._block_table_flat[where] = new_blocks
+        for req, row, a, b in zip(self._requests(reqs, ids, idx.tolist()), rows.tolist(), first.tolist(), end.tolist()):
+            if b - a == 1:  # typically a decode crossing into a new block: gathered for one assignment
+                where.append(row * width + a)
+                new_blocks.append(req.block_ids[a])
+            else:
+                table[row, a:b] = req.block_ids[a:b]
+        if where:
+            self._block_table_flat[np.array(where, dtype=np.int64)] = new_blocks
         self.row_capacity[rows] = end << self._shift
 
     def _read_copies(self, out: SchedulerOutput, ids: list[str], rows: np.ndarray, computed: np.ndarray) -> None:
