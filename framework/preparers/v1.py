@@ -243,6 +243,9 @@ class FlatBatchPreparer(InputPreparer):
         seq_lens[i] - 1`` of ``num_tokens[i]`` known ones (all vectorised, no per-token loop);
         ``row_start`` is where each row starts in the flattened token table."""
         bs, shift, n = self.block_size, self._shift, len(req_ids)
+        # The rows' block tables first: the per-token block lookups below then find them in cache.
+        max_seq_len = int(seq_lens[seq_lens.argmax()])  # argmax: no ufunc reduction machinery
+        block_table = self.block_table[rows, : -(-max_seq_len // bs)]
         query_start_loc = np.empty(n + 1, dtype=np.int64)
         query_start_loc[0] = 0
         cu_num_tokens = np.add.accumulate(num_sched, out=query_start_loc[1:])
@@ -264,8 +267,6 @@ class FlatBatchPreparer(InputPreparer):
         sampled = do_sample.nonzero()[0]
         logits_indices = cu_num_tokens.take(sampled)
         logits_indices -= 1
-        max_seq_len = int(seq_lens[seq_lens.argmax()])  # argmax: no ufunc reduction machinery
-        block_table = self.block_table[rows, : -(-max_seq_len // bs)]
         host = _HostArrays(
             cu_num_tokens=cu_num_tokens, positions=positions, token_indices=token_indices, input_ids=input_ids,
             block_table_indices=block_table_indices, block_numbers=block_numbers, block_offsets=block_offsets,
