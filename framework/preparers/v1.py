@@ -101,11 +101,9 @@ class FlatBatchPreparer(InputPreparer):
         tokens, blocks, row_ints, row_floats = self.token_ids, self.block_table, self._row_ints, self._row_floats
         shift, width = self._shift, tokens.shape[1]
         for row, req in zip(rows, reqs):  # a few requests per step; their prompts are converted once
-            num_tokens, num_blocks, old_num_blocks = len(req.token_ids), len(req.block_ids), int(row_ints[row, 2]) >> shift
+            num_tokens, num_blocks = len(req.token_ids), len(req.block_ids)
             tokens[row, :num_tokens] = req.token_ids
             blocks[row, :num_blocks] = req.block_ids
-            if old_num_blocks > num_blocks:  # a reused row: past its blocks it reads as the null block
-                blocks[row, num_blocks:old_num_blocks] = 0
             params = req.sampling_params
             row_ints[row] = (num_tokens, req.num_computed_tokens, num_blocks << shift, params.top_k, row * width)
             row_floats[row] = (params.temperature, params.top_p)
@@ -114,13 +112,18 @@ class FlatBatchPreparer(InputPreparer):
             self._num_live[flags] += 1
 
     def _remove_rows(self, request_ids: Iterable[str]) -> None:
-        # A free row keeps its arrays until _add_rows rewrites them for the next request.
+        freed = []
         for rid in request_ids:
             row = self.row_of.pop(rid, None)
             if row is not None:
                 self.generators[row] = None
                 self._num_live[self._row_flags[row]] -= 1
                 heapq.heappush(self._free_rows, row)
+                freed.append(row)
+        if freed:
+            # A reused row must read as the null block past its new request's blocks; its other
+            # arrays are rewritten by _add_rows.
+            self.block_table[freed] = 0
 
     def _follow_requests(self, out: SchedulerOutput) -> None:
         new, resumed = out.new_requests, out.resumed_requests
