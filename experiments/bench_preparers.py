@@ -6,8 +6,10 @@ Builds scheduler outputs directly (no model, no scheduler): a step that fills th
 state (untimed), then the timed step of a busy server, in which those requests have moved on by
 one step (decodes appended their sampled token, some crossing into a new block; chunked
 prefills continue with their next chunk; a few finished) and new requests are admitted with
-full prefills. Preparers are reused across repeats (steady state); v0 and v1 alternate so both
-see the same load; times are CPU times. Prints markdown tables: the speed-up at 8, 64, 256 and
+full prefills. What is timed is the preparer's share of a real step: the runner's
+``record_sampled`` of the first step's tokens, then ``prepare`` of the second. Preparers are
+reused across repeats (steady state); v0 and v1 alternate so both see the same load; times are
+CPU times. Prints markdown tables: the speed-up at 8, 64, 256 and
 1024 requests, and v1's step time as the prefill tokens of 256 requests grow.
 """
 from __future__ import annotations
