@@ -6,8 +6,10 @@ Builds scheduler outputs directly (no model, no scheduler): a step that fills th
 state (untimed), then the timed step of a busy server, in which those requests have moved on by
 one step (decodes appended their sampled token, some crossing into a new block; chunked
 prefills continue with their next chunk; a few finished) and new requests are admitted with
-full prefills. Preparers are reused across repeats (steady state); v0 and v1 alternate so both
-see the same load; times are CPU times. Prints markdown tables: the speed-up at 8, 64, 256 and
+full prefills. What is timed is the preparer's share of a real step: the runner's
+``record_sampled`` of the first step's tokens, then ``prepare`` of the second. Preparers are
+reused across repeats (steady state); v0 and v1 alternate so both see the same load; times are
+CPU times. Prints markdown tables: the speed-up at 8, 64, 256 and
 1024 requests, and v1's step time as the prefill tokens of 256 requests grow.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 
 import numpy as np
 
-from framework.input_preparer import PREPARERS, InputPreparer
+from framework.input_preparer import PREPARERS, InputPreparer, ModelInput
 from framework.request import Request, RequestStatus
 from framework.sampling_params import SamplingParams
 from framework.scheduler import SchedulerOutput
@@ -74,6 +76,7 @@ def make_steps(num_reqs: int, seed: int = 0, prefill_scale: int = 1, chunk: int 
         running.append(r)
         counts[r.request_id] = n
     rng.shuffle(running)
+    counts = {r.request_id: counts[r.request_id] for r in running}  # the scheduled order, as a scheduler lists them
     step0 = SchedulerOutput(scheduled=list(running), num_scheduled_tokens=counts, new_requests=list(running))
 
     finishing = {r.request_id for r in running[:num_finishing]}
@@ -117,21 +120,40 @@ def scheduler_pass(out: SchedulerOutput) -> int:
     return touched + sum(hash(tuple(r.token_ids)) & 1 for r in out.new_requests)
 
 
-def time_step(prep: InputPreparer, steps: tuple[SchedulerOutput, SchedulerOutput]) -> float:
-    """Seconds for one ``prepare`` of the second step. The preparer is emptied and refilled with
-    the first step before, so a reused preparer is timed in its steady state (rows it touched
-    before), as in a long-running engine, after the scheduler's pass over the requests, with the
-    garbage collector off. CPU time, not wall time: on a shared machine the time other processes
-    take the core is not the preparer's."""
+def sampled_tokens(model_input: ModelInput, step1: SchedulerOutput) -> np.ndarray:
+    """What the sampler returned for ``model_input`` (the first step): the tokens the second
+    step's requests gained (any token for a request that finished)."""
+    gained = {r.request_id: r.token_ids[r.num_computed_tokens] for r in step1.scheduled
+              if r.num_computed_tokens < r.num_tokens}
+    return np.array([gained.get(rid, 0) for rid in model_input.sample_req_ids], dtype=np.int64)
+
+
+def refill(prep: InputPreparer, steps: tuple[SchedulerOutput, SchedulerOutput]) -> tuple[ModelInput, np.ndarray]:
+    """Empty the preparer and prepare the first step again: the model input whose sampled tokens
+    the runner reports next, and those tokens."""
     step0, step1 = steps
     prep.prepare(SchedulerOutput(finished_req_ids={r.request_id for r in step0.scheduled + step1.scheduled}))
-    prep.prepare(step0)
-    scheduler_pass(step1)
+    model_input = prep.prepare(step0)
+    return model_input, sampled_tokens(model_input, step1)
+
+
+def time_step(prep: InputPreparer, steps: tuple[SchedulerOutput, SchedulerOutput]) -> float:
+    """Seconds of preparer work between the first step's sampling and the second step's forward
+    pass: the runner's ``record_sampled`` of the first step, then ``prepare`` of the second. The
+    preparer is emptied and refilled with the first step before, so a reused preparer is timed in
+    its steady state (rows it touched before), as in a long-running engine, with the scheduler's
+    pass over the requests in between (untimed) and the garbage collector off. CPU time, not wall
+    time: on a shared machine the time other processes take the core is not the preparer's."""
+    model_input, tokens = refill(prep, steps)
     gc.disable()
     try:
         start = time.process_time()
-        prep.prepare(step1)
-        return time.process_time() - start
+        prep.record_sampled(model_input, tokens)
+        recorded = time.process_time()
+        scheduler_pass(steps[1])
+        resumed = time.process_time()
+        prep.prepare(steps[1])
+        return time.process_time() - resumed + recorded - start
     finally:
         gc.enable()
 

@@ -57,36 +57,50 @@ class InputPreparer(ABC):
     is not empty samples once for itself and once for each fork from the same logits row when its
     prompt completes; the engine then forks those requests from it (``Scheduler.fork``).
     Otherwise the engine runs the ``n`` samples of a request as ``n`` independent requests.
+
+    ``check=True`` asks a preparer that keeps per-request state to compare it with the requests
+    every step and raise AssertionError where they differ (slow; the engine sets it from
+    ``check_invariants``).
     """
 
     name: ClassVar[str] = ""
     forks_parallel_samples: ClassVar[bool] = False
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 max_num_batched_tokens: int, device: torch.device | str = "cpu") -> None:
+                 max_num_batched_tokens: int, device: torch.device | str = "cpu", check: bool = False) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.device = torch.device(device)
+        self.on_cpu = self.device.type == "cpu"
+        self.check = check
 
     @abstractmethod
     def prepare(self, out: SchedulerOutput) -> ModelInput | None: ...
 
+    def record_sampled(self, model_input: ModelInput, sampled: np.ndarray) -> None:
+        """The model runner's report of the step just prepared: ``sampled[i]`` (int64, host) is
+        the token sampled for ``model_input.sample_req_ids[i]``, which the scheduler is about to
+        append to that request. A preparer that keeps token ids between steps may store them now
+        instead of reading them back from the requests (as vLLM v1's runner does). Default: nothing."""
+
     # -- shared by the implementations -----------------------------------------------------------
     def model_input(self, host: dict[str, np.ndarray], req_ids: list[str], sample_req_ids: list[str],
                     sampling: SamplingMetadata, num_prefills: int, num_prefill_tokens: int,
-                    num_decode_tokens: int) -> ModelInput:
+                    num_decode_tokens: int, max_query_len: int | None = None,
+                    max_seq_len: int | None = None) -> ModelInput:
         """Wrap the step's int64 host arrays as device tensors: on the CPU without a copy (the
         arrays are the step's own), elsewhere in one transfer from pinned memory. ``host`` holds
         ``input_ids``, ``positions``, ``slot_mapping``, ``query_start_loc``, ``seq_lens``,
         ``num_computed_tokens``, ``num_scheduled_tokens``, ``logits_indices`` and the 2-D
-        ``block_table`` (null-padded, C-contiguous)."""
+        ``block_table`` (null-padded, C-contiguous). ``max_query_len`` and ``max_seq_len`` are the
+        maxima of ``num_scheduled_tokens`` and ``seq_lens``, when the caller has them."""
         block_table = host["block_table"]
         parts = [host["input_ids"], host["positions"], host["slot_mapping"], host["query_start_loc"],
                  host["seq_lens"], host["num_computed_tokens"], host["logits_indices"], block_table]
-        if self.device.type == "cpu":
+        if self.on_cpu:
             tensors = [torch.from_numpy(p) for p in parts]
         else:
             flat = parts[:-1] + [block_table.ravel()]
@@ -96,7 +110,8 @@ class InputPreparer(ABC):
         input_ids, positions, slot_mapping, qsl, seq_lens, computed, logits_indices, table = tensors
         meta = AttentionMetadata(
             num_reqs=len(host["seq_lens"]), num_actual_tokens=len(host["input_ids"]),
-            max_query_len=int(host["num_scheduled_tokens"].max()), max_seq_len=int(host["seq_lens"].max()),
+            max_query_len=int(host["num_scheduled_tokens"].max()) if max_query_len is None else max_query_len,
+            max_seq_len=int(host["seq_lens"].max()) if max_seq_len is None else max_seq_len,
             block_size=self.block_size, query_start_loc=qsl, seq_lens=seq_lens, num_computed_tokens=computed,
             block_table=table, slot_mapping=slot_mapping,
             query_start_loc_cpu=host["query_start_loc"], seq_lens_cpu=host["seq_lens"],

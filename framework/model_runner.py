@@ -61,5 +61,6 @@ class ModelRunner:
         if not inputs.sample_req_ids:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        tokens = self.sampler(logits, inputs.sampling)
+        tokens = self.sampler(logits, inputs.sampling).cpu().numpy()
+        self.preparer.record_sampled(inputs, tokens)
         return dict(zip(inputs.sample_req_ids, tokens.tolist()))

@@ -29,7 +29,8 @@ SWAP = "swap"
 class SchedulerOutput:
     """What to run this step. The runner reads only this, never the scheduler's queues.
 
-    ``scheduled`` is the batch order. Rows of ``new_requests`` (first run, forked sequences
+    ``scheduled`` is the batch order; ``num_scheduled_tokens`` lists the same requests in the same
+    order. Rows of ``new_requests`` (first run, forked sequences
     included) and ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
     requests extend their row with the tokens and blocks added since the last step. Rows of
     ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped. Block lists
@@ -475,6 +476,8 @@ class Scheduler:
         assert total <= self.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
         assert len(out.scheduled) == len(out.num_scheduled_tokens), "a request is scheduled twice"
+        assert list(out.num_scheduled_tokens) == [r.request_id for r in out.scheduled], (
+            "num_scheduled_tokens does not list the scheduled requests in scheduled order")
         running = {r.request_id for r in self.running}
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]

@@ -98,7 +98,7 @@ class ModelExecutor(Executor):
         preparer = PREPARERS.create(
             config.preparer, max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len,
             block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
-            device=self._device, **config.preparer_options)
+            device=self._device, **{"check": config.check_invariants, **config.preparer_options})
         generator = torch.Generator(device=self._device).manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator), kv_cache, num_cpu_blocks)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), swap space %d blocks", num_blocks,

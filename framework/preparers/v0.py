@@ -34,8 +34,8 @@ class SequenceGroupPreparer(InputPreparer):
     forks_parallel_samples = True
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 max_num_batched_tokens: int, device: torch.device | str = "cpu") -> None:
-        super().__init__(max_num_reqs, max_model_len, block_size, max_num_batched_tokens, device)
+                 max_num_batched_tokens: int, device: torch.device | str = "cpu", check: bool = False) -> None:
+        super().__init__(max_num_reqs, max_model_len, block_size, max_num_batched_tokens, device, check)
         self.groups: dict[str, SequenceGroup] = {}
         self.seqs: dict[str, Sequence] = {}          # by request id: each request is one sequence
         self._request_of: dict[int, Request] = {}   # by sequence id

@@ -5,6 +5,7 @@ Compare runs with ``pytest tests/benchmarks --benchmark-enable --benchmark-autos
 """
 import random
 
+import numpy as np
 import pytest
 
 from framework import EngineConfig, LLMEngine, SamplingParams
@@ -44,22 +45,37 @@ def test_allocator_allocate_and_free(benchmark):
 
 @pytest.mark.parametrize("num_reqs", [64, 256])
 def test_v1_prepare(benchmark, num_reqs):
+    """A steady step: every request moved on by one step (decodes feed back their sampled token,
+    prompts continue with their next chunk). Each round refills the preparer with the step before
+    (untimed): v1's rows advance with every step they prepare."""
     bs, max_len = 16, 2048
     prep = FlatBatchPreparer(max_num_reqs=num_reqs, max_model_len=max_len, block_size=bs, max_num_batched_tokens=8192)
     rng = random.Random(0)
-    reqs, counts, next_block = [], [], 1
+    reqs, nxt, counts, next_counts, next_block = [], [], {}, {}, 1
     for i in range(num_reqs):
         n = rng.randrange(32, 1024)
+        decode = i % 4 != 0
         r = Request(str(i), list(range(n)), SamplingParams(), 0.0)
         r.status = RequestStatus.RUNNING
-        r.block_ids = list(range(next_block, next_block + -(-n // bs)))
+        r.block_ids = list(range(next_block, next_block + n // bs + 1))  # room for one more token
         next_block += len(r.block_ids)
-        decode = i % 4 != 0
         r.num_computed_tokens = n - 1 if decode else 0
+        counts[r.request_id] = 1 if decode else 32
+        q = Request(r.request_id, r.prompt_token_ids, r.sampling_params, 0.0)
+        q.status, q.block_ids = RequestStatus.RUNNING, r.block_ids
+        q.num_computed_tokens = r.num_computed_tokens + counts[r.request_id]
+        q.token_ids = r.token_ids + [7] if q.num_computed_tokens == n else list(r.token_ids)
+        next_counts[q.request_id] = min(32, q.num_tokens - q.num_computed_tokens)
         reqs.append(r)
-        counts.append(1 if decode else min(n, 32))
-    out = SchedulerOutput(scheduled=reqs, num_scheduled_tokens={r.request_id: c for r, c in zip(reqs, counts)},
-                          new_requests=reqs)
-    prep.prepare(out)
-    steady = SchedulerOutput(scheduled=reqs, num_scheduled_tokens=out.num_scheduled_tokens)
-    benchmark(prep.prepare, steady)
+        nxt.append(q)
+    fill = SchedulerOutput(scheduled=reqs, num_scheduled_tokens=counts, new_requests=reqs)
+    steady = SchedulerOutput(scheduled=nxt, num_scheduled_tokens=next_counts)
+
+    def setup():
+        prep.prepare(SchedulerOutput(finished_req_ids=set(counts)))
+        model_input = prep.prepare(fill)
+        prep.record_sampled(model_input, np.full(len(model_input.sample_req_ids), 7, dtype=np.int64))
+        return (steady,), {}
+
+    out = benchmark.pedantic(prep.prepare, setup=setup, rounds=max(10, 2000 // num_reqs), warmup_rounds=1)
+    assert out.attn_metadata.num_actual_tokens == sum(next_counts.values())

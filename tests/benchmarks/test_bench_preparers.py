@@ -4,15 +4,15 @@ default test run each case runs once, untimed).
 The steps are those of ``experiments/bench_preparers.py`` (which also prints the speed-up table of
 docs/input-preparation.md): a busy server's step mixing decodes, newly admitted full prefills and
 chunked prefills, built as scheduler outputs directly (no model). Each round refills a reused
-preparer with the previous step, untimed, then times ``prepare`` of the step. Read the ratios
-within a group (``--benchmark-group-by=group``), not absolute times.
+preparer with the previous step, untimed, then times what the runner asks of the preparer
+between the two forward passes: ``record_sampled`` of the previous step's tokens and ``prepare``
+of the step. Read the ratios within a group (``--benchmark-group-by=group``), not absolute times.
 """
 from functools import lru_cache
 
 import pytest
 
-from experiments.bench_preparers import make_steps, new_preparer, scheduler_pass
-from framework.scheduler import SchedulerOutput
+from experiments.bench_preparers import make_steps, new_preparer, refill, scheduler_pass
 
 make_steps = lru_cache(maxsize=None)(make_steps)
 
@@ -21,17 +21,18 @@ make_steps = lru_cache(maxsize=None)(make_steps)
 @pytest.mark.parametrize("preparer", ["v0", "v1"])
 def test_prepare_step(benchmark, preparer, num_reqs):
     steps = make_steps(num_reqs)
-    step0, step1 = steps
     prep = new_preparer(preparer, steps)
-    every_id = {r.request_id for r in step0.scheduled + step1.scheduled}
 
     def setup():
-        prep.prepare(SchedulerOutput(finished_req_ids=every_id))
-        prep.prepare(step0)
-        scheduler_pass(step1)
-        return (step1,), {}
+        model_input, sampled = refill(prep, steps)
+        scheduler_pass(steps[1])
+        return (model_input, sampled), {}
+
+    def step(model_input, sampled):
+        prep.record_sampled(model_input, sampled)
+        return prep.prepare(steps[1])
 
     benchmark.group = f"prepare, {num_reqs} requests"
-    benchmark.extra_info["scheduled_tokens"] = step1.total_num_scheduled_tokens
-    out = benchmark.pedantic(prep.prepare, setup=setup, rounds=max(10, 4000 // num_reqs), warmup_rounds=1)
-    assert len(out.req_ids) == num_reqs and out.attn_metadata.num_actual_tokens == step1.total_num_scheduled_tokens
+    benchmark.extra_info["scheduled_tokens"] = steps[1].total_num_scheduled_tokens
+    out = benchmark.pedantic(step, setup=setup, rounds=max(10, 4000 // num_reqs), warmup_rounds=1)
+    assert len(out.req_ids) == num_reqs and out.attn_metadata.num_actual_tokens == steps[1].total_num_scheduled_tokens

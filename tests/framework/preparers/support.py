@@ -41,10 +41,15 @@ def seed_000_step_2(r0, r1, r2):
 
 
 def preparer_pair(block_size, max_num_reqs=16, max_model_len=96, max_num_batched_tokens=4096):
-    """A v0 and a v1 preparer of the same shape."""
+    """A v0 and a v1 preparer of the same shape (v1 checks its rows against the requests)."""
     args = dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size,
-                max_num_batched_tokens=max_num_batched_tokens)
+                max_num_batched_tokens=max_num_batched_tokens, check=True)
     return SequenceGroupPreparer(**args), FlatBatchPreparer(**args)
+
+
+def record(prep, model_input, sampled: dict[str, int]) -> None:
+    """What the model runner does after sampling: report the step's sampled tokens."""
+    prep.record_sampled(model_input, np.array([sampled[rid] for rid in model_input.sample_req_ids], dtype=np.int64))
 
 
 def schedule(reqs, counts, new=()):

@@ -21,7 +21,7 @@ from framework.request import Request, RequestStatus
 from framework.sampling_params import SamplingParams
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput
 from tests.conftest import runnable_backends
-from tests.framework.preparers.support import assert_equivalent, preparer_pair
+from tests.framework.preparers.support import assert_equivalent, preparer_pair, record
 
 MAX_LEN = 96
 
@@ -78,15 +78,20 @@ def allocate(reqs, counts, block_size):
 
 @settings(max_examples=80, deadline=None)
 @given(specs=request_specs, block_size=st.sampled_from([1, 2, 4, 16]), seed=st.integers(0, 2**16),
-       keep=st.lists(st.booleans(), min_size=12, max_size=12))
-def test_random_steps_give_equivalent_inputs(specs, block_size, seed, keep):
+       keep=st.lists(st.booleans(), min_size=12, max_size=12), runner_records=st.booleans())
+def test_random_steps_give_equivalent_inputs(specs, block_size, seed, keep, runner_records):
+    """With ``runner_records`` v1 learns the sampled tokens from the runner, as in an engine;
+    without, it reads them off the requests."""
     rng = random.Random(seed)
     v0, v1 = preparer_pair(block_size)
     reqs, counts = build_requests(specs, block_size, rng)
     out = SchedulerOutput(scheduled=reqs, num_scheduled_tokens=counts, new_requests=list(reqs))
-    assert_equivalent(v0.prepare(out), v1.prepare(out))
+    mi1 = v1.prepare(out)
+    assert_equivalent(v0.prepare(out), mi1)
     # A second step extends the persistent state; some requests finish, the rest carry on.
     advance(reqs, counts, block_size, rng)
+    if runner_records:
+        record(v1, mi1, {r.request_id: r.token_ids[-1] for r in reqs})
     live = [r for r, k in zip(reqs, keep) if k]
     if not live:
         return
@@ -139,6 +144,8 @@ def drive(policy: str, seed: int, num_requests: int = 28):
         if mi0 is not None:
             assert_equivalent(mi0, mi1, forks=fork_of)
             sampled = {rid: rng.randrange(3, 500) for rid in mi0.sample_req_ids}
+            if mi1.sample_req_ids:
+                record(v1, mi1, sampled)  # as the model runner does; v1 checks its rows every step
         for rid in [rid for rid in leaders if rid in sampled]:
             leader = leaders.pop(rid)
             for child in leader.forks:

@@ -1,14 +1,17 @@
 """The worked examples of seeds 000 and 001 must come out exactly."""
 import numpy as np
+import pytest
 
 from framework.preparers.v1 import FlatBatchPreparer
-from tests.framework.preparers.support import make_req, schedule, seed_000_requests, seed_000_step_2
+from tests.framework.preparers.support import make_req, record, schedule, seed_000_requests, seed_000_step_2
 
 
-def test_seed_000_steps_1_and_2():
-    prep = FlatBatchPreparer(max_num_reqs=4, max_model_len=12, block_size=2, max_num_batched_tokens=10)
+@pytest.mark.parametrize("runner_records", [True, False], ids=["runner-records-sampled", "read-from-requests"])
+def test_seed_000_steps_1_and_2(runner_records):
+    prep = FlatBatchPreparer(max_num_reqs=4, max_model_len=12, block_size=2, max_num_batched_tokens=10, check=True)
     r0, r1, r2 = seed_000_requests()
-    step1 = prep.prepare(schedule([r0, r1, r2], [3, 2, 5], new=[r0, r1, r2])).host
+    mi = prep.prepare(schedule([r0, r1, r2], [3, 2, 5], new=[r0, r1, r2]))
+    step1 = mi.host
     assert step1["req_indices"].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2]
     assert step1["positions"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3, 4]
     assert step1["token_indices"].tolist() == [0, 1, 2, 12, 13, 24, 25, 26, 27, 28]
@@ -26,7 +29,11 @@ def test_seed_000_steps_1_and_2():
                                                 [4, 5, 6, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
 
     # Step 2: requests 0 and 1 decode their sampled token, request 2 finishes its prompt; blocks
-    # 7 and 8 are allocated to requests 1 and 2.
+    # 7 and 8 are allocated to requests 1 and 2. In an engine the runner reports the sampled
+    # tokens right after sampling; otherwise the rows catch up from the requests.
+    if runner_records:
+        record(prep, mi, {"0": 500, "1": 501})
+        assert prep.token_ids[:2, :4].tolist() == [[100, 101, 102, 500], [100, 101, 501, 0]]
     step2 = prep.prepare(seed_000_step_2(r0, r1, r2)).host
     assert prep.block_table[:3, :6].tolist() == [[1, 2, 0, 0, 0, 0], [3, 7, 0, 0, 0, 0], [4, 5, 6, 8, 0, 0]]
     assert step2["positions"].tolist() == [3, 2, 5, 6, 7]
@@ -40,7 +47,8 @@ def test_seed_000_steps_1_and_2():
 
 def test_seed_001_five_requests():
     bs, max_len = 16, 240
-    prep = FlatBatchPreparer(max_num_reqs=8, max_model_len=max_len, block_size=bs, max_num_batched_tokens=200)
+    prep = FlatBatchPreparer(max_num_reqs=8, max_model_len=max_len, block_size=bs, max_num_batched_tokens=200,
+                             check=True)
     reqs = [
         make_req("0", 55, range(1, 5), num_computed=54),     # decode
         make_req("1", 146, range(5, 15), num_computed=145),  # decode
@@ -80,7 +88,7 @@ def test_seed_001_five_requests():
 
 
 def test_rows_are_dropped_and_reused_with_null_padding():
-    prep = FlatBatchPreparer(max_num_reqs=2, max_model_len=8, block_size=2, max_num_batched_tokens=8)
+    prep = FlatBatchPreparer(max_num_reqs=2, max_model_len=8, block_size=2, max_num_batched_tokens=8, check=True)
     a, b = make_req("a", 6, [1, 2, 3]), make_req("b", 2, [4])
     prep.prepare(schedule([a, b], [6, 2], new=[a, b]))
     c = make_req("c", 2, [5])
@@ -93,7 +101,7 @@ def test_rows_are_dropped_and_reused_with_null_padding():
 
 
 def test_copy_on_write_replacement_rewrites_the_row():
-    prep = FlatBatchPreparer(max_num_reqs=2, max_model_len=8, block_size=2, max_num_batched_tokens=8)
+    prep = FlatBatchPreparer(max_num_reqs=2, max_model_len=8, block_size=2, max_num_batched_tokens=8, check=True)
     r = make_req("r", 3, [1, 2], num_computed=2)
     prep.prepare(schedule([r], [1], new=[r]))
     # The step computed token 2; token 3 is sampled and goes into block 2, shared with another
