@@ -28,7 +28,6 @@ import time
 
 import numpy as np
 
-from framework.chat_workload import ChatWorkload
 from framework.clock import CPUClock, WallClock
 from framework.cluster import Cluster
 from framework.config import EngineConfig
@@ -36,14 +35,21 @@ from framework.cost_model import BatchShape
 from framework.engine import LLMEngine
 from framework.hardware import load_hardware
 from framework.profile import Profiler, calibrate, calibration_record, grid_cells, profile_engine_config
+from framework.workload import WorkloadContext, WorkloadRequest
+from framework.workloads.synthetic import SyntheticWorkload
 
 #: The profile grid covers the regime the workload runs in: batches of 1-16, prompts up to 320.
 LENGTHS, COUNTS = [16, 48, 96, 192, 320], [1, 2, 3, 4, 6, 8, 12, 16]
 
 
-def workload(seed: int) -> ChatWorkload:
-    return ChatWorkload(num_requests=60, rate=5.0, seed=seed, vocab_size=1024, system_prompt_len=48,
-                        user_len_median=48, output_len_median=32, max_prompt_len=320, max_output_len=96)
+def workload(seed: int) -> list[WorkloadRequest]:
+    """A chat mix (``conf/workload/chat.yaml``'s shape) scaled to the tiny model: prompts of 4-272
+    tokens after one of 4 system prompts of 48, outputs of 4-96, Poisson at 5 req/s."""
+    chat = SyntheticWorkload(num_requests=60, rate=5.0, seed=seed,
+                             prompt_len={"dist": "lognormal", "mean": 80, "std": 60, "min": 4, "max": 272},
+                             output_len={"dist": "lognormal", "mean": 36, "std": 20, "min": 4, "max": 96},
+                             shared_prefix={"fraction": 0.8, "num_prefixes": 4, "prefix_len": 48})
+    return chat.generate(WorkloadContext(vocab_size=1024))
 
 
 def engine_config(executor: str, **options) -> EngineConfig:
@@ -80,7 +86,7 @@ def serve(engine: LLMEngine, seed: int, between_steps=None) -> tuple[dict, list[
                 between_steps()
 
         engine.step_callbacks.append(on_step)
-    outs = [o for _, o in Cluster([engine]).run(workload(seed))]
+    outs = [o for _, o in Cluster([engine]).run(workload(seed)).outputs]
     ttft = np.array([o.metrics.ttft for o in outs])
     tpot = np.array([o.metrics.tpot for o in outs if o.metrics.tpot is not None])
     stats = {"ttft_p50": float(np.median(ttft)), "ttft_p90": float(np.percentile(ttft, 90)),

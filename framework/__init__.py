@@ -29,7 +29,7 @@ from framework.sampling_params import SamplingParams  # noqa: E402
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulerPolicy  # noqa: E402
 from framework.cost_model import COST_MODELS, BatchShape, CostModel  # noqa: E402
 from framework.router import ROUTERS, Router  # noqa: E402
-from framework.cluster import Arrival, Cluster  # noqa: E402
+from framework.cluster import Cluster  # noqa: E402
 
 # The attention and input-preparation interfaces are tensor code: they load torch (about 2 s and
 # 250 MB) on first use, so that simulated runs, which never touch a tensor, never pay for it.
@@ -50,7 +50,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ALLOCATORS", "BACKENDS", "COST_MODELS", "EXECUTORS", "LLM", "POLICIES", "PREPARERS", "ROUTERS", "Arrival",
+    "ALLOCATORS", "BACKENDS", "COST_MODELS", "EXECUTORS", "LLM", "POLICIES", "PREPARERS", "ROUTERS",
     "AttentionBackend", "BatchShape", "Cluster", "CostModel", "Router",
     "AttentionMetadata", "BlockAllocator", "CompletionOutput", "EngineConfig", "Executor", "InputPreparer",
     "LLMEngine", "ModelInput", "Registry", "Request", "RequestMetrics", "RequestOutput", "RequestStatus",

@@ -1,11 +1,17 @@
-"""Serving a timed stream of requests on one or more engine replicas: a discrete-event driver.
+"""Serving a timed stream of requests on one or more engine replicas: the driver every run uses.
 
-Each replica is an ``LLMEngine`` with its own clock. Events are processed in time order: an
-arrival is routed (``framework/router.py``) and queued on its replica before any step that starts
-at or after its arrival time; otherwise the replica whose clock is earliest takes its next step
-(or, when the sim executor allows it, a run of pure-decode steps: ``framework/fast_forward.py``).
-An idle replica's clock jumps to its next arrival. With one replica on the model executor and
-wall time the same loop serves requests in real time (waiting for arrivals by sleeping).
+Requests (``framework.workload.WorkloadRequest``: arrival time in seconds after ``start``) enter
+the engine when their arrival time comes, so queueing delay is real, and carry that arrival
+time. Each replica is an ``LLMEngine`` with its own clock. Events are processed in time order:
+an arrival is routed (``framework/router.py``; with one replica it simply goes there) and queued
+on its replica before any step that starts at or after its arrival time; otherwise the replica
+whose clock is earliest takes its next step (or, when the sim executor allows it, a run of
+pure-decode steps: ``framework/fast_forward.py``). An idle replica waits for its next arrival on
+its clock: a virtual clock jumps, a wall clock (one replica on the model executor) sleeps, so
+the same loop serves a real engine in real time.
+
+A KeyboardInterrupt stops serving: unsent requests are dropped, unfinished ones aborted (their KV
+blocks freed) and the result says ``interrupted``; the exception is not re-raised.
 """
 from __future__ import annotations
 
@@ -13,9 +19,10 @@ import bisect
 import dataclasses
 import gc
 import heapq
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from framework.clock import VirtualClock
@@ -25,21 +32,26 @@ from framework.fast_forward import DecodePlan
 from framework.outputs import RequestOutput
 from framework.request import Request
 from framework.router import ROUTERS, Replica, Router
-from framework.sampling_params import SamplingParams
+from framework.workload import WorkloadRequest, sampling_params
+
+logger = logging.getLogger(__name__)
+
+OnOutput = Callable[[int, RequestOutput], None]
 
 
 @dataclass
-class Arrival:
-    """One request of a workload: when it arrives, its prompt and how to sample it."""
+class ServeResult:
+    """``start_time`` / ``end_time`` are on the replicas' clocks (the end is the latest
+    replica's). ``outputs`` holds ``(replica, output)`` of every finished request when ``run``
+    was given no ``on_output``."""
 
-    time: float
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-
-
-OnOutput = Callable[[int, RequestOutput], None]
+    start_time: float
+    end_time: float
+    num_sent: int
+    num_finished: int
+    interrupted: bool = False
+    unfinished: list[str] = field(default_factory=list)
+    outputs: list[tuple[int, RequestOutput]] = field(default_factory=list)
 
 
 class Cluster:
@@ -63,30 +75,54 @@ class Cluster:
     def build(cls, config: EngineConfig, num_replicas: int = 1, router: Router | str = "round_robin",
               router_options: dict[str, Any] | None = None) -> Cluster:
         """``num_replicas`` identical engines of ``config``, each on its executor's default clock."""
-        if not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+        check_num_replicas(num_replicas)
         engines = [LLMEngine(dataclasses.replace(config)) for _ in range(num_replicas)]
         return cls(engines, router, router_options)
 
-    def run(self, arrivals: Iterable[Arrival], on_output: OnOutput | None = None) -> list[tuple[int, RequestOutput]]:
-        """Serve ``arrivals`` (in time order; a generator is fine) to completion. Each finished
-        request's output goes to ``on_output(replica_index, output)`` as it finishes, or, with no
-        callback, into the returned list."""
-        results: list[tuple[int, RequestOutput]] = []
-        emit = on_output or (lambda i, o: results.append((i, o)))
+    def run(self, requests: Iterable[WorkloadRequest], sampling: dict[str, Any] | None = None,
+            on_output: OnOutput | None = None, start: float | None = None) -> ServeResult:
+        """Serve ``requests`` (in arrival order; a generator is fine) to completion or until a
+        KeyboardInterrupt. ``sampling`` holds the options every request shares (the workload's
+        ``temperature``, ``ignore_eos``, ...; see ``framework.workload.sampling_params``).
+        Arrival times count from ``start`` on the replicas' clocks (default: the latest replica's
+        now). Each finished request's output goes to ``on_output(replica_index, output)`` as it
+        finishes or, with no callback, into the result's ``outputs``."""
+        start = max(e.clock.now() for e in self.engines) if start is None else start
+        result = ServeResult(start, start, 0, 0)
+        in_flight: set[str] = set()
+
+        def emit(i: int, out: RequestOutput) -> None:
+            in_flight.discard(out.request_id)
+            result.num_finished += 1
+            if on_output is None:
+                result.outputs.append((i, out))
+            else:
+                on_output(i, out)
+
         # Serving allocates millions of small acyclic objects (token lists, floats, blocks' tuples);
         # CPython's cycle collector would rescan the growing heap again and again for nothing
-        # (about a tenth of a simulated run), so it is paused while serving.
-        collecting = gc.isenabled()
-        gc.disable()
+        # (about a tenth of a simulated run), so it is paused while simulating.
+        pause_gc = gc.isenabled() and not self._wall
+        if pause_gc:
+            gc.disable()
         try:
-            self._serve(iter(arrivals), emit)
+            self._serve(iter(requests), sampling or {}, start, emit, in_flight, result)
+        except KeyboardInterrupt:
+            result.interrupted = True
+            logger.warning("interrupted: %d of %d requests sent finished", result.num_finished, result.num_sent)
         finally:
-            if collecting:
+            if pause_gc:
                 gc.enable()
-        return results
+        result.end_time = max(e.clock.now() for e in self.engines)
+        result.unfinished = sorted(in_flight, key=lambda rid: (len(rid), rid))
+        if result.interrupted and in_flight:
+            for engine in self.engines:
+                if engine.has_unfinished_requests():
+                    _abort(engine, result.unfinished)
+        return result
 
-    def _serve(self, source: Iterator[Arrival], emit: OnOutput) -> None:
+    def _serve(self, source: Iterator[WorkloadRequest], sampling: dict[str, Any], start: float, emit: OnOutput,
+               in_flight: set[str], result: ServeResult) -> None:
         engines, replicas, router = self.engines, self.replicas, self.router
         n = len(engines)
         # With several replicas on a deterministic cost model, a replica's decode run is planned
@@ -126,23 +162,25 @@ class Cluster:
         for replica in replicas:
             replica._settle = settle
         nxt = next(source, None)
+        a = math.inf if nxt is None else start + nxt.arrival_time  # nxt's arrival on the clocks
         last_arrival = -math.inf
         while True:
             if not events:
                 t, kind = math.inf, 1
             else:
                 t, kind = (engines[0].clock.now(), 1) if self._wall else events[0][:2]
-            if nxt is not None and (nxt.time < t or nxt.time == t and kind == 1):
-                a = nxt.time
+            if nxt is not None and (a < t or a == t and kind == 1):
                 if a < last_arrival:
-                    raise ValueError(f"arrivals must come in time order: {nxt.request_id} at {a} after {last_arrival}")
+                    raise ValueError(f"requests must come in arrival order: {nxt.request_id} at "
+                                     f"{nxt.arrival_time} s after one at {last_arrival - start} s")
                 last_arrival = a
+                params = sampling_params(nxt, sampling)
                 while finishes and finishes[0][0] <= a:
                     replicas[heapq.heappop(finishes)[1]].num_finished += 1
                 if n > 1:
                     for replica in replicas:
                         replica._now = a
-                    i = router.route(Request(nxt.request_id, nxt.prompt_token_ids, nxt.params, a, nxt.priority), replicas)
+                    i = router.route(Request(nxt.request_id, nxt.prompt_token_ids, params, a, nxt.priority), replicas)
                     if not (isinstance(i, int) and 0 <= i < n):
                         raise ValueError(f"router {router.name!r} picked replica {i!r} of {n}")
                 else:
@@ -150,13 +188,17 @@ class Cluster:
                 settle(i, a)
                 engine = engines[i]
                 engine.clock.wait_until(a)
-                engine.add_request(nxt.request_id, nxt.prompt_token_ids, nxt.params, arrival_time=a,
-                                   priority=nxt.priority)
+                prompt = nxt.prompt_token_ids if nxt.prompt is None else {
+                    "prompt_token_ids": nxt.prompt_token_ids, "prompt": nxt.prompt}
+                engine.add_request(nxt.request_id, prompt, params, arrival_time=a, priority=nxt.priority)
+                in_flight.add(nxt.request_id)
+                result.num_sent += 1
                 replicas[i].num_routed += 1
                 if not busy[i]:
                     busy[i] = True
                     heapq.heappush(events, (engine.clock.now(), 1, i, version[i]))
                 nxt = next(source, None)
+                a = math.inf if nxt is None else start + nxt.arrival_time
                 continue
             if not events:
                 break
@@ -171,7 +213,7 @@ class Cluster:
             else:
                 # A lazy plan ends at its first finish, so that the finish is an event; otherwise
                 # a run goes through finishes up to the next arrival.
-                plan = engine.plan_decode_run(math.inf if lazy or nxt is None else nxt.time, through_finishes=not lazy)
+                plan = engine.plan_decode_run(math.inf if lazy else a, through_finishes=not lazy)
                 if plan is None:
                     emit_all(i, engine.step(final_only=True))
                 elif lazy:
@@ -184,3 +226,21 @@ class Cluster:
                 heapq.heappush(events, (engine.clock.now(), 1, i, version[i]))
             else:
                 busy[i] = False
+
+
+def check_num_replicas(num_replicas: Any) -> None:
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+
+
+def _abort(engine: LLMEngine, request_ids: list[str]) -> None:
+    """Abort what is still in flight and let one empty step hand back the aborted requests, so
+    the engine ends with every KV block free. Best effort: the measurements are already safe."""
+    callbacks, engine.step_callbacks = engine.step_callbacks, []  # this step is no measurement
+    try:
+        engine.abort_request(request_ids)
+        engine.step()
+    except Exception as exc:  # an interrupt may have left the step half done
+        logger.warning("could not abort the unfinished requests cleanly: %s", exc)
+    finally:
+        engine.step_callbacks = callbacks

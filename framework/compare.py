@@ -34,7 +34,7 @@ COLUMNS = ["label", "x", "status", "completed", "failed", "duration_s", "request
            "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "mean_queueing_delay_ms", "prefix_cache_hit_rate",
            "num_preemptions", "num_swaps", "total_prefill_tokens", "blocks_swapped_out"]
 #: Config keys that never tell configurations apart.
-IGNORED_PREFIXES = ("hydra.", "logger.", "progress", "plots", "clock")
+IGNORED_PREFIXES = ("hydra.", "logger.", "progress", "plots", "save_workload", "clock")
 THROUGHPUT = [("output_throughput", "output tokens/s"), ("request_throughput", "requests/s")]
 P99 = [("p99_ttft_ms", "p99 TTFT (ms)"), ("p99_tpot_ms", "p99 TPOT (ms)"), ("p99_e2el_ms", "p99 E2EL (ms)")]
 

@@ -6,9 +6,10 @@ workload online, and record everything in the run directory (and the chosen logg
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.block_allocator import AllocatorStats
 from framework.clock import Clock, VirtualClock, WallClock
+from framework.cluster import Cluster, check_num_replicas
 from framework.config import EngineConfig
-from framework.driver import drive
 from framework.engine import LLMEngine, StepStats
-from framework.metrics import REQUEST_COLUMNS, SLO, RequestRecord, step_row, summarize
+from framework.metrics import SLO, RequestRecord, summarize
 from framework.outputs import RequestOutput
 from framework.recorder import RunRecorder
 from framework.report import format_summary
+from framework.router import ROUTERS
 from framework.run_logger import Guarded, create_logger
 from framework.sampling_params import SamplingParams
 from framework.scheduler import SchedulerOutput
-from framework.workload import WorkloadContext, create_workload
+from framework.workload import WorkloadContext, WorkloadRequest, create_workload
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ def make_clock(name: str, executor: str) -> Clock:
     if name == "auto":
         name = "wall" if executor == "model" else "virtual"
     if name == "wall":
+        if executor == "sim":
+            raise ValueError("executor=sim runs on simulated time: use clock=auto or clock=virtual")
         return WallClock()
     if name == "virtual":
         if executor == "model":
@@ -79,14 +83,53 @@ def make_clock(name: str, executor: str) -> Clock:
     raise ValueError(f"clock must be auto, wall or virtual, got {name!r}")
 
 
-def describe(cfg: DictConfig, config: EngineConfig) -> dict[str, Any]:
-    """The run's identity for tables and plots: the parts, the model, the workload and its rate."""
+def describe(cfg: DictConfig, cluster: Cluster) -> dict[str, Any]:
+    """The run's identity for tables and plots: the parts, the model, the workload and its rate,
+    for a simulated run the device, and for a cluster its replicas and router."""
     workload = cfg.get("workload") or {}
-    return {"policy": config.policy, "backend": config.backend, "allocator": config.allocator,
-            "preparer": config.preparer, "executor": config.executor, "model": config.model,
-            "workload": workload.get("name"), "rate": workload.get("rate"),
-            "preemption_mode": config.policy_options.get("preemption_mode"),
-            "enable_prefix_caching": config.enable_prefix_caching}
+    executor = cluster.engines[0].executor
+    config = cluster.engines[0].config
+    identity = {"policy": config.policy, "backend": config.backend, "allocator": config.allocator,
+                "preparer": config.preparer, "executor": config.executor, "model": config.model,
+                "workload": workload.get("name"), "rate": workload.get("rate"),
+                "preemption_mode": config.policy_options.get("preemption_mode"),
+                "enable_prefix_caching": config.enable_prefix_caching}
+    if hasattr(executor, "hardware"):
+        identity.update(hardware=executor.hardware.name, tensor_parallel_size=executor.tp)
+    if cfg.get("cluster") is not None:
+        identity.update(num_replicas=len(cluster.engines), router=cluster.router.name)
+    return identity
+
+
+def cluster_spec(cfg: DictConfig) -> tuple[int, str, dict[str, Any]] | None:
+    """``(num_replicas, router, router_options)`` of the ``cluster`` node (``+cluster=NAME``),
+    or None for a run without one (a single engine)."""
+    node = cfg.get("cluster")
+    if node is None:
+        return None
+    spec = OmegaConf.to_container(node, resolve=True)
+    unknown = set(spec) - {"num_replicas", "router", "router_options"}
+    if unknown:
+        raise ValueError(f"cluster: unknown key(s) {sorted(unknown)}; valid: num_replicas, router, router_options")
+    num_replicas = spec.get("num_replicas", 1)
+    check_num_replicas(num_replicas)
+    return num_replicas, spec.get("router", "round_robin"), dict(spec.get("router_options") or {})
+
+
+def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = None) -> Cluster:
+    """The replicas (one engine without a ``cluster`` node) and their router, each replica on
+    its own clock: ``clock`` for a single replica, else the config's ``clock``."""
+    spec = cluster_spec(cfg)
+    num_replicas, router, router_options = spec or (1, "round_robin", {})
+    if clock is not None and num_replicas > 1:
+        raise ValueError("a given clock drives one replica; each of several replicas needs its own")
+    try:  # a bad router fails before any engine is built
+        router = ROUTERS.create(router, **router_options)
+    except TypeError as exc:  # an unknown option
+        raise ValueError(f"router {router!r}: {exc}") from exc
+    engines = [LLMEngine(dataclasses.replace(config), clock=clock or make_clock(cfg.get("clock", "auto"), config.executor))
+               for _ in range(num_replicas)]
+    return Cluster(engines, router)
 
 
 def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
@@ -94,84 +137,122 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
                    on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
     """Run the experiment ``cfg`` describes, writing its files to ``run_dir``; return the summary.
 
-    Configuration errors raise ValueError before anything runs. A KeyboardInterrupt while
-    requests run stops the run, keeps what was measured and returns a summary with
-    ``status: interrupted``. ``run_name`` / ``group`` name the run and its sweep for loggers.
-    ``clock`` overrides the config's ``clock``; ``on_engine`` sees the
-    engine once it is built (to add step callbacks, e.g. one that advances a ``VirtualClock``).
+    One engine, or with a ``cluster`` node several replicas behind a router (simulated only),
+    served by ``Cluster.run``: requests enter when their arrival time comes on the engines'
+    clocks (wall time for the model executor, simulated time for the sim executor), and
+    durations and throughputs are in that time. Configuration errors raise ValueError before
+    anything runs. A KeyboardInterrupt while requests run stops the run, keeps what was measured
+    and returns a summary with ``status: interrupted``. ``run_name`` / ``group`` name the run and
+    its sweep for loggers. ``clock`` overrides the config's ``clock`` (one replica only);
+    ``on_engine`` sees each engine once it is built (to add step callbacks, e.g. one that
+    advances a ``VirtualClock``).
     """
     config = engine_config(cfg)
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
     workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
     run_logger = Guarded(create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {}))
-    clock = clock or make_clock(cfg.get("clock", "auto"), config.executor)
-    identity = describe(cfg, config)
+    cluster = build_cluster(cfg, config, clock)
+    engines = cluster.engines
+    identity = describe(cfg, cluster)
     run_name = run_name or f"{config.policy}-{config.backend}"
 
-    engine = LLMEngine(config, clock=clock)
-    warm_up(engine, cfg.get("warmup", 1))
-    hits0, queries0 = engine.allocator.stats.prefix_hit_tokens, engine.allocator.stats.prefix_query_tokens
+    for engine in engines:
+        warm_up(engine, cfg.get("warmup", 1))
+    hits0 = [(e.allocator.stats.prefix_hit_tokens, e.allocator.stats.prefix_query_tokens) for e in engines]
     if on_engine is not None:
-        on_engine(engine)
-    requests = workload.generate(WorkloadContext(engine.model_config.vocab_size, engine.tokenizer,
-                                                 engine.config.max_model_len))
+        for engine in engines:
+            on_engine(engine)
+    first = engines[0]
+    requests = workload.generate(WorkloadContext(first.model_config.vocab_size, first.tokenizer,
+                                                 first.config.max_model_len))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     run_dir = Path(run_dir)
-    recorder = RunRecorder(run_dir)
+    plots_wanted = cfg.get("plots", True)
+    recorder = RunRecorder(run_dir, replica_column=cfg.get("cluster") is not None, keep_timeline=plots_wanted,
+                           step_listener=run_logger.log_step if run_logger.implements("log_step") else None)
     recorder.write_config(resolved)
-    recorder.write_workload(requests)
+    if cfg.get("save_workload", True):
+        recorder.write_workload(requests)
     meta = {**identity, "run_dir": str(run_dir), "num_requests": len(requests)}
     recorder.write_summary({"status": "running", "interrupted": False, **meta})
-    run_logger.start({**resolved, "engine_config": config.to_dict()}, run_dir, run_name, group)
+    run_logger.start({**resolved, "engine_config": first.config.to_dict()}, run_dir, run_name, group)
 
     records: list[RequestRecord] = []
-    steps: list[dict[str, Any]] = []
+    replica_of: list[int] = []
     progress = _progress_bar(len(requests), run_name, cfg.get("progress", True))
-    start = clock.now()
+    start = max(e.clock.now() for e in engines)
+    callbacks = []
+    for i, engine in enumerate(engines):
+        callbacks.append((engine, recorder.step_log(i, start)))
+        if progress is not None and len(engines) == 1:
+            callbacks.append((engine, QueuePostfix(progress)))
+    for engine, callback in callbacks:
+        engine.step_callbacks.append(callback)
 
-    def on_step(stats: StepStats, _: SchedulerOutput) -> None:
-        row = step_row(stats, start)
-        steps.append(row)
-        recorder.add_step(row)
-        run_logger.log_step(row)
-        if progress is not None and stats.step % 8 == 0:
-            progress.set_postfix(running=stats.num_running, waiting=stats.num_waiting, kv=f"{stats.kv_usage:.0%}",
-                                 refresh=False)
-
-    def on_output(out: RequestOutput) -> None:
+    def on_output(replica: int, out: RequestOutput) -> None:
         record = RequestRecord.from_output(out, start)
         records.append(record)
-        recorder.add_request(record)
+        replica_of.append(replica)
+        recorder.add_request(record, replica)
         if progress is not None:
             progress.update(1)
 
-    engine.step_callbacks.append(on_step)
     wall_start = time.perf_counter()
     try:
-        result = drive(engine, requests, sampling, on_output, start=start)
+        result = cluster.run(_handed_over(requests), sampling, on_output, start=start)
     except Exception as exc:
-        recorder.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False, **meta})
         recorder.close()
+        recorder.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False, **meta})
         run_logger.finish(False)
         raise
     finally:
-        engine.step_callbacks.remove(on_step)
+        for engine, callback in callbacks:
+            engine.step_callbacks.remove(callback)
         if progress is not None:
             progress.close()
-    summary = {"status": "interrupted" if result.interrupted else "completed", "interrupted": result.interrupted,
-               **meta, "num_sent": result.num_sent, "num_unfinished": len(result.unfinished),
-               "wall_time_s": time.perf_counter() - wall_start,
-               **summarize(records, result.end_time - result.start_time, slo, steps,
-                           _hit_rate(engine.allocator.stats, hits0, queries0))}
-    recorder.write_summary(summary)
     recorder.close()
-    plots = _plots(records, steps, run_dir) if cfg.get("plots", True) else {}
+    wall_time = time.perf_counter() - wall_start
+    summary = {"status": "interrupted" if result.interrupted else "completed", "interrupted": result.interrupted,
+               **meta, "num_sent": result.num_sent, "num_unfinished": len(result.unfinished), "wall_time_s": wall_time,
+               **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
+                           _hit_rate([e.allocator.stats for e in engines], hits0))}
+    recorder.write_summary(summary)
+    plots = _plots(records, recorder.timeline(), run_dir) if plots_wanted else {}
     run_logger.log_summary(summary)
-    run_logger.log_requests(REQUEST_COLUMNS, [r.row() for r in records])
+    if run_logger.implements("log_requests"):
+        columns = recorder.request_columns
+        run_logger.log_requests(columns, [dict(zip(columns, recorder.request_values(r, i)))
+                                          for r, i in zip(records, replica_of)])
     run_logger.log_plots(plots)
     run_logger.finish(result.interrupted)
     print(format_summary(summary, f"{run_name} ({identity['workload']}, rate={identity['rate']})"))
     return summary
+
+
+class QueuePostfix:
+    """Shows the engine's queues on the progress bar every few steps. It takes decode runs
+    (``on_decode_run``, so the fast path stays on) without a word: they change only the running
+    count, which the next ordinary step shows."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+
+    def __call__(self, stats: StepStats, _: SchedulerOutput) -> None:
+        if stats.step % 8 == 0:
+            self.bar.set_postfix(running=stats.num_running, waiting=stats.num_waiting, kv=f"{stats.kv_usage:.0%}",
+                                 refresh=False)
+
+    def on_decode_run(self, run: Any) -> None:
+        pass
+
+
+def _handed_over(requests: list[WorkloadRequest]) -> Iterator[WorkloadRequest]:
+    """The requests in order, each dropped from the list as it is handed to the driver: its
+    prompt is freed once the engine is done with it (a big simulated workload holds tens of
+    millions of prompt tokens)."""
+    for i in range(len(requests)):
+        request, requests[i] = requests[i], None  # type: ignore[call-overload]
+        yield request
 
 
 def warm_up(engine: LLMEngine, num_requests: int) -> None:
@@ -185,19 +266,20 @@ def warm_up(engine: LLMEngine, num_requests: int) -> None:
         engine.step()
 
 
-def _hit_rate(stats: AllocatorStats, hits0: int, queries0: int) -> float | None:
-    """Prefix-cache hit rate (hit tokens / looked-up tokens) since the warm-up."""
-    queries = stats.prefix_query_tokens - queries0
-    return (stats.prefix_hit_tokens - hits0) / queries if queries else None
+def _hit_rate(stats: list[AllocatorStats], since: list[tuple[int, int]]) -> float | None:
+    """Prefix-cache hit rate (hit tokens / looked-up tokens) of every replica since the warm-up."""
+    hits = sum(s.prefix_hit_tokens - h for s, (h, _) in zip(stats, since))
+    queries = sum(s.prefix_query_tokens - q for s, (_, q) in zip(stats, since))
+    return hits / queries if queries else None
 
 
-def _plots(records: list[RequestRecord], steps: list[dict[str, Any]], run_dir: Path) -> dict[str, Path]:
+def _plots(records: list[RequestRecord], steps: dict[str, Any], run_dir: Path) -> dict[str, Path]:
     from framework import plots
 
     out = {}
     if any(r.completed for r in records):
         out["latency_cdf"] = plots.latency_cdfs(records, run_dir / "latency_cdf.png")
-    if steps:
+    if len(steps.get("time_s", ())):
         out["timeline"] = plots.timeline(steps, run_dir / "timeline.png")
     return out
 

@@ -12,6 +12,9 @@ Latencies are reported in milliseconds, like vLLM; records keep seconds.
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +30,9 @@ PERCENTILES = (90, 99)
 
 @dataclass
 class RequestRecord:
-    """One finished request; times in seconds, relative to the start of the run."""
+    """One finished request; times in seconds, relative to the start of the run, except
+    ``token_times`` (when each output token came, on the engine's clock: only their gaps, the
+    ITLs, are used). ``token_times`` is the output's own list, shared rather than copied."""
 
     request_id: str
     status: str  # "length" / "stop" (completed), "ignored" (never fit), "abort"
@@ -40,7 +45,7 @@ class RequestRecord:
     ttft: float | None = None
     tpot: float | None = None
     e2el: float | None = None
-    itl: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     num_swaps: int = 0
     message: str = ""
@@ -49,6 +54,12 @@ class RequestRecord:
     def completed(self) -> bool:
         return self.status in ("length", "stop") and self.output_len > 0
 
+    @property
+    def itl(self) -> list[float]:
+        """Every gap between consecutive output tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
     @classmethod
     def from_output(cls, out: RequestOutput, run_start: float = 0.0) -> RequestRecord:
         m = out.metrics
@@ -56,27 +67,65 @@ class RequestRecord:
         status = "abort" if reason == "abort" else ("ignored" if out.status_message and not m.num_generated_tokens
                                                      else (reason or "unfinished"))
         return cls(out.request_id, status, out.priority, m.arrival_time - run_start, m.num_prompt_tokens,
-                   m.num_generated_tokens, m.num_cached_tokens, m.time_in_queue, m.ttft, m.tpot, m.e2el, m.itl,
-                   m.num_preemptions, m.num_swaps, out.status_message or "")
+                   m.num_generated_tokens, m.num_cached_tokens, m.time_in_queue, m.ttft, m.tpot, m.e2el,
+                   m.token_times, m.num_preemptions, m.num_swaps, out.status_message or "")
 
     def row(self) -> dict[str, Any]:
-        """A ``requests.csv`` row: latencies in ms, the ITLs as space-separated ms."""
+        """A ``requests.csv`` row: latencies in ms. Of the ITLs only the longest (the worst stall
+        the request saw) is kept, so a row costs the same for any output length; the run's ITL
+        statistics and CDF pool every gap."""
         ms = lambda v: None if v is None else round(v * 1000, 4)  # noqa: E731
+        t = self.token_times
         return {"request_id": self.request_id, "status": self.status, "priority": self.priority,
                 "arrival_s": round(self.arrival_time, 6), "prompt_len": self.prompt_len, "output_len": self.output_len,
                 "cached_tokens": self.cached_tokens, "queueing_delay_ms": ms(self.queueing_delay),
                 "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
-                "num_preemptions": self.num_preemptions, "num_swaps": self.num_swaps,
-                "itl_ms": " ".join(f"{1000 * g:.4f}" for g in self.itl), "message": self.message}
+                "max_itl_ms": ms(max(map(operator.sub, t[1:], t))) if len(t) > 1 else None,
+                "num_preemptions": self.num_preemptions, "num_swaps": self.num_swaps, "message": self.message}
 
 
 REQUEST_COLUMNS = list(RequestRecord("", "").row())
-STEP_COLUMNS = ["time_s"] + [f.name for f in dataclasses.fields(StepStats)]
+#: ``StepStats`` fields, the columns of the engine's per-step records.
+STATS_COLUMNS = [f.name for f in dataclasses.fields(StepStats)]
+#: ``steps.csv``: each step's start in seconds since the run began, then its ``StepStats``.
+STEP_COLUMNS = ["time_s"] + STATS_COLUMNS
 
 
-def step_row(stats: StepStats, run_start: float) -> dict[str, Any]:
-    """A ``steps.csv`` row: the step's stats and its start in seconds since the run began."""
-    return {"time_s": round(stats.start_time - run_start, 6), **dataclasses.asdict(stats)}
+@dataclass
+class StepTotals:
+    """Run-level aggregates of the step records, kept as steps come: counts and sums, and each
+    step's KV usage (8 bytes a step) so that its mean is exactly rounded whatever order or
+    grouping the steps came in (a fast-forwarded run gives the step-by-step summary bit for bit)."""
+
+    num_steps: int = 0
+    kv_usage: array = field(default_factory=lambda: array("d"))
+    max_kv_usage: float = 0.0
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+    def add(self, num_steps: int, kv_usage: Sequence[float], scheduled_tokens: int, prefill_tokens: int,
+            swapped_out_blocks: int, swapped_in_blocks: int) -> None:
+        """``num_steps`` more steps: the KV usage after each, and their token and block sums."""
+        if not num_steps:
+            return
+        self.num_steps += num_steps
+        self.kv_usage.extend(kv_usage)
+        self.max_kv_usage = max(self.max_kv_usage, max(kv_usage))
+        self.scheduled_tokens += scheduled_tokens
+        self.prefill_tokens += prefill_tokens
+        self.swapped_out_blocks += swapped_out_blocks
+        self.swapped_in_blocks += swapped_in_blocks
+
+    def summary(self) -> dict[str, Any]:
+        """Work done, independent of timing noise: recompute preemption shows up as extra
+        prefill tokens, swapping as block copies, prefix caching as prefill tokens saved."""
+        n = self.num_steps
+        return {"num_steps": n, "mean_kv_usage": math.fsum(self.kv_usage) / n, "max_kv_usage": float(self.max_kv_usage),
+                "mean_tokens_per_step": self.scheduled_tokens / n, "total_scheduled_tokens": self.scheduled_tokens,
+                "total_prefill_tokens": self.prefill_tokens, "blocks_swapped_out": self.swapped_out_blocks,
+                "blocks_swapped_in": self.swapped_in_blocks}
 
 
 @dataclass(frozen=True)
@@ -109,20 +158,37 @@ def latency_stats(name: str, values_s: Sequence[float]) -> dict[str, float | Non
     if not len(values_s):
         return dict.fromkeys(keys)
     v = np.asarray(values_s, dtype=np.float64) * 1000
-    stats = [v.mean(), np.median(v), v.std()] + [np.percentile(v, p) for p in PERCENTILES]
+    # One sort for the median and every percentile (np.median would be the same 50th percentile).
+    median, *tails = np.percentile(v, [50, *PERCENTILES])
+    stats = [v.mean(), median, v.std(), *tails]
     return {k: float(s) for k, s in zip(keys, stats)}
 
 
-def latencies(records: Sequence[RequestRecord], name: str) -> list[float]:
+def latencies(records: Sequence[RequestRecord], name: str) -> Sequence[float]:
+    """The ``name`` latency (seconds) of every record that has one; ``itl`` pools every gap."""
     if name == "itl":
-        return [g for r in records for g in r.itl]
+        return itl_gaps(records)
     return [getattr(r, name) for r in records if getattr(r, name) is not None]
 
 
+def itl_gaps(records: Sequence[RequestRecord]) -> np.ndarray:
+    """Every inter-token gap of every record, in one array (computed in bulk: a long run has
+    millions)."""
+    times = [r.token_times for r in records if len(r.token_times) > 1]
+    if not times:
+        return np.empty(0)
+    flat = array("d")
+    for t in times:
+        flat.extend(t)
+    ends = np.cumsum(np.fromiter(map(len, times), dtype=np.int64, count=len(times)))
+    return np.delete(np.diff(np.frombuffer(flat)), ends[:-1] - 1)  # less the gaps between requests
+
+
 def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None = None,
-              steps: Sequence[dict[str, Any]] = (), prefix_cache_hit_rate: float | None = None) -> dict[str, Any]:
+              steps: StepTotals | None = None, prefix_cache_hit_rate: float | None = None) -> dict[str, Any]:
     """Run-level metrics over ``duration`` seconds. Latencies and throughputs count completed
-    requests only; ignored and aborted ones are counted as ``failed``."""
+    requests only; ignored and aborted ones are counted as ``failed``. ``steps`` adds the step
+    aggregates when it counted any step."""
     slo = slo or SLO()
     done = [r for r in records if r.completed]
     dur = duration if duration > 0 else float("nan")
@@ -146,17 +212,8 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None
     summary["prefix_cache_hit_rate"] = prefix_cache_hit_rate
     cached = sum(r.cached_tokens for r in done)
     summary["cached_prompt_fraction"] = cached / in_tokens if in_tokens else None
-    if steps:
-        usage = np.array([s["kv_usage"] for s in steps], dtype=np.float64)
-        total = lambda key: int(sum(s[key] for s in steps))  # noqa: E731
-        # Work done, independent of timing noise: recompute preemption shows up as extra prefill
-        # tokens, swapping as block copies, prefix caching as prefill tokens saved.
-        summary.update(num_steps=len(steps), mean_kv_usage=float(usage.mean()), max_kv_usage=float(usage.max()),
-                       mean_tokens_per_step=total("num_scheduled_tokens") / len(steps),
-                       total_scheduled_tokens=total("num_scheduled_tokens"),
-                       total_prefill_tokens=total("num_prefill_tokens"),
-                       blocks_swapped_out=total("num_swapped_out_blocks"),
-                       blocks_swapped_in=total("num_swapped_in_blocks"))
+    if steps is not None and steps.num_steps:
+        summary.update(steps.summary())
     priorities = sorted({r.priority for r in done})
     if len(priorities) > 1:
         for p in priorities:

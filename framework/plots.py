@@ -2,7 +2,8 @@
 request rate, one line per configuration). Headless: matplotlib's Agg backend."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,22 @@ def _pyplot() -> Any:
     return plt
 
 
+#: Most points a CDF line draws (a longer sample is drawn at evenly spaced ranks) and most steps a
+#: timeline draws one by one (a longer or multi-replica run is cut into TIMELINE_BINS time bins),
+#: so plotting a simulated run of millions of tokens stays quick.
+MAX_POINTS = 2000
+TIMELINE_BINS = 500
+
+
+def cdf_points(values: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """``(sorted values, fraction <= value)``: every point, or ``max_points`` evenly spaced ranks
+    (the first and the last included) of a longer sample."""
+    v = np.sort(values)
+    n = len(v)
+    ranks = np.arange(n) if n <= max_points else np.unique(np.linspace(0, n - 1, max_points).round().astype(np.int64))
+    return v[ranks], (ranks + 1) / n
+
+
 def latency_cdfs(records: Sequence[RequestRecord], path: str | Path) -> Path:
     """CDFs of TTFT, TPOT, ITL and E2EL (ms) of the completed requests, a line per priority
     when priorities differ."""
@@ -31,10 +48,9 @@ def latency_cdfs(records: Sequence[RequestRecord], path: str | Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, name in zip(axes.flat, ("ttft", "tpot", "itl", "e2el")):
         for prio, group in groups.items():
-            v = np.sort(np.asarray(latencies(group, name), dtype=np.float64) * 1000)
+            v = np.asarray(latencies(group, name), dtype=np.float64) * 1000
             if len(v):
-                ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post",
-                        label="all" if prio is None else f"priority {prio}")
+                ax.step(*cdf_points(v), where="post", label="all" if prio is None else f"priority {prio}")
         ax.set_xlabel(f"{name.upper()} (ms)")
         ax.set_ylabel("fraction of requests" if name != "itl" else "fraction of gaps")
         ax.set_ylim(0, 1.02)
@@ -45,32 +61,89 @@ def latency_cdfs(records: Sequence[RequestRecord], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def timeline(steps: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Per step against run time: prefill and decode tokens, queue lengths, KV cache usage."""
+def timeline(steps: Mapping[str, Any], path: str | Path, max_points: int = MAX_POINTS,
+             bins: int = TIMELINE_BINS) -> Path:
+    """Against run time: tokens per step (prefill and decode), queue lengths and KV cache usage.
+
+    ``steps`` holds ``steps.csv`` columns (``time_s``, ``duration``, ``num_prefill_tokens``,
+    ``num_decode_tokens``, ``num_running``, ``num_waiting``, ``num_swapped``, ``kv_usage`` and,
+    for a cluster, ``replica``). One replica with at most ``max_points`` steps is drawn step by
+    step; otherwise the run is cut into ``bins`` time bins: tokens become tokens per second
+    of the bin, queue lengths the sum over replicas of each one's last value in the bin, and KV
+    usage the mean over replicas of each one's mean in the bin."""
     plt = _pyplot()
-    t = np.array([s["time_s"] for s in steps], dtype=np.float64)
-    col = lambda k: np.array([s[k] for s in steps], dtype=np.float64)  # noqa: E731
+    col = {k: np.asarray(v, dtype=np.float64) for k, v in steps.items()}
+    t = col["time_s"]
+    replicas = col["replica"].astype(np.int64) if "replica" in col and len(col["replica"]) else np.zeros(len(t), np.int64)
+    num_replicas = int(replicas.max()) + 1 if len(t) else 1
     fig, (a, b, c) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
-    # A bar spans its step; a step of zero duration (a virtual clock) still gets a visible width.
-    span = float(t[-1] - t[0]) if len(t) > 1 else 1.0
-    width = np.maximum(col("duration"), span / max(len(t), 1) / 2)
-    a.bar(t, col("num_prefill_tokens"), width=width, align="edge", label="prefill", color="tab:orange")
-    a.bar(t, col("num_decode_tokens"), width=width, align="edge", bottom=col("num_prefill_tokens"),
-          label="decode", color="tab:blue")
-    a.set_ylabel("tokens per step")
+    if num_replicas == 1 and len(t) <= max_points:
+        # A bar spans its step; a step of zero duration (a virtual clock) still gets a visible width.
+        span = float(t.max() - t.min()) if len(t) > 1 else 1.0
+        width = np.maximum(col["duration"], span / max(len(t), 1) / 2)
+        a.bar(t, col["num_prefill_tokens"], width=width, align="edge", label="prefill", color="tab:orange")
+        a.bar(t, col["num_decode_tokens"], width=width, align="edge", bottom=col["num_prefill_tokens"],
+              label="decode", color="tab:blue")
+        a.set_ylabel("tokens per step")
+        x, queues, kv = t, {k: col[k] for k in ("num_running", "num_waiting", "num_swapped")}, col["kv_usage"]
+        title = f"Step timeline ({len(t)} steps)"
+    else:
+        edges, prefill, decode, queues, kv = binned_timeline(col, replicas, bins)
+        x = edges[:-1]
+        a.stairs(prefill, edges, fill=True, label="prefill", color="tab:orange")
+        a.stairs(prefill + decode, edges, baseline=prefill, fill=True, label="decode", color="tab:blue")
+        a.set_ylabel("tokens per second")
+        title = (f"Timeline ({len(t)} steps" + (f" on {num_replicas} replicas" if num_replicas > 1 else "")
+                 + f", {bins} time bins)")
     a.legend(fontsize=8)
     for key, label in (("num_running", "running"), ("num_waiting", "waiting"), ("num_swapped", "swapped")):
-        b.step(t, col(key), where="post", label=label)
-    b.set_ylabel("requests")
+        b.step(x, queues[key], where="post", label=label)
+    b.set_ylabel("requests" if num_replicas == 1 else "requests (all replicas)")
     b.legend(fontsize=8)
-    c.step(t, 100 * col("kv_usage"), where="post", color="tab:green")
-    c.set_ylabel("KV cache used (%)")
+    c.step(x, 100 * kv, where="post", color="tab:green")
+    c.set_ylabel("KV cache used (%)" if num_replicas == 1 else "KV cache used (%, mean of replicas)")
     c.set_ylim(0, 105)
     c.set_xlabel("time since start (s)")
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"Step timeline ({len(steps)} steps)")
+    fig.suptitle(title)
     return _save(fig, path)
+
+
+def binned_timeline(col: Mapping[str, np.ndarray], replicas: np.ndarray, bins: int) -> tuple[np.ndarray, ...]:
+    """``(edges, prefill, decode, queues, kv)`` of the steps cut into ``bins`` equal time bins
+    from 0 to the last step: prefill and decode tokens per second of each bin, the queue lengths
+    summed over replicas (each replica's last value in the bin, carried over bins where it took
+    no step) and the KV usage averaged over replicas (each one's mean in the bin, carried over)."""
+    t = col["time_s"]
+    edges = np.linspace(0.0, float(t.max()) * (1 + 1e-9) + 1e-9, bins + 1)
+    which = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, bins - 1)
+    width = edges[1] - edges[0]
+    prefill = np.bincount(which, col["num_prefill_tokens"], bins) / width
+    decode = np.bincount(which, col["num_decode_tokens"], bins) / width
+    queues = {k: np.zeros(bins) for k in ("num_running", "num_waiting", "num_swapped")}
+    kv = np.zeros(bins)
+    num_replicas = int(replicas.max()) + 1
+    for r in range(num_replicas):
+        mine = np.flatnonzero(replicas == r)
+        mine = mine[np.argsort(t[mine], kind="stable")]
+        ends = np.flatnonzero(np.append(which[mine][1:] != which[mine][:-1], True))  # each bin's last step
+        for k in queues:
+            last = np.full(bins, np.nan)
+            last[which[mine][ends]] = col[k][mine][ends]
+            queues[k] += _carry_forward(last)
+        counts = np.bincount(which[mine], minlength=bins)
+        mean = np.bincount(which[mine], col["kv_usage"][mine], bins) / np.maximum(counts, 1)
+        kv += _carry_forward(np.where(counts > 0, mean, np.nan))
+    return edges, prefill, decode, queues, kv / num_replicas
+
+
+def _carry_forward(values: np.ndarray) -> np.ndarray:
+    """NaNs replaced by the last value before them (0 before the first)."""
+    idx = np.where(np.isnan(values), 0, np.arange(len(values)))
+    np.maximum.accumulate(idx, out=idx)
+    out = values[idx]
+    return np.nan_to_num(out, nan=0.0)
 
 
 def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[str, str]], path: str | Path,
@@ -80,7 +153,8 @@ def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[
     plt = _pyplot()
     labels = list(dict.fromkeys(r["label"] for r in rows))
     numeric = [r for r in rows if isinstance(r.get(x), (int, float)) and not isinstance(r.get(x), bool)]
-    height = 4 if numeric else 1.5 + 0.4 * len(labels)
+    lines = sum(len(textwrap.wrap(label, 48)) or 1 for label in labels)
+    height = 4 if numeric else 1.5 + 0.25 * lines + 0.15 * len(labels)
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), height), squeeze=False)
     for ax, (key, ylabel) in zip(axes[0], metrics):
         if numeric:
@@ -92,7 +166,8 @@ def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[
         else:  # horizontal bars, so long labels stay readable
             vals = [next((r[key] for r in rows if r["label"] == lb and r.get(key) is not None), np.nan) for lb in labels]
             ax.barh(range(len(labels)), vals, color=[f"C{i}" for i in range(len(labels))])
-            ax.set_yticks(range(len(labels)), labels if ax is axes[0][0] else [""] * len(labels), fontsize=8)
+            ticks = [textwrap.fill(label, 48) for label in labels] if ax is axes[0][0] else [""] * len(labels)
+            ax.set_yticks(range(len(labels)), ticks, fontsize=8)
             ax.invert_yaxis()
             ax.set_xlabel(ylabel)
             ax.grid(alpha=0.3)

@@ -60,6 +60,10 @@ class Guarded:
         self.inner = inner
         self.failed: str | None = None
 
+    def implements(self, hook: str) -> bool:
+        """Whether the logger does something in ``hook`` (so the run need not build its input)."""
+        return self.failed is None and getattr(type(self.inner), hook) is not getattr(RunLogger, hook)
+
     def __getattr__(self, hook: str) -> Any:
         method = getattr(self.inner, hook)
 

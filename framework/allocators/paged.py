@@ -130,8 +130,8 @@ class PagedBlockAllocator(BlockAllocator):
             request.block_ids[idx] = dst
             self._copies.append((src, dst))
             self.stats.cow_copies += 1
-        for _ in range(num_new_blocks):
-            request.block_ids.append(self._pop_free())
+        if num_new_blocks:
+            request.block_ids += self._pop_free_blocks(num_new_blocks)
         if first_allocation:
             self.stats.prefix_query_tokens += request.num_tokens
             self.stats.prefix_hit_tokens += prefix_tokens
@@ -184,7 +184,7 @@ class PagedBlockAllocator(BlockAllocator):
                     events[j].append((req, (computed + j) // bs - 1))
                     j += bs
         steps = sorted(events.keys() | pauses.keys()) if pauses else sorted(events)
-        # The loop below is _pop_free and _seal inlined for one block: it runs for every block
+        # The loop below is _pop_free_blocks and _seal inlined for one block: it runs for every block
         # a simulated request fills while decoding.
         free, blocks, index = self._free, self._blocks, self._hash_to_block
         in_use = self.num_used_blocks
@@ -254,17 +254,26 @@ class PagedBlockAllocator(BlockAllocator):
             block.token_ids = toks
             index.setdefault(h, block.block_id)
 
+    def _pop_free_blocks(self, num: int) -> list[int]:
+        """Take the ``num`` least recently used free blocks, evicting what they cache (a prefill
+        takes a block per block_size tokens, so the loop has its lookups hoisted)."""
+        free, blocks, index = self._free, self._blocks, self._hash_to_block
+        popitem = free.popitem
+        taken = []
+        for _ in range(num):
+            bid = popitem(last=False)[0]
+            block = blocks[bid]
+            if block.hash is not None:
+                if index.get(block.hash) == bid:
+                    del index[block.hash]
+                block.hash = block.token_ids = None
+                self.stats.evictions += 1
+            block.ref_count = 1
+            taken.append(bid)
+        return taken
+
     def _pop_free(self) -> int:
-        bid, _ = self._free.popitem(last=False)
-        block = self._blocks[bid]
-        if block.hash is not None:
-            if self._hash_to_block.get(block.hash) == bid:
-                del self._hash_to_block[block.hash]
-            block.hash = None
-            block.token_ids = None
-            self.stats.evictions += 1
-        block.ref_count = 1
-        return bid
+        return self._pop_free_blocks(1)[0]
 
     def _release(self, bid: int) -> None:
         block = self._blocks[bid]

@@ -18,16 +18,18 @@ from models.config import ModelConfig
 @COST_MODELS.register("replay")
 class ReplayCostModel(CostModel):
     """Options: ``durations`` (seconds, in step order) or ``file`` (one duration per line, or a
-    CSV with a ``duration`` column such as a run's ``steps.csv``)."""
+    CSV with a ``duration`` column such as a run's ``steps.csv``; of a cluster run's, the rows of
+    replica ``replica``)."""
 
     deterministic = False
 
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2, tensor_parallel_size: int = 1,
-                 block_size: int = 16, durations: Sequence[float] | None = None, file: str | None = None) -> None:
+                 block_size: int = 16, durations: Sequence[float] | None = None, file: str | None = None,
+                 replica: int | None = None) -> None:
         super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
         if (durations is None) == (file is None):
             raise ValueError("the replay cost model needs exactly one of durations=[...] or file=PATH")
-        self.durations = [float(d) for d in durations] if durations is not None else read_durations(file)
+        self.durations = [float(d) for d in durations] if durations is not None else read_durations(file, replica)
         if any(d < 0 for d in self.durations):
             raise ValueError("replayed step durations must be >= 0 seconds")
         self.num_replayed = 0
@@ -46,13 +48,22 @@ class ReplayCostModel(CostModel):
         return self.durations[k]
 
 
-def read_durations(file: str | Path) -> list[float]:
+def read_durations(file: str | Path, replica: int | None = None) -> list[float]:
     path = Path(file).expanduser()
     if not path.is_file():
         raise ValueError(f"replay file {str(file)!r} does not exist")
     with open(path) as f:
         first = f.readline()
         f.seek(0)
-        if "duration" in first:
-            return [float(row["duration"]) for row in csv.DictReader(f)]
-        return [float(line) for line in f if line.strip()]
+        if "duration" not in first:
+            return [float(line) for line in f if line.strip()]
+        rows = list(csv.DictReader(f))
+    replicas = sorted({int(r["replica"]) for r in rows if r.get("replica") not in (None, "")})
+    if replica is None and len(replicas) > 1:
+        raise ValueError(f"{path} holds the steps of replicas {replicas}: pick one with replica=N")
+    if replica is not None:
+        if replica not in replicas:
+            raise ValueError(f"{path} holds no steps of replica {replica} (replicas: {replicas or 'none'})")
+        # A replica's rows come in its step order, interleaved in chunks with the others'.
+        rows = sorted((r for r in rows if int(r["replica"]) == replica), key=lambda r: int(r["step"]))
+    return [float(r["duration"]) for r in rows]

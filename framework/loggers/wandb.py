@@ -46,12 +46,22 @@ def _has_api_key() -> bool:
 @LOGGERS.register("wandb")
 class WandbLogger(RunLogger):
     """Options: ``project``, ``entity``, ``group`` (default: the sweep's folder), ``tags``,
-    ``mode`` (online / offline / disabled; null: decide as above), ``init_timeout`` (seconds)."""
+    ``mode`` (online / offline / disabled; null: decide as above), ``init_timeout`` (seconds),
+    ``max_step_rows``: each time this many step rows have been logged, only every other one of
+    the following steps is (a simulated run has hundreds of thousands of steps and each log call
+    costs ~0.4 ms; ``steps.csv`` keeps every one); null logs every step."""
 
     def __init__(self, project: str = "servelab", entity: str | None = None, group: str | None = None,
-                 tags: list[str] | None = None, mode: str | None = None, init_timeout: float = 60.0) -> None:
+                 tags: list[str] | None = None, mode: str | None = None, init_timeout: float = 60.0,
+                 max_step_rows: int | None = 5000) -> None:
         if mode is not None and mode not in MODES:
             raise ValueError(f"logger.mode must be one of {', '.join(MODES)} or null, got {mode!r}")
+        if max_step_rows is not None and (isinstance(max_step_rows, bool) or not isinstance(max_step_rows, int)
+                                          or max_step_rows < 1):
+            raise ValueError(f"logger.max_step_rows must be a positive integer or null, got {max_step_rows!r}")
+        self.max_step_rows = max_step_rows
+        self._steps_seen = self._steps_logged = 0
+        self._stride = 1
         self.project, self.entity, self.group, self.tags = project, entity, group, list(tags or [])
         self.mode, self.init_timeout = mode, init_timeout
         self.run: Any = None
@@ -75,7 +85,14 @@ class WandbLogger(RunLogger):
         self.run.define_metric("step/*", step_metric="step/time_s")
 
     def log_step(self, row: dict[str, Any]) -> None:
+        self._steps_seen += 1
+        if (self._steps_seen - 1) % self._stride:
+            return
         self.run.log({f"step/{k}": v for k, v in row.items()})
+        self._steps_logged += 1
+        if self.max_step_rows is not None and self._steps_logged >= self.max_step_rows:
+            self._stride *= 2  # from here on every other of the steps logged so far
+            self._steps_logged //= 2
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if v is not None})

@@ -12,6 +12,10 @@ from framework.workloads.arrivals import arrival_times, check_rate
 from framework.workloads.lengths import LengthDist
 
 
+#: Requests whose prompt tokens are drawn in one call.
+_DRAW_CHUNK = 4096
+
+
 @dataclass(frozen=True)
 class SharedPrefix:
     """``fraction`` of the requests start with one of ``num_prefixes`` system prompts of
@@ -113,13 +117,22 @@ class SyntheticWorkload(Workload):
         low, high = ctx.first_token_id, ctx.vocab_size
         if not 0 <= low < high:
             raise ValueError(f"vocabulary of {high} tokens leaves no ids for random prompts (first id {low})")
+        # One int object per id, shared by every prompt (the same draws as integers(low, high)):
+        # a large workload then holds pointers into one table, not millions of separate ints.
+        ids = np.arange(low, high).astype(object)
+        priorities = [c.priority for c in classes]
         requests = []
-        for i in range(n):
-            tokens = token_rng.integers(low, high, size=int(prompt_lens[i])).tolist()
-            if prefixes[i] is not None:
-                tokens = prefixes[i] + tokens
-            requests.append(WorkloadRequest(str(i), tokens, int(output_lens[i]), float(times[i]),
-                                            classes[class_of[i]].priority))
+        lengths, ends = prompt_lens.tolist(), np.cumsum(prompt_lens).tolist()
+        for first in range(0, n, _DRAW_CHUNK):
+            # One draw for a chunk of requests: the same stream as a draw per request.
+            last = min(n, first + _DRAW_CHUNK)
+            base = ends[first] - lengths[first]
+            tokens = ids[token_rng.integers(0, high - low, size=ends[last - 1] - base)].tolist()
+            for i in range(first, last):
+                own = tokens[ends[i] - lengths[i] - base:ends[i] - base]
+                prefix = prefixes[i]
+                requests.append(WorkloadRequest(str(i), own if prefix is None else prefix + own, int(output_lens[i]),
+                                                float(times[i]), priorities[class_of[i]]))
         return requests
 
     def _arrivals(self, arrival_rng: np.random.Generator, class_rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

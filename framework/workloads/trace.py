@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import check_rate
@@ -133,11 +134,13 @@ def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[Wo
 
 
 def save_trace(path: str | Path, requests: list[WorkloadRequest]) -> None:
-    """Write ``requests`` as JSONL that ``load_trace`` reads back to the same requests."""
-    with open(path, "w") as f:
+    """Write ``requests`` as JSONL that ``load_trace`` reads back to the same requests. (orjson:
+    a simulated run's workload holds millions of token ids, which the json module writes 5x slower.)"""
+    with open(path, "wb") as f:
         for r in requests:
-            f.write(json.dumps({"request_id": r.request_id, "arrival_time": r.arrival_time, "priority": r.priority,
-                                "output_len": r.output_len, "prompt_token_ids": r.prompt_token_ids}) + "\n")
+            f.write(orjson.dumps({"request_id": r.request_id, "arrival_time": r.arrival_time, "priority": r.priority,
+                                  "output_len": r.output_len, "prompt_token_ids": r.prompt_token_ids},
+                                 option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
 
 
 @WORKLOADS.register("trace")

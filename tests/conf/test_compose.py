@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from framework.engine import LLMEngine
-from framework.experiment import engine_config
+from framework.experiment import build_cluster, engine_config
 from framework.run import engine_config as cli_engine_config
 from framework.run_logger import LOGGERS, create_logger
 from framework.workload import WorkloadContext, create_workload
@@ -18,8 +18,8 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 OPTIONAL_GROUPS = {"policy", "experiment", "executor", "hardware", "cluster"}
 #: Options that need hardware CI does not have; they must fail with a clear message instead.
 NEEDS_CUDA = {("backend", "flash_attn")}
-#: Groups that shape runs rather than the engine; each builds what it describes instead.
-RUN_GROUPS = {"workload", "logger", "hardware", "cluster", "executor"}
+#: Options composed together with another group's (a device or a cluster needs the simulator).
+NEEDS = {"hardware": ["+executor=sim"], "cluster": ["+executor=sim"]}
 
 
 def group_options():
@@ -29,7 +29,7 @@ def group_options():
 
 def overrides_for(group, option):
     prefix = "+" if group in OPTIONAL_GROUPS else ""
-    return [f"{prefix}{group}={option}"]
+    return [*NEEDS.get(group, []), f"{prefix}{group}={option}"]
 
 
 def compose_with(overrides, return_hydra_config=False):
@@ -79,18 +79,25 @@ def test_every_group_option_composes_and_builds(group, option):
     if group == "logger":
         assert isinstance(create_logger(OmegaConf.to_container(cfg.logger)), LOGGERS.get(option))
         return
-    if group in RUN_GROUPS:
-        return  # their own tests run them
+    if group == "cluster":
+        cluster = build_cluster(cfg, config)
+        assert len(cluster.engines) == cfg.cluster.num_replicas and cluster.router.name == cfg.cluster.router
+        return
     if group == "experiment":
         build_workload(cfg, config)
         create_logger(OmegaConf.to_container(cfg.logger))
-    config.max_model_len = min(config.max_model_len or 256, 256)
-    config.num_gpu_blocks_override = config.num_gpu_blocks_override or 64
+    if config.executor != "sim":  # real KV tensors: keep them small (the simulator sizes its own)
+        config.max_model_len = min(config.max_model_len or 256, 256)
+        config.num_gpu_blocks_override = config.num_gpu_blocks_override or 64
     if (group, option) in NEEDS_CUDA and not torch.cuda.is_available():
         with pytest.raises((RuntimeError, ImportError, ValueError), match="(?i)cuda|flash"):
             LLMEngine(config)
         return
-    LLMEngine(config)
+    engine = LLMEngine(config)
+    if group == "executor":
+        assert engine.executor.name == option
+    if group == "hardware":
+        assert engine.executor.hardware.name == option and engine.allocator.num_usable_blocks > 0
 
 
 def sweep_jobs():

@@ -1,22 +1,101 @@
-"""The discrete-event driver: events in time order, idle replicas jumping to arrivals, replicas
-that never interfere, and routing that sees the cluster as of each arrival."""
+"""The driver every run uses: requests entering at their arrival times, events in time order,
+idle replicas waiting for arrivals (a virtual clock jumps, a wall clock sleeps), replicas that
+never interfere, routing that sees the cluster as of each arrival, and interrupts."""
+import time
+
 import pytest
 
-from framework import EngineConfig, LLMEngine, SamplingParams
-from framework.chat_workload import ChatWorkload
-from framework.cluster import Arrival, Cluster
+from framework import EngineConfig, LLMEngine
+from framework.clock import VirtualClock, WallClock
+from framework.cluster import Cluster
 from framework.cost_model import BatchShape
+from framework.workload import WorkloadRequest
+from tests.framework.sim_support import chat_requests
 
 CONFIG = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=32, max_num_batched_tokens=4096)
+STEP = 0.1  # seconds each step of a model engine takes on a virtual clock
 
 
-def arrival(t, rid, n=64, out=4):
-    return Arrival(t, rid, [7 + int(rid.strip("r")) % 50] * n, SamplingParams(max_tokens=out, ignore_eos=True))
+def req(t, rid, n=64, out=4, tokens=None, priority=0):
+    return WorkloadRequest(rid, tokens or [7 + int(rid.strip("r")) % 50] * n, out, t, priority)
+
+
+def timed_model_engine(clock, **kw):
+    """A real engine whose forward passes take STEP seconds on a virtual clock, as a simulator's would."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128, num_gpu_blocks_override=64, **kw), clock=clock)
+    if isinstance(clock, VirtualClock):
+        execute = engine.executor.execute
+        engine.executor.execute = lambda out: (clock.advance(STEP), execute(out))[1]
+    return engine
+
+
+def by_id(result):
+    return {o.request_id: o for _, o in result.outputs}
+
+
+def test_requests_enter_at_step_boundaries_and_the_clock_jumps_when_idle():
+    engine = timed_model_engine(VirtualClock(start=10.0))
+    # a and b at t=0; c arrives while the first steps run; d long after everything is done.
+    result = Cluster([engine]).run([req(0.0, "r1", 8, 3), req(0.0, "r2", 8, 3), req(0.15, "r3", 8, 3),
+                                    req(5.0, "r4", 8, 3)])
+    assert result.start_time == 10.0 and not result.interrupted and result.num_finished == result.num_sent == 4
+    outs = by_id(result)
+    a, c, d = outs["r1"].metrics, outs["r3"].metrics, outs["r4"].metrics
+    assert a.arrival_time == 10.0 and a.first_scheduled_time == 10.0 and a.ttft == pytest.approx(STEP)
+    # c arrived at 10.15, inside the step that ran 10.1-10.2; it entered at 10.2 and waited there.
+    assert c.arrival_time == pytest.approx(10.15)
+    assert c.first_scheduled_time == pytest.approx(10.2) and c.time_in_queue == pytest.approx(0.05)
+    assert c.ttft == pytest.approx(0.15)
+    # The engine was idle before d: the clock jumped to its arrival, so d did not queue at all.
+    assert d.arrival_time == 15.0 and d.first_scheduled_time == 15.0 and d.time_in_queue == 0
+    assert d.ttft == pytest.approx(STEP) and d.token_times == pytest.approx([15.1, 15.2, 15.3])
+    assert result.end_time == pytest.approx(15.3)
+
+
+def test_outputs_are_reported_once_each_in_finish_order():
+    seen = []
+    Cluster([timed_model_engine(VirtualClock())]).run(
+        [req(0.0, "r1", 8, out=6), req(0.0, "r2", 8, out=2)], on_output=lambda i, o: seen.append((i, o.request_id, o.finished)))
+    assert seen == [(0, "r2", True), (0, "r1", True)]
+
+
+def test_a_wall_clock_waits_for_arrivals():
+    t0 = time.perf_counter()
+    outs = by_id(Cluster([timed_model_engine(WallClock())]).run([req(0.0, "r1", 8, 2), req(0.3, "r2", 8, 2)]))
+    assert time.perf_counter() - t0 >= 0.3
+    b = outs["r2"].metrics
+    assert b.arrival_time - outs["r1"].metrics.arrival_time == pytest.approx(0.3)
+    assert b.first_scheduled_time >= b.arrival_time
+
+
+def test_an_interrupt_stops_aborts_the_rest_and_frees_every_block():
+    engine = timed_model_engine(VirtualClock())
+
+    def stop_at_step_4(stats, out):
+        if stats.step == 4:
+            raise KeyboardInterrupt
+
+    engine.step_callbacks.append(stop_at_step_4)
+    finished = []
+    result = Cluster([engine]).run([req(0.0, "r1", 8, 1), req(0.0, "r2", 8, 20), req(0.05, "r3", 8, 20),
+                                    req(100.0, "r9", 8)], on_output=lambda i, o: finished.append(o.request_id))
+    assert result.interrupted and finished == ["r1"]
+    assert result.num_sent == 3 and result.unfinished == ["r2", "r3"]
+    assert not engine.has_unfinished_requests()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
+    assert engine.step_callbacks[-1] is stop_at_step_4  # the callbacks are back after the clean-up step
+
+
+def test_text_prompts_and_shared_sampling_options_reach_the_engine():
+    engine = timed_model_engine(VirtualClock())
+    text = WorkloadRequest("t", [5, 6, 7], 3, 0.0, prompt="five six seven")
+    out, = by_id(Cluster([engine]).run([text], {"temperature": 0.0, "ignore_eos": True})).values()
+    assert out.prompt == "five six seven" and out.prompt_token_ids == [5, 6, 7] and len(out.outputs[0].token_ids) == 3
 
 
 def test_a_lone_request_waits_for_nothing_and_takes_the_cost_models_times():
     cluster = Cluster.build(CONFIG)
-    (_, out), = cluster.run([arrival(10.0, "r1", n=100, out=2)])
+    (_, out), = cluster.run([req(10.0, "r1", n=100, out=2)]).outputs
     cost = cluster.engines[0].executor.cost_model
     prefill = cost.step_time(BatchShape(num_seqs=1, num_tokens=100, num_sampled=1, num_prefill_seqs=1,
                                         prefill_tokens=100, prefill_context=100, prefill_pairs=5050))
@@ -24,22 +103,27 @@ def test_a_lone_request_waits_for_nothing_and_takes_the_cost_models_times():
     assert out.metrics.token_times == [10.0 + prefill, 10.0 + prefill + cost.decode_step_time(1, 101)]
 
 
+def test_arrival_times_count_from_start():
+    (_, out), = Cluster.build(CONFIG).run([req(1.5, "r1")], start=2.0).outputs
+    assert out.metrics.arrival_time == out.metrics.first_scheduled_time == 3.5
+
+
 def test_an_arrival_at_a_step_boundary_joins_that_step():
-    first = arrival(0.0, "r1", out=3)
-    (_, a), = Cluster.build(CONFIG).run([first])
+    first = req(0.0, "r1", out=3)
+    (_, a), = Cluster.build(CONFIG).run([first]).outputs
     boundary = a.metrics.token_times[0]  # the second step starts here
-    outs = dict((o.request_id, o) for _, o in Cluster.build(CONFIG).run([first, arrival(boundary, "r2")]))
+    outs = by_id(Cluster.build(CONFIG).run([first, req(boundary, "r2")]))
     assert outs["r2"].metrics.first_scheduled_time == boundary
-    late = dict((o.request_id, o) for _, o in Cluster.build(CONFIG).run([first, arrival(boundary + 1e-9, "r2")]))
+    late = by_id(Cluster.build(CONFIG).run([first, req(boundary + 1e-9, "r2")]))
     assert late["r2"].metrics.first_scheduled_time > boundary + 1e-9
 
 
 def test_replicas_behind_round_robin_serve_exactly_what_alone_they_would():
-    arrivals = list(ChatWorkload(num_requests=120, rate=20.0, seed=2, vocab_size=128256))
+    requests = chat_requests(120, rate=20.0, seed=2)
     pair = Cluster.build(CONFIG, num_replicas=2, router="round_robin")
-    together = {o.request_id: (i, o.metrics.token_times) for i, o in pair.run(arrivals)}
+    together = {o.request_id: (i, o.metrics.token_times) for i, o in pair.run(requests).outputs}
     for replica in (0, 1):
-        alone = Cluster.build(CONFIG).run(arrivals[replica::2])
+        alone = Cluster.build(CONFIG).run(requests[replica::2]).outputs
         assert {o.request_id: (replica, o.metrics.token_times) for _, o in alone} == \
             {rid: v for rid, v in together.items() if v[0] == replica}
     assert pair.replicas[0].num_routed == pair.replicas[1].num_routed == 60
@@ -47,11 +131,11 @@ def test_replicas_behind_round_robin_serve_exactly_what_alone_they_would():
 
 def test_least_outstanding_counts_requests_unfinished_at_the_arrival_time():
     cluster = Cluster.build(CONFIG, num_replicas=2, router="least_outstanding")
-    long = arrival(0.0, "r1", out=50)
-    (_, alone), = Cluster.build(CONFIG).run([long])
+    long = req(0.0, "r1", out=50)
+    (_, alone), = Cluster.build(CONFIG).run([long]).outputs
     done = alone.metrics.finished_time
     routed = {}
-    cluster.run([long, arrival(0.001, "r2", out=2), arrival(done - 1e-6, "r3", out=2), arrival(done, "r4", out=2)],
+    cluster.run([long, req(0.001, "r2", out=2), req(done - 1e-6, "r3", out=2), req(done, "r4", out=2)],
                 on_output=lambda i, o: routed.__setitem__(o.request_id, i))
     # r2 avoids busy replica 0. r3 arrives just before r1 finishes, after the step that finishes it
     # was simulated: replica 0 still counts r1 (replica 1 is idle). r4 arrives as r1 finishes:
@@ -61,12 +145,15 @@ def test_least_outstanding_counts_requests_unfinished_at_the_arrival_time():
 
 def test_prefix_aware_routing_follows_the_cache_until_load_says_otherwise():
     shared = list(range(100, 400))
-    def req(t, rid, prefix=shared):
-        return Arrival(t, rid, prefix + [5, int(rid[1:])], SamplingParams(max_tokens=200, ignore_eos=True))
+
+    def shared_req(t, rid, prefix=shared):
+        return req(t, rid, out=200, tokens=prefix + [5, int(rid[1:])])
+
     routed = {}
     cluster = Cluster.build(CONFIG, num_replicas=3, router="prefix_aware", router_options={"max_imbalance": 2})
-    cluster.run([req(0.0, "r0", list(range(1000, 1300))), req(1.0, "r1"), req(2.0, "r2"), req(2.1, "r3"),
-                 req(2.2, "r4"), req(2.3, "r5")], on_output=lambda i, o: routed.__setitem__(o.request_id, i))
+    cluster.run([shared_req(0.0, "r0", list(range(1000, 1300))), shared_req(1.0, "r1"), shared_req(2.0, "r2"),
+                 shared_req(2.1, "r3"), shared_req(2.2, "r4"), shared_req(2.3, "r5")],
+                on_output=lambda i, o: routed.__setitem__(o.request_id, i))
     # r0 takes replica 0; r1 (no hit anywhere) the least loaded, replica 1; r2-r4 follow r1's
     # cached prefix to replica 1 until it has 2 more outstanding than the idle replica 2.
     assert routed["r0"] == 0 and routed["r1"] == 1
@@ -84,19 +171,19 @@ def test_bad_setups_are_refused():
         Cluster.build(CONFIG, num_replicas=0)
     with pytest.raises(ValueError, match="unknown router 'nope'.*least_outstanding, prefix_aware, round_robin"):
         Cluster.build(CONFIG, num_replicas=2, router="nope")
-    with pytest.raises(ValueError, match="in time order"):
-        Cluster.build(CONFIG).run([arrival(1.0, "r1"), arrival(0.5, "r2")])
+    with pytest.raises(ValueError, match="arrival order"):
+        Cluster.build(CONFIG).run([req(1.0, "r1"), req(0.5, "r2")])
 
 
 @pytest.mark.parametrize("router", ["least_outstanding", "prefix_aware"])
 def test_lazy_decode_runs_route_and_serve_exactly_like_stepping(router):
-    arrivals = list(ChatWorkload(num_requests=150, rate=30.0, seed=4, vocab_size=128256))
+    requests = chat_requests(150, rate=30.0, seed=4)
     results = []
     for fast in (True, False):
         config = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=32, max_num_batched_tokens=4096,
                               num_gpu_blocks_override=400, max_model_len=2048, executor_options={"fast_forward": fast})
         cluster = Cluster.build(config, num_replicas=3, router=router, router_options={})
         results.append(sorted((o.request_id, i, tuple(o.metrics.token_times), o.metrics.num_cached_tokens)
-                              for i, o in cluster.run(arrivals)))
+                              for i, o in cluster.run(requests).outputs))
     assert results[0] == results[1]
     assert len({r[1] for r in results[0]}) == 3 and any(r[3] for r in results[0])

@@ -1,43 +1,31 @@
 """A simulated engine that advances pure-decode runs at once ends up exactly where stepping one
 by one does: same steps, same token times, same blocks, same prefix cache."""
-import dataclasses
-
 import pytest
 
 from framework import EngineConfig, SamplingParams
 from framework.allocators.paged import PagedBlockAllocator
 from framework.block_allocator import BlockAllocator
-from framework.chat_workload import ChatWorkload
 from framework.cluster import Cluster
 from framework.fast_forward import declares_steady_decode
+from framework.recorder import RunRecorder
 from framework.request import Request, RequestStatus
-from framework.step_log import StepLog
 from policies.fcfs import FCFSPolicy
+from tests.framework.sim_support import RunCounter, chat_requests
 
 
-class CountingLog(StepLog):
-    def __init__(self):
-        super().__init__()
-        self.runs = 0
 
-    def on_decode_run(self, run):
-        self.runs += len(run.end_times)  # steps taken in runs
-        super().on_decode_run(run)
-
-
-def serve(fast, num_requests=150, rate=6.0, n_every=0, **engine):
+def serve(fast, run_dir, num_requests=150, rate=6.0, n=1, **engine):
     config = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=64, max_num_batched_tokens=4096,
                           executor_options={"fast_forward": fast}, **engine)
     cluster = Cluster.build(config)
-    log = CountingLog()
     engine_ = cluster.engines[0]
-    engine_.step_callbacks.append(log)
-    arrivals = list(ChatWorkload(num_requests=num_requests, rate=rate, seed=3, vocab_size=2000,
-                                 max_prompt_len=900, output_len_median=120))
-    if n_every:
-        arrivals = [dataclasses.replace(a, params=dataclasses.replace(a.params, n=2)) if i % n_every == 0 else a
-                    for i, a in enumerate(arrivals)]
-    outs = cluster.run(arrivals)
+    recorder, counter = RunRecorder(run_dir), RunCounter()
+    engine_.step_callbacks += [recorder.step_log(), counter]
+    requests = chat_requests(num_requests, rate, seed=3, vocab_size=2000,
+                             prompt_len={"dist": "lognormal", "mean": 200, "std": 150, "min": 4, "max": 800},
+                             output_len={"dist": "lognormal", "mean": 120, "std": 80, "min": 4, "max": 400})
+    outs = cluster.run(requests, {"n": n} if n > 1 else None).outputs
+    recorder.close()
     requests = sorted((o.request_id, tuple(o.metrics.token_times), o.metrics.first_scheduled_time, o.metrics.num_cached_tokens,
                        o.metrics.num_preemptions, o.metrics.num_swaps, tuple(len(c.token_ids) for c in o.outputs),
                        tuple(c.finish_reason for c in o.outputs)) for _, o in outs)
@@ -45,7 +33,7 @@ def serve(fast, num_requests=150, rate=6.0, n_every=0, **engine):
     state = (list(alloc._free), dict(alloc._hash_to_block), [(b.ref_count, b.hash, b.token_ids) for b in alloc._blocks],
              alloc.stats.to_dict(), engine_.scheduler.num_preemptions, engine_.scheduler.num_swap_outs,
              engine_.num_steps, engine_.clock.now())
-    return {name: list(col) for name, col in log.columns.items()}, requests, state, log.runs
+    return (run_dir / "steps.csv").read_text(), requests, state, counter.steps
 
 
 SCENARIOS = {
@@ -59,25 +47,28 @@ SCENARIOS = {
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_decode_runs_equal_stepping_one_by_one(scenario):
-    steps, requests, state, _ = serve(False, **SCENARIOS[scenario])
-    fast_steps, fast_requests, fast_state, runs = serve(True, **SCENARIOS[scenario])
-    # The fast path took a good share of the steps (most, unless preemptions keep requests waiting).
-    assert runs > (0.8 if scenario == "plenty of blocks" else 0.1) * len(steps["step"])
-    assert fast_steps == steps
+def test_decode_runs_equal_stepping_one_by_one(scenario, tmp_path):
+    steps, requests, state, _ = serve(False, tmp_path / "slow", **SCENARIOS[scenario])
+    fast_steps, fast_requests, fast_state, runs = serve(True, tmp_path / "fast", **SCENARIOS[scenario])
+    # The fast path took a good share of the steps (most, unless preemptions keep requests waiting)
+    # with the run's recorder attached: steps.csv is byte for byte the step-by-step one.
+    num_steps = state[6]
+    assert runs > (0.8 if scenario == "plenty of blocks" else 0.1) * num_steps
+    assert fast_steps == steps and steps.count("\n") == num_steps + 1
     assert fast_requests == requests
     assert fast_state == state
 
 
-def test_parallel_sampling_requests_too():
-    slow, fast = serve(False, num_requests=80, n_every=3), serve(True, num_requests=80, n_every=3)
+def test_parallel_sampling_requests_too(tmp_path):
+    slow, fast = serve(False, tmp_path / "slow", num_requests=80, n=2), serve(True, tmp_path / "fast", num_requests=80, n=2)
     assert fast[0] == slow[0] and fast[1] == slow[1] and fast[2] == slow[2]
+    assert all(len(r[6]) == 2 for r in fast[1]) and fast[3] > 0
 
 
-def test_scenarios_exercise_what_they_claim():
-    _, requests, state, _ = serve(True, **SCENARIOS["swap preemptions"])
+def test_scenarios_exercise_what_they_claim(tmp_path):
+    _, requests, state, _ = serve(True, tmp_path / "swap", **SCENARIOS["swap preemptions"])
     assert state[5] > 0 and any(r[5] for r in requests)  # swaps
-    _, requests, state, _ = serve(True, **SCENARIOS["recompute preemptions"])
+    _, requests, state, _ = serve(True, tmp_path / "recompute", **SCENARIOS["recompute preemptions"])
     assert state[4] > 0 and state[3]["prefix_hit_tokens"] > 0 and state[3]["evictions"] > 0
 
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from framework.metrics import SLO, RequestRecord, latency_stats, summarize
+from framework.metrics import SLO, RequestRecord, StepTotals, itl_gaps, latency_stats, summarize
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -46,7 +46,8 @@ def test_per_request_latencies():
     assert (a.num_preemptions, a.num_swaps, a.cached_tokens) == (1, 1, 4)
     assert [r.status for r in (a, b, c)] == ["length", "length", "stop"]
     row = a.row()
-    assert row["ttft_ms"] == pytest.approx(100.0) and row["itl_ms"] == "100.0000 200.0000"
+    assert row["ttft_ms"] == pytest.approx(100.0) and row["max_itl_ms"] == pytest.approx(200.0)
+    assert c.row()["max_itl_ms"] is None
 
 
 def test_run_summary_throughputs_and_latency_statistics():
@@ -94,10 +95,9 @@ def test_failed_requests_are_counted_but_not_in_latencies():
 
 
 def test_per_priority_breakdown_and_step_statistics():
-    steps = [{"kv_usage": 0.25, "num_scheduled_tokens": 30, "num_prefill_tokens": 30, "num_swapped_out_blocks": 0,
-              "num_swapped_in_blocks": 3},
-             {"kv_usage": 0.75, "num_scheduled_tokens": 2, "num_prefill_tokens": 0, "num_swapped_out_blocks": 3,
-              "num_swapped_in_blocks": 0}]
+    steps = StepTotals()
+    steps.add(1, [0.25], scheduled_tokens=30, prefill_tokens=30, swapped_out_blocks=0, swapped_in_blocks=3)
+    steps.add(1, [0.75], scheduled_tokens=2, prefill_tokens=0, swapped_out_blocks=3, swapped_in_blocks=0)
     s = summarize(records(), 2.0, steps=steps, prefix_cache_hit_rate=0.5)
     assert s["prio0_completed"] == 2 and s["prio1_completed"] == 1
     assert s["prio0_mean_ttft_ms"] == pytest.approx(250) and s["prio1_mean_ttft_ms"] == pytest.approx(200)
@@ -107,6 +107,13 @@ def test_per_priority_breakdown_and_step_statistics():
         (32, 30, 3, 3)
     assert s["prefix_cache_hit_rate"] == 0.5
     assert "prio0_completed" not in summarize(records()[:1], 1.0)
+    assert "num_steps" not in summarize(records(), 2.0, steps=StepTotals())
+
+
+def test_pooled_itls_leave_out_the_gaps_between_requests():
+    gaps = itl_gaps(records())
+    assert gaps.tolist() == pytest.approx([0.1, 0.2, 0.1])  # c has a single token: no gap
+    assert itl_gaps([]).size == 0
 
 
 def test_empty_statistics_and_bad_slo():

@@ -7,11 +7,11 @@ import time
 import pytest
 
 from framework import EngineConfig, LLMEngine
-from framework.chat_workload import ChatWorkload
 from framework.clock import VirtualClock
 from framework.cluster import Cluster
 from framework.executor import EXECUTORS
 from framework.executors.model import ModelExecutor
+from tests.framework.sim_support import chat_requests
 
 
 @EXECUTORS.register("test_measured_model")
@@ -58,10 +58,12 @@ def serve(executor, executor_options, **engine):
     cluster = Cluster([LLMEngine(config)])
     steps = []
     cluster.engines[0].step_callbacks.append(record(steps))  # a plain callback: no decode runs
-    workload = ChatWorkload(num_requests=30, rate=60.0, seed=5, vocab_size=1024, system_prompt_len=32,
-                            user_len_median=40, output_len_median=24, max_prompt_len=200, max_output_len=48)
+    requests = chat_requests(30, rate=60.0, seed=5, vocab_size=1024,
+                             prompt_len={"dist": "lognormal", "mean": 60, "std": 40, "min": 4, "max": 160},
+                             output_len={"dist": "lognormal", "mean": 24, "std": 12, "min": 2, "max": 48},
+                             shared_prefix={"fraction": 0.8, "num_prefixes": 2, "prefix_len": 32})
     outs = sorted((o.request_id, o.metrics.token_times, o.metrics.num_cached_tokens, o.metrics.num_preemptions,
-                   o.metrics.num_swaps, len(o.outputs[0].token_ids)) for _, o in cluster.run(workload))
+                   o.metrics.num_swaps, len(o.outputs[0].token_ids)) for _, o in cluster.run(requests).outputs)
     return steps, outs, cluster.engines[0]
 
 

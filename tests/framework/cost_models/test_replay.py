@@ -28,6 +28,17 @@ def test_reads_a_plain_list_or_a_steps_csv(tmp_path):
     assert replay(file=str(steps)).durations == [0.3, 0.4]
 
 
+def test_reads_one_replica_of_a_cluster_runs_steps_csv(tmp_path):
+    steps = tmp_path / "steps.csv"
+    steps.write_text("replica,step,duration\n0,1,0.1\n0,2,0.2\n1,1,0.5\n1,2,0.6\n0,3,0.3\n1,3,0.7\n")
+    assert replay(file=str(steps), replica=0).durations == [0.1, 0.2, 0.3]
+    assert replay(file=str(steps), replica=1).durations == [0.5, 0.6, 0.7]
+    with pytest.raises(ValueError, match=r"replicas \[0, 1\]: pick one with replica=N"):
+        replay(file=str(steps))
+    with pytest.raises(ValueError, match="no steps of replica 2"):
+        replay(file=str(steps), replica=2)
+
+
 @pytest.mark.parametrize("kw, match", [({}, "exactly one of"), ({"durations": [1], "file": "x"}, "exactly one of"),
                                        ({"durations": [-1.0]}, ">= 0"), ({"file": "/no/such"}, "does not exist")])
 def test_bad_options(kw, match):

@@ -10,7 +10,7 @@ from wandb.proto import wandb_internal_pb2
 
 from framework.clock import VirtualClock
 from framework.experiment import run_experiment
-from framework.loggers.wandb import resolve_mode
+from framework.loggers.wandb import WandbLogger, resolve_mode
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["workload.num_requests=3", "workload.prompt_len=[8,16]", "workload.output_len=[2,3]", "progress=false",
@@ -95,6 +95,21 @@ def test_offline_run_directory_holds_the_logged_keys(tmp_path, monkeypatch):
     assert summary["status"] == "completed"
 
 
+def test_a_simulated_cluster_run_logs_the_same_with_replicas(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run_dir = tmp_path / "run"
+    summary = run_experiment(config("logger=wandb", "logger.project=servelab-test", "+executor=sim", "+cluster=round_robin",
+                                    "workload.num_requests=6", "workload.output_len=[20,30]"), run_dir)
+    offline, = (run_dir / "wandb").glob("offline-run-*")
+    keys = logged_keys(next(offline.glob("run-*.wandb")))
+    # Steps of decode runs reach W&B as rows like any other (the recorder expands them).
+    assert {"step/replica", "step/time_s", "step/num_decode_tokens", "step/kv_usage"} <= keys["history"]
+    assert any(k.startswith("requests") for k in keys["history"])
+    assert {"num_replicas", "router", "hardware", "mean_tpot_ms"} <= keys["summary"]
+    assert summary["status"] == "completed" and summary["num_replicas"] == 2
+
+
 def test_logger_none_creates_nothing_wandb(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_experiment(config(), tmp_path / "run")
@@ -146,6 +161,29 @@ def test_mode_resolution(monkeypatch, tmp_path):
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
     (tmp_path / "netrc").chmod(0o600)
     assert resolve_mode(None) == "online"
+
+
+def test_long_timelines_are_thinned_geometrically():
+    class FakeRun:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, row):
+            self.logged.append(row["step/step"])
+
+    logger = WandbLogger(max_step_rows=4)
+    logger.run = FakeRun()
+    for step in range(1, 41):
+        logger.log_step({"step": step})
+    # Steps 1-4, then every 2nd (5, 7), every 4th (9, 13), every 8th (17, 25), every 16th (33).
+    assert logger.run.logged == [1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33]
+    every = WandbLogger(max_step_rows=None)
+    every.run = FakeRun()
+    for step in range(1, 41):
+        every.log_step({"step": step})
+    assert every.run.logged == list(range(1, 41))
+    with pytest.raises(ValueError, match="max_step_rows must be a positive integer or null"):
+        WandbLogger(max_step_rows=0)
 
 
 def test_bad_mode_is_a_configuration_error(tmp_path):

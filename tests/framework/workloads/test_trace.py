@@ -1,6 +1,7 @@
 """Trace replay: round trips, the entry forms, rescaling, and errors that name the line."""
 import json
 
+import numpy as np
 import pytest
 
 from framework.workload import WorkloadContext, WorkloadRequest, create_workload
@@ -20,6 +21,12 @@ def test_round_trip(tmp_path):
     reqs = SyntheticWorkload(num_requests=25, rate=5.0, priority_classes=[{"priority": 0}, {"priority": 3}]).generate(CTX)
     save_trace(tmp_path / "t.jsonl", reqs)
     assert load_trace(tmp_path / "t.jsonl", CTX) == reqs
+
+
+def test_numpy_numbers_a_custom_workload_hands_over_are_saved_as_plain_numbers(tmp_path):
+    reqs = [WorkloadRequest("a", list(np.arange(5, 9)), np.int64(3), np.float64(0.5), np.int32(1))]
+    save_trace(tmp_path / "t.jsonl", reqs)
+    assert load_trace(tmp_path / "t.jsonl", CTX) == [WorkloadRequest("a", [5, 6, 7, 8], 3, 0.5, 1)]
 
 
 def test_entry_forms_and_sorting(tmp_path):
