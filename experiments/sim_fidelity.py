@@ -10,7 +10,11 @@ which differs from the profile grid (random lengths, arrivals, prefix hits, queu
 
 - step times: the calibrated cost model's prediction for every real step's exact batch shape
   against the step's measured duration (median and p90 of |pred/measured - 1|);
-- TTFT and TPOT p50 (and p90) of the simulated run against the real one.
+- TTFT and TPOT p50 (and p90) of the simulated run against the real one;
+- the machine's noise floor for the first figure: real steps grouped by shape (decode rows,
+  prefill rows, and tokens and context in 16-token bins, groups of 5 or more), the median of
+  |measured/group median - 1|. No cost model of the batch shape can predict steps more closely
+  than their own group's median does.
 
 Real runs are timed by process CPU time (``framework.clock.CPUClock``), which leaves out the time
 other processes hold the cores on a shared machine; ``--clock wall`` uses the wall clock. On a
@@ -130,6 +134,19 @@ def real_run_with_calibration(seed: int, profile_repeats: int, clock: str) -> tu
     return real, steps, calibration
 
 
+def noise_floor(steps: list[tuple[BatchShape, float]], bin_tokens: int = 16, min_group: int = 5) -> float | None:
+    """Median of |t / median of its group - 1| over steps grouped by (decode rows, prefill rows,
+    prefill tokens, decode context, prefill context), the last three in ``bin_tokens`` bins;
+    only groups of ``min_group`` or more steps count. None when no group is that large."""
+    groups: dict[tuple[int, ...], list[float]] = {}
+    for s, t in steps:
+        key = (s.num_decode_seqs, s.num_prefill_seqs, s.prefill_tokens // bin_tokens,
+               s.decode_context // bin_tokens, s.prefill_context // bin_tokens)
+        groups.setdefault(key, []).append(t)
+    devs = [abs(t / m - 1) for ts in groups.values() if len(ts) >= min_group for m in [statistics.median(ts)] for t in ts]
+    return statistics.median(devs) if devs else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibration", default=None, help="a calibration YAML (default: calibrate alongside each real run)")
@@ -158,6 +175,7 @@ def main() -> None:
         cost = sim_engine.executor.cost_model
         errors = sorted(abs(cost.step_time(shape) / t - 1) for shape, t in steps)
         row = {"step_time_median_abs_err": statistics.median(errors), "step_time_p90_abs_err": errors[int(0.9 * len(errors))],
+               "noise_floor_median_abs": noise_floor(steps),
                "steps": len(steps),
                **{f"{k}_rel_err": sim[k] / real[k] - 1 for k in ("ttft_p50", "tpot_p50", "ttft_p90", "tpot_p90")},
                "fit_median_abs_err": cost.calibration["fit"]["median_abs_rel_error"] if cost.calibration else None,
@@ -167,7 +185,7 @@ def main() -> None:
                           if not isinstance(v, dict)}), flush=True)
         print("   real", json.dumps({k: round(v, 5) for k, v in real.items()}))
         print("   sim ", json.dumps({k: round(v, 5) for k, v in sim.items()}), flush=True)
-    for key in ("step_time_median_abs_err", "ttft_p50_rel_err", "tpot_p50_rel_err"):
+    for key in ("step_time_median_abs_err", "noise_floor_median_abs", "ttft_p50_rel_err", "tpot_p50_rel_err"):
         print(f"{key:26s} " + "  ".join(f"{r[key]:+.3f}" for r in rows))
     sys.stdout.flush()
 

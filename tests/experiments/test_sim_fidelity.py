@@ -1,0 +1,39 @@
+"""The fidelity script's noise floor: how closely steps of one shape agree with each other."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from framework.cost_model import BatchShape
+
+spec = importlib.util.spec_from_file_location(
+    "sim_fidelity", Path(__file__).resolve().parents[2] / "experiments" / "sim_fidelity.py")
+sim_fidelity = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sim_fidelity)
+
+
+def decode_shape(num_reqs: int, context: int) -> BatchShape:
+    shape = BatchShape()
+    for _ in range(num_reqs):
+        shape.add_row(context, 1, True)
+    return shape
+
+
+def test_noise_floor_is_the_spread_within_shape_groups():
+    # Group A (1 decode at ~100 tokens): times 1.0, 1.1, 0.9, 1.2, 1.0 around median 1.0;
+    # group B (3 decodes): 2.0 x 5, no spread; a context 16 tokens away is another group.
+    steps = [(decode_shape(1, 100 + i), t) for i, t in enumerate([1.0, 1.1, 0.9, 1.2, 1.0])]
+    steps += [(decode_shape(3, 200), 2.0)] * 5
+    steps += [(decode_shape(1, 140), 5.0)] * 4          # a group of 4: too small to count
+    # Deviations: A -> 0, .1, .1, .2, 0 ; B -> 0 x 5: median of ten values is 0.
+    assert sim_fidelity.noise_floor(steps) == 0.0
+    steps += [(decode_shape(1, 104), 1.3), (decode_shape(1, 105), 1.3)]
+    # A's median is now 1.1 (1.0,1.1,0.9,1.2,1.0,1.3,1.3); 12 deviations, six of them 0 (B) ...
+    floor = sim_fidelity.noise_floor(steps)
+    devs = sorted([abs(t / 1.1 - 1) for t in [1.0, 1.1, 0.9, 1.2, 1.0, 1.3, 1.3]] + [0.0] * 5)
+    assert floor == pytest.approx((devs[5] + devs[6]) / 2)
+    assert floor > 0
+
+
+def test_noise_floor_without_large_groups_is_none():
+    assert sim_fidelity.noise_floor([(decode_shape(1, 10), 1.0)] * 4) is None
