@@ -8,8 +8,9 @@ one step (decodes appended their sampled token, some crossing into a new block; 
 prefills continue with their next chunk; a few finished) and new requests are admitted with
 full prefills. What is timed is the preparer's share of a real step: the runner's
 ``record_sampled`` of the first step's tokens, then ``prepare`` of the second. Preparers are
-reused across repeats (steady state); v0 and v1 alternate so both see the same load; times are
-CPU times. Prints markdown tables: the speed-up at 8, 64, 256 and
+reused across repeats (steady state); v0 and v1 take turns so both see the same load (one step
+each by default; ``--turn N`` runs N consecutive steps of one before the other); times are CPU
+times. Prints markdown tables: the speed-up at 8, 64, 256 and
 1024 requests, and v1's step time as the prefill tokens of 256 requests grow.
 """
 from __future__ import annotations
@@ -158,28 +159,33 @@ def time_step(prep: InputPreparer, steps: tuple[SchedulerOutput, SchedulerOutput
         gc.enable()
 
 
-def measure(steps, repeats: int, names=("v0", "v1")) -> dict[str, list[float]]:
-    """``repeats`` timings of each preparer on ``steps``, interleaved."""
+def measure(steps, repeats: int, names=("v0", "v1"), turn: int = 1) -> dict[str, list[float]]:
+    """``repeats`` timings of each preparer on ``steps``; the preparers take turns of ``turn``
+    consecutive steps, so both see the same load. With ``turn=1`` each preparer's step follows
+    the other's (its caches then hold the other's data, v0's Python objects above all); a longer
+    turn times each in the steady state of an engine that runs one preparer step after step."""
     preps = {n: new_preparer(n, steps) for n in names}
     for prep in preps.values():
         time_step(prep, steps)  # warm-up: first touch of the tables' memory
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(repeats):
-        for n, prep in preps.items():  # alternate, so both see the same load
-            samples[n].append(time_step(prep, steps))
+    for i in range(0, repeats, turn):
+        for n, prep in preps.items():
+            samples[n] += [time_step(prep, steps) for _ in range(min(turn, repeats - i))]
     return samples
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--turn", type=int, default=1,
+                        help="consecutive steps per preparer before the other takes over (default 1: strict alternation)")
     args = parser.parse_args()
     print("| requests | scheduled tokens | v0 median (ms) | v1 median (ms) | v1 speed-up (median) "
           "| v1 speed-up (min) | v1 us / 1k tokens |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in SIZES:
         steps = make_steps(n)
-        t = measure(steps, args.repeats)
+        t = measure(steps, args.repeats, turn=args.turn)
         v0, v1 = statistics.median(t["v0"]), statistics.median(t["v1"])
         tokens = steps[1].total_num_scheduled_tokens
         print(f"| {n} | {tokens} | {v0 * 1e3:.3f} | {v1 * 1e3:.3f} | {v0 / v1:.1f}x | {min(t['v0']) / min(t['v1']):.1f}x "
