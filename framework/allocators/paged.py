@@ -184,9 +184,6 @@ class PagedBlockAllocator(BlockAllocator):
                     events[j].append((req, (computed + j) // bs - 1))
                     j += bs
         steps = sorted(events.keys() | pauses.keys()) if pauses else sorted(events)
-        # The loop below is _pop_free_blocks and _seal inlined for one block: it runs for every block
-        # a simulated request fills while decoding.
-        free, blocks, index = self._free, self._blocks, self._hash_to_block
         in_use = self.num_used_blocks
         used: list[int] = []
         done = 0
@@ -194,29 +191,11 @@ class PagedBlockAllocator(BlockAllocator):
             if track:
                 used.extend([in_use] * (j - 1 - done))
             for req, i in events.get(j, ()):
-                if i < 0:  # take the least recently used free block, evicting what it caches
-                    bid = free.popitem(last=False)[0]
-                    block = blocks[bid]
-                    if block.hash is not None:
-                        if index.get(block.hash) == bid:
-                            del index[block.hash]
-                        block.hash = block.token_ids = None
-                        self.stats.evictions += 1
-                    block.ref_count = 1
-                    req.block_ids.append(bid)
+                if i < 0:
+                    req.block_ids.extend(self._pop_free_blocks(1))
                     in_use += 1
-                    continue
-                block = blocks[req.block_ids[i]]
-                hashes = req.block_hashes
-                if len(hashes) < i:
-                    self._request_hashes(req, i)
-                toks = tuple(req.token_ids[i * bs:(i + 1) * bs])
-                if len(hashes) == i:
-                    hashes.append(hash((hashes[i - 1] if i else _ROOT_HASH, toks)))  # block_hash, inlined
-                if block.hash is None:
-                    block.hash = hashes[i]
-                    block.token_ids = toks
-                    index.setdefault(block.hash, block.block_id)
+                else:
+                    self._seal(req, i, i + 1)
             if pauses and j in pauses:
                 pauses[j]()
                 in_use = self.num_used_blocks
@@ -284,14 +263,8 @@ class PagedBlockAllocator(BlockAllocator):
                 self._free.move_to_end(bid, last=False)
 
     def free(self, request: Request) -> None:
-        blocks, free = self._blocks, self._free
-        for bid in reversed(request.block_ids):  # _release, inlined: this runs for every block
-            block = blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                free[bid] = None
-                if block.hash is None:
-                    free.move_to_end(bid, last=False)
+        for bid in reversed(request.block_ids):  # the tail first: it is evicted first
+            self._release(bid)
         request.block_ids = []
         if request.cpu_block_ids:
             self._cpu_free.extend(request.cpu_block_ids)
