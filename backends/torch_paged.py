@@ -32,9 +32,9 @@ from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
 class PagedGroup:
     """Requests that run in one SDPA call, padded to ``q_len`` queries and ``num_blocks`` blocks.
 
-    ``token_rows[j]`` is the flat token row of padded query ``j`` (padded queries repeat a real
-    row of their request). When every padded query is real and the rows run consecutively from
-    ``out_start``, queries and results are slices there; otherwise ``out_rows`` picks the real
+    When every padded query is real and the rows run consecutively from ``out_start``, queries
+    and results are slices there; otherwise ``token_rows[j]`` is the flat token row of padded
+    query ``j`` (padded queries repeat a real row of their request), ``out_rows`` picks the real
     padded queries and ``out_index`` says which flat rows they go to.
     ``mask`` is ``[num_reqs, 1, q_len, num_blocks * block_size]``: 0 where a query may attend,
     -inf elsewhere (past the request's ``seq_len``, in the causal future, null-block padding);
@@ -44,7 +44,7 @@ class PagedGroup:
     num_reqs: int
     q_len: int
     num_blocks: int
-    token_rows: torch.Tensor
+    token_rows: torch.Tensor | None
     block_ids: torch.Tensor
     mask: torch.Tensor | None
     out_start: int | None
@@ -135,7 +135,8 @@ class TorchPagedBackend(AttentionBackend):
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
         return PagedGroup(
-            num_reqs=len(reqs), q_len=q_pad, num_blocks=num_blocks, token_rows=dev(token_rows.ravel()),
+            num_reqs=len(reqs), q_len=q_pad, num_blocks=num_blocks,
+            token_rows=None if out_start is not None else dev(token_rows.ravel()),
             block_ids=dev(block_ids.ravel()), mask=None if mask is None else dev(mask, self.dtype), out_start=out_start,
             out_rows=None if out_rows is None else dev(out_rows),
             out_index=None if out_index is None else dev(out_index))

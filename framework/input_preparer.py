@@ -121,16 +121,22 @@ class InputPreparer(ABC):
                           logits_indices=logits_indices, sample_req_ids=sample_req_ids, sampling=sampling, host=host,
                           req_ids=req_ids)
 
-    def sampling_metadata(self, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-                          generators: dict[int, torch.Generator]) -> SamplingMetadata:
-        """Per sampled row parameters on the device; top-k / top-p are None when no row uses them."""
-        dev = self.device
+    def sampling_metadata(self, temperature: np.ndarray, top_k: np.ndarray | None = None,
+                          top_p: np.ndarray | None = None,
+                          generators: dict[int, torch.Generator] | None = None) -> SamplingMetadata:
+        """Per sampled row parameters (float32 temperature and top-p, int64 top-k) on the device.
+        ``top_k`` / ``top_p`` may be None when the caller knows no row uses them; either filter
+        comes out None when no row uses it, and ``all_greedy`` when every temperature is 0 (the
+        float32 the sampler sees)."""
         return SamplingMetadata(
-            temperature=torch.from_numpy(temperature).to(dev),
-            top_k=torch.from_numpy(top_k).to(dev) if (top_k > 0).any() else None,
-            top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1.0).any() else None,
-            generators=generators, all_greedy=bool((temperature == 0).all()))
+            temperature=self._tensor(temperature),
+            top_k=self._tensor(top_k) if top_k is not None and np.count_nonzero(top_k) else None,
+            top_p=self._tensor(top_p) if top_p is not None and np.count_nonzero(top_p < 1) else None,
+            generators=generators or {}, all_greedy=not np.count_nonzero(temperature))
 
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor if self.on_cpu else tensor.to(self.device)
 
 PREPARERS: Registry[InputPreparer] = Registry(
     "preparer", InputPreparer, entry_point_group="framework.preparers", builtin="framework.preparers")

@@ -306,22 +306,13 @@ class FlatBatchPreparer(InputPreparer):
         for flags, count in enumerate(self._num_live):
             if count:
                 live |= flags
-        temperature = self.temperature[sample_rows]
-        top_k = top_p = None
-        if live & _TOP_K and np.count_nonzero(k := self.top_k[sample_rows]):
-            top_k = self._tensor(k)
-        if live & _TOP_P and np.count_nonzero((p := self.top_p[sample_rows]) < 1):
-            top_p = self._tensor(p)
         generators = {}
         if live & _SEEDED:
             gens = self.generators
             generators = {i: gens[row] for i, row in enumerate(sample_rows.tolist()) if gens[row] is not None}
-        return SamplingMetadata(temperature=self._tensor(temperature), top_k=top_k, top_p=top_p,
-                                generators=generators, all_greedy=not (live & _RANDOM and np.count_nonzero(temperature)))
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        return tensor if self.on_cpu else tensor.to(self.device)
+        return self.sampling_metadata(self.temperature[sample_rows],
+                                      self.top_k[sample_rows] if live & _TOP_K else None,
+                                      self.top_p[sample_rows] if live & _TOP_P else None, generators)
 
     def record_sampled(self, model_input: ModelInput, sampled: np.ndarray) -> None:
         """Append each sampled token to its row, as the request will append it: the next step
