@@ -132,14 +132,18 @@ def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes
     if max_steps < 1:
         return None
     # Segments between finishes: (steps, batch size, keys attended on the segment's first step).
+    # One pass over the requests in finishing order, with the batch's size and context kept as
+    # running totals (a plan is made about once per arrival, over every running request).
     segments = []
-    done = 0
-    for finish in sorted(set(lefts)):
-        first = done + 1
-        if first > max_steps:
-            break
-        alive = [c for c, left in zip(contexts, lefts) if left >= first]
-        segments.append((min(finish, max_steps) - done, len(alive), sum(alive) + len(alive) * done))
+    order = sorted(zip(lefts, contexts))
+    alive, keys, i, done = len(order), sum(contexts), 0, 0
+    while i < len(order) and done < max_steps:
+        finish = order[i][0]
+        segments.append((min(finish, max_steps) - done, alive, keys + alive * done))
+        while i < len(order) and order[i][0] == finish:
+            alive -= 1
+            keys -= order[i][1]
+            i += 1
         done = finish
     start = engine.clock.now()
     times = executor.plan_decode_run(segments, until)
@@ -164,7 +168,7 @@ def commit_decode_run(engine: LLMEngine, plan: DecodePlan, num: int) -> DecodeRu
     # frees its blocks: that runs between step F's allocations and step F + 1's.
     active = [left if left < num else num for left in lefts]
     common = [executor.sampled_token] * num
-    groups: dict[int, list[Request]] = {}
+    groups: dict[int, list[tuple[Request, int]]] = {}  # finishing step -> (request, its last token)
     for req, token, steps, left in zip(running, tokens, active, lefts):
         bulk = steps - 1 if left <= num else steps
         if bulk:
@@ -173,18 +177,18 @@ def commit_decode_run(engine: LLMEngine, plan: DecodePlan, num: int) -> DecodeRu
             if req.first_token_time is None:
                 req.first_token_time = times[0]
         if left <= num:
-            groups.setdefault(left, []).append(req)
+            groups.setdefault(left, []).append((req, token))
     finished: list[tuple[int, list[Request]]] = []
 
-    def finisher(step: int, group: list[Request]):
+    def finisher(step: int, group: list[tuple[Request, int]]):
         def finish() -> None:
             clock.wait_until(times[step - 1])
-            for req in group:
+            reqs = [req for req, _ in group]
+            for req in reqs:
                 req.num_computed_tokens += step - 1
-            out = SchedulerOutput(scheduled=group, num_scheduled_tokens={r.request_id: 1 for r in group})
-            sampled = {r.request_id: t for r, t, left in zip(running, tokens, lefts) if left == step}
-            scheduler.update_from_output(out, sampled)
-            finished.append((step, [r for r in group if r.is_finished]))
+            out = SchedulerOutput(scheduled=reqs, num_scheduled_tokens={r.request_id: 1 for r in reqs})
+            scheduler.update_from_output(out, {r.request_id: t for r, t in group})
+            finished.append((step, [r for r in reqs if r.is_finished]))
         return finish
 
     pauses = {step: finisher(step, group) for step, group in groups.items()}
