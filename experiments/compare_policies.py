@@ -17,27 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
 from framework import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from framework.clock import Clock, WallClock  # noqa: E402
-
-
-class CpuClock(Clock):
-    """This process's CPU seconds, plus the idle time skipped by ``wait_until``."""
-
-    def __init__(self) -> None:
-        self._offset = -time.process_time()
-
-    def now(self) -> float:
-        return time.process_time() + self._offset
-
-    def wait_until(self, t: float) -> None:
-        self._offset += max(0.0, t - self.now())
+from framework.clock import CPUClock, WallClock  # noqa: E402
 
 
 def workload(args, seed):
@@ -59,7 +45,7 @@ def run(args, seed, name, policy, **engine_kw):
                   num_gpu_blocks_override=args.blocks, swap_space=1.0, dtype="float32", num_threads=args.threads,
                   enable_prefix_caching=False)
     config.update(engine_kw)
-    engine = LLMEngine(EngineConfig(**config), clock=CpuClock() if args.clock == "cpu" else WallClock())
+    engine = LLMEngine(EngineConfig(**config), clock=CPUClock() if args.clock == "cpu" else WallClock())
     runner = engine.executor.runner
     apply, block_op_time = runner.apply_block_ops, [0.0]
 

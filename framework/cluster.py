@@ -210,18 +210,17 @@ class Cluster:
             if plan is not None:  # its end: every planned step is due
                 plans[i] = None
                 emit_all(i, engine.commit_decode_run(plan, len(plan.end_times)))
+            elif not lazy:  # a step, or a run through finishes up to the next arrival
+                emit_all(i, engine.advance(a))
             else:
-                # A lazy plan ends at its first finish, so that the finish is an event; otherwise
-                # a run goes through finishes up to the next arrival.
-                plan = engine.plan_decode_run(math.inf if lazy else a, through_finishes=not lazy)
+                # A lazy plan ends at its first finish, so that the finish is an event.
+                plan = engine.plan_decode_run(through_finishes=False)
                 if plan is None:
                     emit_all(i, engine.step(final_only=True))
-                elif lazy:
+                else:
                     plans[i] = plan
                     heapq.heappush(events, (plan.end_times[-1], 0, i, version[i]))
                     continue
-                else:
-                    emit_all(i, engine.commit_decode_run(plan, len(plan.end_times)))
             if engine.has_unfinished_requests():
                 heapq.heappush(events, (engine.clock.now(), 1, i, version[i]))
             else:

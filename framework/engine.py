@@ -65,15 +65,15 @@ class LLMEngine:
         self.model_config = self.source.config
         config.max_model_len = self._resolve_max_model_len()
         # Resolve every name before loading anything, so a typo fails in milliseconds.
-        policy_cls = POLICIES.get(config.policy)
-        allocator_cls = ALLOCATORS.get(config.allocator)
+        POLICIES.get(config.policy)
+        ALLOCATORS.get(config.allocator)
         if config.executor == "model":
             from framework.attention import BACKENDS
             from framework.input_preparer import PREPARERS
 
             BACKENDS.get(config.backend)
             PREPARERS.get(config.preparer)
-        self.policy = policy_cls(**config.policy_options)
+        self.policy = POLICIES.create(config.policy, **config.policy_options)
         self.executor = EXECUTORS.create(config.executor, config, self.source, self.clock, **config.executor_options)
         num_blocks, num_cpu_blocks = self.executor.kv_block_counts()
         capacity = (num_blocks - 1) * config.block_size
@@ -83,10 +83,10 @@ class LLMEngine:
                 f"less than one request of max_model_len={config.max_model_len}; raise num_gpu_blocks_override "
                 f"/ kv_cache_memory_gb or lower max_model_len")
         self.executor.initialize(num_blocks, num_cpu_blocks)
-        self.allocator = allocator_cls(num_blocks=num_blocks, block_size=config.block_size,
-                                       num_cpu_blocks=num_cpu_blocks,
-                                       enable_prefix_caching=config.enable_prefix_caching,
-                                       **config.allocator_options)
+        self.allocator = ALLOCATORS.create(config.allocator, num_blocks=num_blocks, block_size=config.block_size,
+                                           num_cpu_blocks=num_cpu_blocks,
+                                           enable_prefix_caching=config.enable_prefix_caching,
+                                           **config.allocator_options)
         self.scheduler = Scheduler(config, self.policy, self.allocator, self.clock)
         self.tokenizer = self.executor.tokenizer
         self._eos = frozenset(self.model_config.eos_token_ids)

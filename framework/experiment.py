@@ -123,10 +123,7 @@ def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = N
     num_replicas, router, router_options = spec or (1, "round_robin", {})
     if clock is not None and num_replicas > 1:
         raise ValueError("a given clock drives one replica; each of several replicas needs its own")
-    try:  # a bad router fails before any engine is built
-        router = ROUTERS.create(router, **router_options)
-    except TypeError as exc:  # an unknown option
-        raise ValueError(f"router {router!r}: {exc}") from exc
+    router = ROUTERS.create(router, **router_options)  # a bad router fails before any engine is built
     engines = [LLMEngine(dataclasses.replace(config), clock=clock or make_clock(cfg.get("clock", "auto"), config.executor))
                for _ in range(num_replicas)]
     return Cluster(engines, router)

@@ -21,6 +21,7 @@ registry, e.g. in a plugin's ``pyproject.toml``::
 from __future__ import annotations
 
 import importlib
+import inspect
 from importlib.metadata import entry_points
 from typing import Any, Callable, Generic, TypeVar
 
@@ -29,6 +30,11 @@ T = TypeVar("T")
 
 class UnknownNameError(ValueError):
     """A name that no implementation is registered under; the message lists the registered ones."""
+
+
+class BadOptionsError(ValueError, TypeError):
+    """Options an implementation's constructor does not take (unknown or missing). A ValueError,
+    as every configuration error, and a TypeError, as Python reports a bad call."""
 
 
 class Registry(Generic[T]):
@@ -98,7 +104,15 @@ class Registry(Generic[T]):
         )
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> T:
-        return self.get(name)(*args, **kwargs)
+        """An instance of ``name``. Arguments its constructor does not take (an unknown or
+        missing option, as from a config file) raise ``BadOptionsError`` naming the part and the
+        problem; a ``TypeError`` raised inside the constructor is the constructor's own."""
+        cls = self.get(name)
+        try:
+            inspect.signature(cls).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise BadOptionsError(f"{self.kind} {name!r}: {exc}") from None
+        return cls(*args, **kwargs)
 
     def __contains__(self, name: str) -> bool:
         return name in self.list()

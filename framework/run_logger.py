@@ -45,12 +45,7 @@ LOGGERS: Registry[RunLogger] = Registry(
 def create_logger(options: dict[str, Any]) -> RunLogger:
     """The logger a Hydra ``logger`` node describes: ``{name: ..., **options}``."""
     options = dict(options)
-    name = options.pop("name", "none")
-    cls = LOGGERS.get(name)
-    try:
-        return cls(**options)
-    except TypeError as exc:  # an unknown option
-        raise ValueError(f"logger {name!r}: {exc}") from exc
+    return LOGGERS.create(options.pop("name", "none"), **options)
 
 
 class Guarded:

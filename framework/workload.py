@@ -77,8 +77,4 @@ def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
     name = options.pop("name", None)
     if name is None:
         raise ValueError(f"a workload needs a 'name' (one of {', '.join(WORKLOADS.list())})")
-    cls = WORKLOADS.get(name)
-    try:
-        return cls(**options), sampling
-    except TypeError as exc:  # an unknown or missing option
-        raise ValueError(f"workload {name!r}: {exc}") from exc
+    return WORKLOADS.create(name, **options), sampling

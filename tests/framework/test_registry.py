@@ -50,3 +50,33 @@ def test_importing_framework_does_not_import_triton_or_flash_attn():
             "print('triton' in sys.modules, 'flash_attn' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_create_turns_a_bad_option_into_a_value_error_naming_the_part():
+    from framework.registry import Registry
+
+    class Base:
+        pass
+
+    reg = Registry("widget", Base, entry_point_group="tests.widgets")
+
+    @reg.register("knob")
+    class Knob(Base):
+        def __init__(self, size: int = 1) -> None:
+            if size < 0:
+                raise TypeError("a TypeError of the constructor's own")
+            self.size = size
+
+    assert reg.create("knob", size=3).size == 3
+    with pytest.raises(ValueError, match=r"widget 'knob': .*unexpected keyword argument 'colour'"):
+        reg.create("knob", colour="red")
+    with pytest.raises(TypeError, match="constructor's own"):  # not mistaken for a bad option
+        reg.create("knob", size=-1)
+
+
+def test_engine_reports_an_unknown_policy_option_as_a_value_error():
+    from framework import LLMEngine
+    from framework.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"policy 'fcfs': .*'bogus'"):
+        LLMEngine(EngineConfig(model="tiny-llama", policy="fcfs", policy_options={"bogus": 1}))
