@@ -5,9 +5,9 @@ when there is one) through a grid of batch compositions: ``m`` requests of ``L``
 prefilled in as few steps as the token budget allows and then decoded for a few steps. Every
 engine step is timed from its start to its end (scheduler, forward pass, sampling and output
 bookkeeping: what a real run's timeline is made of) and recorded with its ``BatchShape``. The
-grid runs ``--repeats`` times and each distinct shape keeps its median, which shrugs off the
-noise of a shared machine. The cost model then fits its parameters to the medians (a small
-least-squares problem, well under a second), and the YAML it writes is what
+grid runs ``--repeats`` times and each distinct shape keeps its median (``--statistic min``: its
+fastest repeat, the one other work disturbed least). The cost model then fits its parameters to
+those (a small least-squares problem, well under a second), and the YAML it writes is what
 ``cost_model.calibration=FILE`` loads::
 
     python -m framework.profile --model tiny-llama --hardware cpu --out calibration/cpu-tiny-llama.yaml
@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+from framework.config import EngineConfig
 from framework.cost_model import COST_MODELS, BatchShape
 from framework.hardware import load_hardware
 
@@ -49,6 +50,13 @@ def grid_cells(name: str, lengths: list[int] | None = None, counts: list[int] | 
     if min(lengths) < 1 or min(counts) < 1:
         raise ValueError("prompt lengths and request counts must be >= 1")
     return [(m, length, decode) for length in lengths for m in counts if m * length <= max(budget, length)]
+
+
+#: How a shape's repeated measurements become one sample. ``median`` is robust to a disturbed
+#: repeat either way; ``min`` keeps the least disturbed one, for measurements taken in a way that
+#: disturbs the grid more than the steps it is meant to predict (sim_fidelity interleaves the
+#: grid's cells with a real run, so every cell starts on caches the other engine has just filled).
+STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 
 
 class Profiler:
@@ -90,17 +98,24 @@ class Profiler:
             if record and len(self._shapes) > before:
                 self.seconds[tuple(self._shapes[-1].to_list())].append(dt)
 
-    def samples(self) -> list[tuple[BatchShape, float]]:
-        """Median seconds of every distinct shape measured."""
-        return [(BatchShape.from_list(list(key)), statistics.median(v)) for key, v in self.seconds.items()]
+    def samples(self, statistic: str = "median") -> list[tuple[BatchShape, float]]:
+        """Seconds of every distinct shape measured: the ``statistic`` (one of ``STATISTICS``)
+        of its repeats."""
+        if statistic not in STATISTICS:
+            raise ValueError(f"unknown statistic {statistic!r}; statistics: {', '.join(STATISTICS)}")
+        reduce = STATISTICS[statistic]
+        return [(BatchShape.from_list(list(key)), reduce(v)) for key, v in self.seconds.items()]
 
 
 def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: int = 0,
-            timer: Callable[[], float] = time.perf_counter) -> list[tuple[BatchShape, float]]:
-    """Median seconds per distinct step shape over ``repeats`` passes of ``cells`` on ``engine``
-    (a model-executor ``LLMEngine``; its prefix cache should be off so every prompt computes),
-    timed with ``timer`` (``time.process_time`` leaves out other processes' time on a shared
-    machine, provided torch runs one thread). A first pass warms up and is not recorded."""
+            timer: Callable[[], float] = time.perf_counter, statistic: str = "median") -> list[tuple[BatchShape, float]]:
+    """Seconds per distinct step shape (the ``statistic`` of its repeats) over ``repeats``
+    passes of ``cells`` on ``engine`` (a model-executor ``LLMEngine``; its prefix cache should be
+    off so every prompt computes), timed with ``timer`` (``time.process_time`` leaves out other
+    processes' time on a shared machine, provided torch runs one thread). A first pass warms up
+    and is not recorded."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"unknown statistic {statistic!r}; statistics: {', '.join(STATISTICS)}")
     profiler = Profiler(engine, seed, timer)
     try:
         for rep in range(repeats + 1):
@@ -108,13 +123,11 @@ def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: 
                 profiler.run_cell(*cell, record=rep > 0)
     finally:
         profiler.close()
-    return profiler.samples()
+    return profiler.samples(statistic)
 
 
-def profile_engine_config(cells: list[tuple[int, int, int]], model: str = "tiny-llama", **kw: Any) -> Any:
+def profile_engine_config(cells: list[tuple[int, int, int]], model: str = "tiny-llama", **kw: Any) -> EngineConfig:
     """The ``EngineConfig`` of a profiling engine big enough for ``cells`` (no prefix caching)."""
-    from framework.config import EngineConfig
-
     max_len = max(length for _, length, _ in cells) + max(d for _, _, d in cells) + 2
     return EngineConfig(model=model, executor="model", max_num_seqs=max(m for m, _, _ in cells),
                         max_num_batched_tokens=max(2048, max_len), max_model_len=max_len,
@@ -164,13 +177,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--backend", default="naive")
-    ap.add_argument("--preparer", default="v1")
+    # The engine's own defaults: a calibration describes the configuration it will simulate.
+    ap.add_argument("--backend", default=EngineConfig.backend, help="attention backend (default: %(default)s)")
+    ap.add_argument("--preparer", default=EngineConfig.preparer, help="input preparer (default: %(default)s)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="time steps by the wall clock, or by process CPU time (a machine shared with other "
                          "work; use with --threads 1)")
+    ap.add_argument("--statistic", choices=sorted(STATISTICS), default="median",
+                    help="what a shape's repeats reduce to: their median, or the fastest (least disturbed)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -191,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype_bytes = engine.executor.dtype.itemsize
     started = time.perf_counter()
     samples = measure(engine, cells, args.repeats, args.seed,
-                      time.process_time if args.clock == "cpu" else time.perf_counter)
+                      time.process_time if args.clock == "cpu" else time.perf_counter, args.statistic)
     measured_s = time.perf_counter() - started
     started = time.perf_counter()
     params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size)
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     measured = {"device": engine.executor.device, "backend": args.backend, "preparer": args.preparer,
                 "torch": str(torch.__version__), "threads": torch.get_num_threads(), "grid": args.grid,
-                "repeats": args.repeats, "clock": args.clock, "cells": [list(c) for c in cells],
+                "repeats": args.repeats, "statistic": args.statistic, "clock": args.clock, "cells": [list(c) for c in cells],
                 "seconds": round(measured_s, 1), "date": datetime.datetime.now().isoformat(timespec="seconds")}
     result = calibration_record(args.cost_model, args.model, hardware, dtype_bytes, args.block_size, params, fit,
                                 samples, measured)

@@ -1,16 +1,23 @@
 """``python -m framework.profile`` on the quick grid: it measures the real executor, fits, and
 writes a calibration the simulated executor loads."""
+from types import SimpleNamespace
+
+import pytest
 import yaml
 
 from framework import LLM, SamplingParams
+from framework.config import EngineConfig
+from framework.cost_model import BatchShape
 from framework.cost_models.roofline import PARAMS
-from framework.profile import grid_cells, main
+from framework.profile import Profiler, grid_cells, main, measure
 
 
 def test_profile_writes_a_calibration_the_sim_loads(tmp_path):
     out = tmp_path / "cal.yaml"
-    result = main(["--grid", "quick", "--repeats", "1", "--out", str(out), "--threads", "1"])
+    result = main(["--grid", "quick", "--repeats", "1", "--out", str(out), "--threads", "1", "--statistic", "min"])
     data = yaml.safe_load(out.read_text())
+    assert data["measured"]["statistic"] == "min" and data["measured"]["repeats"] == 1
+    assert data["measured"]["backend"] == EngineConfig().backend  # what a default real run uses
     assert data["params"] == result["params"] and set(data["params"]) == set(PARAMS)
     shapes = {tuple(row[:-1]) for row in data["samples"]["rows"]}
     assert len(shapes) == len(data["samples"]["rows"]) >= 3 * len(grid_cells("quick"))  # prefill + 2 decodes each
@@ -20,3 +27,18 @@ def test_profile_writes_a_calibration_the_sim_loads(tmp_path):
               executor_options={"hardware": "cpu", "cost_model": {"name": "roofline", "calibration": str(out)}})
     assert llm.engine.executor.cost_model.params == data["params"]
     assert len(llm.generate({"prompt_token_ids": [5] * 50}, SamplingParams(max_tokens=5))[0].outputs[0].token_ids) == 5
+
+
+def test_repeats_reduce_to_the_chosen_statistic():
+    profiler = Profiler(SimpleNamespace(executor=SimpleNamespace(execute=lambda out: None)))
+    decode, prefill = BatchShape(), BatchShape()
+    decode.add_row(40, 1, True)
+    prefill.add_row(0, 40, True)
+    profiler.seconds[tuple(decode.to_list())] = [3.0, 1.0, 2.0, 10.0]
+    profiler.seconds[tuple(prefill.to_list())] = [5.0]
+    assert dict((s.num_tokens, t) for s, t in profiler.samples()) == {1: 2.5, 40: 5.0}
+    assert dict((s.num_tokens, t) for s, t in profiler.samples("min")) == {1: 1.0, 40: 5.0}
+    with pytest.raises(ValueError, match="unknown statistic 'mean'; statistics: median, min"):
+        profiler.samples("mean")
+    with pytest.raises(ValueError, match="unknown statistic 'p10'"):
+        measure(SimpleNamespace(executor=SimpleNamespace(execute=lambda out: None)), [], 1, statistic="p10")
