@@ -38,7 +38,7 @@ class PagedGroup:
     padded queries and ``out_index`` says which flat rows they go to.
     ``mask`` is ``[num_reqs, 1, q_len, num_blocks * block_size]``: 0 where a query may attend,
     -inf elsewhere (past the request's ``seq_len``, in the causal future, null-block padding);
-    None for a lone full prefill, which SDPA runs as ``is_causal``.
+    None for a lone full prefill of two or more tokens, which SDPA runs as ``is_causal``.
     """
 
     num_reqs: int
@@ -119,9 +119,11 @@ class TorchPagedBackend(AttentionBackend):
         token_rows = starts[:, None] + j_clamped
         q_pos = (seq_lens - q_lens)[:, None] + j_clamped
         mask = None
-        if len(reqs) > 1 or seq_lens[0] != q_lens[0]:
+        # Only a lone full prefill of two or more tokens goes without one (SDPA's is_causal hides
+        # its block's tail); the decode call has no is_causal, so a lone one-token prompt needs it.
+        if len(reqs) > 1 or seq_lens[0] != q_lens[0] or q_pad == 1:
             k_pos = np.arange(num_blocks * bs)
-            mask = np.where(k_pos[None, None, :] <= q_pos[:, :, None], 0.0, -np.inf)[:, None]
+            mask = np.where(k_pos[None, None, :] <= q_pos[:, :, None], np.float32(0), np.float32(-np.inf))[:, None]
         block_ids = meta.block_table_cpu[reqs, :num_blocks]
         out_start = out_rows = out_index = None
         first = int(starts[0])

@@ -123,3 +123,18 @@ def test_block_table_padding_wider_than_any_request(name):
     before = batch.kv_cache.clone()
     result = run(name, batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu")
     check(result, batch, before, dtype)
+
+
+@pytest.mark.parametrize("name", ["naive", "torch_paged", "triton"])
+@pytest.mark.parametrize("specs", [[(0, 1)], [(0, 1), (0, 9)], [(0, 7)]], ids=["one-token-prompt", "with-prefill",
+                                                                              "lone-prefill"])
+def test_a_request_alone_in_its_group(name, specs):
+    """A one-token prompt is the only decode-shaped row of its step (alone, or next to a
+    prefill), or a prompt is the step's only prefill: a backend that plans per group must still
+    hide the rest of the request's block."""
+    num_heads, num_kv_heads, head_dim, block_size, dtype = 4, 2, 32, 16, torch.float32
+    seed = seed_of("alone", name, specs)
+    batch = random_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    before = batch.kv_cache.clone()
+    result = run(name, batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu")
+    check(result, batch, before, dtype)
