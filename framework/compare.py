@@ -155,11 +155,12 @@ def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def write_comparison(dirs: Sequence[str | Path], out: str | Path | None = None, x: str = "workload.rate",
-                     label: Sequence[str] | None = None) -> dict[str, Path]:
-    """Write the table and plots of the runs under ``dirs`` to ``out``; return the paths."""
+                     label: Sequence[str] | None = None, rows: list[dict[str, Any]] | None = None) -> dict[str, Path]:
+    """Write the table and plots of the runs under ``dirs`` to ``out`` (``rows``: their
+    ``comparison_rows``, when the caller has them); return the paths."""
     from framework.plots import metric_vs_x
 
-    rows = comparison_rows(dirs, x, label)
+    rows = comparison_rows(dirs, x, label) if rows is None else rows
     out = Path(out) if out is not None else (Path(dirs[0]) if len(dirs) == 1 else Path("comparison"))
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "comparison.md", "csv": out / "comparison.csv"}
@@ -200,14 +201,16 @@ class CompareCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        rows: list[dict[str, Any]] = []
         try:
-            paths = write_comparison([sweep_dir], sweep_dir)
+            rows = comparison_rows([sweep_dir])
+            paths = write_comparison([sweep_dir], sweep_dir, rows=rows)
         except Exception as exc:
             log.warning("could not compare the runs in %s: %s", sweep_dir, exc)
-            return
-        print(paths["markdown"].read_text())
-        print(f"comparison: {paths['markdown']} (and .csv, plots) in {sweep_dir}")
-        failed = [r["run_dir"] for r in comparison_rows([sweep_dir]) if r["status"] == "failed"]
+        else:
+            print(paths["markdown"].read_text())
+            print(f"comparison: {paths['markdown']} (and .csv, plots) in {sweep_dir}")
+        failed = [r["run_dir"] for r in rows if r["status"] == "failed"]
         if failed:
             print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their summary.json and logs)", file=sys.stderr)
             sys.exit(1)

@@ -138,7 +138,8 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     served by ``Cluster.run``: requests enter when their arrival time comes on the engines'
     clocks (wall time for the model executor, simulated time for the sim executor), and
     durations and throughputs are in that time. Configuration errors raise ValueError before
-    anything runs. A KeyboardInterrupt while requests run stops the run, keeps what was measured
+    anything runs; a failure while serving raises anything but (a ValueError then comes as the
+    cause of a RuntimeError), after writing a ``failed`` summary. A KeyboardInterrupt while requests run stops the run, keeps what was measured
     and returns a summary with ``status: interrupted``. ``run_name`` / ``group`` name the run and
     its sweep for loggers. ``clock`` overrides the config's ``clock`` (one replica only);
     ``on_engine`` sees each engine once it is built (to add step callbacks, e.g. one that
@@ -201,6 +202,8 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
         recorder.close()
         recorder.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False, **meta})
         run_logger.finish(False)
+        if isinstance(exc, ValueError):  # a ValueError from here on is a failure, not a configuration error
+            raise RuntimeError(f"serving failed: {type(exc).__name__}: {exc}") from exc
         raise
     finally:
         for engine, callback in callbacks:

@@ -8,13 +8,15 @@ with ``-m``), writing its files to Hydra's run directory (``outputs/DATE/TIME`` 
 
 A configuration error (an unknown policy, a bad option value) prints one clear line and exits
 with status 2; Ctrl-C stops the run, keeps what it measured and exits with status 130. In a
-sweep, a job that fails is logged and marked ``failed`` in its summary; the other jobs run,
-the comparison is written, and the sweep exits with status 1.
+sweep, a job that fails (a configuration error included) is logged and marked ``failed`` in
+its summary; the other jobs run, the comparison is written, and the sweep exits with status 1.
 """
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -43,20 +45,33 @@ def main(cfg: DictConfig) -> None:
     try:
         group = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
         summary = run_experiment(cfg, hc.runtime.output_dir, run_name=_run_name(hc), group=group)
-    except ValueError as exc:  # configuration errors from the registries, the engine and the workloads
-        log.debug("configuration error", exc_info=True)
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
-    except Exception:
-        if hc.mode != RunMode.MULTIRUN:
-            raise
-        # One failed job must not cost the sweep its other runs and its comparison: the job's
-        # summary.json says "failed", and the sweep exits non-zero at the end (CompareCallback).
-        log.exception("run failed (%s); the sweep goes on", hc.runtime.output_dir)
-        return
+    except Exception as exc:
+        if hc.mode == RunMode.MULTIRUN:
+            # One failed job must not cost the sweep its other runs and its comparison (Hydra stops
+            # a sweep at the first exception, SystemExit included): the job's summary.json says
+            # "failed", and the sweep exits non-zero at the end (CompareCallback).
+            _mark_failed(Path(hc.runtime.output_dir), exc)
+            log.exception("run failed (%s); the sweep goes on", hc.runtime.output_dir)
+            return
+        if isinstance(exc, ValueError):  # run_experiment raises these only for configuration errors
+            log.debug("configuration error", exc_info=True)
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
+        raise
     if summary.get("interrupted"):
         print(f"interrupted: what was measured is in {hc.runtime.output_dir}", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _mark_failed(run_dir: Path, exc: Exception) -> None:
+    """Make the run's summary.json say ``failed``, also when the run failed before writing one
+    (a configuration error, building the engine, generating the workload)."""
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    if summary.get("status") != "failed":
+        run_dir.mkdir(parents=True, exist_ok=True)
+        error = f"{type(exc).__name__}: {exc}"
+        path.write_text(json.dumps({**summary, "status": "failed", "interrupted": False, "error": error}, indent=2))
 
 
 if __name__ == "__main__":

@@ -133,3 +133,27 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
                           timeout=300)
     assert done.returncode == 2, done.stderr
     assert "error: block_size must be a power of two" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_failure_while_serving_is_not_reported_as_a_configuration_error(tmp_path):
+    def boom(stats, out):
+        raise ValueError("a policy asked for something impossible")
+
+    with pytest.raises(RuntimeError, match="serving failed: ValueError: a policy asked") as exc:
+        run_experiment(config(), tmp_path, on_engine=lambda engine: engine.step_callbacks.append(boom))
+    assert isinstance(exc.value.__cause__, ValueError)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "impossible" in summary["error"]
+
+
+def test_a_sweep_goes_on_past_a_job_with_a_configuration_error(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "framework.run", "-m", *BASE, *TINY, "slo.tpot_ms=0,50",
+                           f"hydra.sweep.dir={sweep}"],
+                          cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    bad, good = (json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2))
+    assert bad["status"] == "failed" and "slo.tpot_ms must be a positive number" in bad["error"]
+    assert good["status"] == "completed" and good["completed"] == 6
+    assert "| failed |" in (sweep / "comparison.md").read_text() and "1 run(s) failed" in done.stderr
