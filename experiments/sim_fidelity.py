@@ -42,7 +42,8 @@ from framework.config import EngineConfig
 from framework.cost_model import BatchShape
 from framework.engine import LLMEngine
 from framework.hardware import load_hardware
-from framework.profile import STATISTICS, Profiler, calibrate, calibration_record, grid_cells, profile_engine_config
+from framework.profile import (STATISTICS, Profiler, calibrate, calibration_record, grid_cells,
+                               profile_engine_config, record_shapes)
 from framework.workload import WorkloadContext, WorkloadRequest
 from framework.workloads.synthetic import SyntheticWorkload
 
@@ -78,14 +79,7 @@ def serve(engine: LLMEngine, seed: int, between_steps=None) -> tuple[dict, list[
     and call ``between_steps()`` after every step."""
     steps: list[tuple[BatchShape, float]] = []
     if engine.config.executor == "model":
-        shapes: list[BatchShape] = []
-        execute = engine.executor.execute
-
-        def recording_execute(out):
-            shapes.append(BatchShape.from_scheduler_output(out))
-            return execute(out)
-
-        engine.executor.execute = recording_execute
+        shapes = record_shapes(engine)
 
         def on_step(stats, out):
             if out.scheduled:
@@ -135,7 +129,7 @@ def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, stati
     params, fit = calibrate(samples, profile_engine.model_config, hardware, dtype_bytes)
     calibration = calibration_record("roofline", "tiny-llama", hardware, dtype_bytes, 16, params, fit, samples,
                                      {"clock": clock, "cells": [list(c) for c in cells], "repeats": profile_repeats, "statistic": statistic,
-                                      "interleaved_with_real_run": True})
+                                      "interleaved_with_real_run": clock == "cpu"})
     return real, steps, calibration
 
 

@@ -33,6 +33,7 @@ def fit_max_linear(rows: Sequence[tuple[float, Groups]], measured: Sequence[floa
     theta = np.maximum(np.asarray(theta0, dtype=float), lower)
     lb = np.asarray(lower, dtype=float)
     best, best_err, seen = theta.copy(), np.inf, set()
+    w = 1.0 / y  # relative error: each row weighted by its measured time
     for _ in range(max_iter):
         A = np.zeros((len(rows), n))
         offsets = np.empty(len(rows))
@@ -48,10 +49,8 @@ def fit_max_linear(rows: Sequence[tuple[float, Groups]], measured: Sequence[floa
             break
         seen.add(key)
         used = np.flatnonzero(np.abs(A).sum(axis=0) > 0)
-        w = 1.0 / y
-        # theta = lb + phi with phi >= 0; unused parameters are fixed at their current value.
-        fixed = A[:, np.setdiff1d(np.arange(n), used)] @ theta[np.setdiff1d(np.arange(n), used)]
-        target = (y - offsets - fixed - A[:, used] @ lb[used]) * w
+        # theta = lb + phi with phi >= 0; unused parameters (no binding leg) keep their value.
+        target = (y - offsets - A[:, used] @ lb[used]) * w
         M = A[:, used] * w[:, None]
         phi = nnls(M, target)
         theta = theta.copy()

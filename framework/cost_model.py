@@ -14,6 +14,7 @@ from framework.registry import Registry
 
 if TYPE_CHECKING:
     from framework.hardware import Hardware
+    from framework.request import Request
     from framework.scheduler import SchedulerOutput
     from models.config import ModelConfig
 
@@ -45,15 +46,19 @@ class BatchShape:
     copy_blocks: int = 0
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput) -> BatchShape:
-        """The shape of ``out``, read before the step runs (``num_computed_tokens`` not yet advanced)."""
+    def from_scheduler_output(cls, out: SchedulerOutput, sampling: list[Request] | None = None) -> BatchShape:
+        """The shape of ``out``, read before the step runs (``num_computed_tokens`` not yet
+        advanced). ``sampling``, when given, gets the requests that sample a token this step."""
         shape = cls(swap_in_blocks=len(out.blocks_to_swap_in), swap_out_blocks=len(out.blocks_to_swap_out),
                     copy_blocks=len(out.blocks_to_copy))
         counts = out.num_scheduled_tokens
         for req in out.scheduled:
             q = counts[req.request_id]
             c = req.num_computed_tokens
-            shape.add_row(c, q, c + q >= len(req.token_ids))
+            samples = c + q >= len(req.token_ids)
+            shape.add_row(c, q, samples)
+            if samples and sampling is not None:
+                sampling.append(req)
         return shape
 
     def add_row(self, num_cached: int, num_new: int, samples: bool) -> None:

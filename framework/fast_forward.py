@@ -43,7 +43,7 @@ class DecodeRun:
     """Steps ``first_step .. first_step + len(end_times) - 1``, each one token for each request
     running at its start (``batch_sizes[k]`` of them on step ``k``). Step ``k`` of the run starts
     at ``start_time`` (k = 0) or at the previous end time; ``kv_blocks_used[k]`` is the device
-    blocks in use after it (empty when no step callback asked)."""
+    blocks in use after it (both lists empty when no step callback asked)."""
 
     first_step: int
     start_time: float
@@ -167,12 +167,11 @@ def commit_decode_run(engine: LLMEngine, plan: DecodePlan, num: int) -> DecodeRu
     # on step F (<= num) gets its F-th from the scheduler's own update, which finishes it and
     # frees its blocks: that runs between step F's allocations and step F + 1's.
     active = [left if left < num else num for left in lefts]
-    common = [executor.sampled_token] * num
     groups: dict[int, list[tuple[Request, int]]] = {}  # finishing step -> (request, its last token)
     for req, token, steps, left in zip(running, tokens, active, lefts):
         bulk = steps - 1 if left <= num else steps
         if bulk:
-            req.token_ids.extend(common[:bulk] if token == executor.sampled_token else [token] * bulk)
+            req.token_ids.extend([token] * bulk)
             req.token_times.extend(times[:bulk])
             if req.first_token_time is None:
                 req.first_token_time = times[0]
@@ -192,16 +191,17 @@ def commit_decode_run(engine: LLMEngine, plan: DecodePlan, num: int) -> DecodeRu
         return finish
 
     pauses = {step: finisher(step, group) for step, group in groups.items()}
-    used = allocator.allocate_decode_run(running, num, bool(engine.step_callbacks), active, pauses)
+    track = bool(engine.step_callbacks)  # only step callbacks read the per-step sizes and blocks
+    used = allocator.allocate_decode_run(running, num, track, active, pauses)
     for req, left in zip(running, lefts):
         if left > num:
             req.num_computed_tokens += num
-    executor.commit_decode_run(plan.start_time, times)
+    executor.commit_decode_run(times)
     scheduler.num_steps += num
     engine.num_steps += num
     sizes = []
     alive = len(running)
-    for k in range(1, num + 1):
+    for k in range(1, num + 1 if track else 1):
         sizes.append(alive)
         if k in groups:
             alive -= len(groups[k])

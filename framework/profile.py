@@ -59,6 +59,20 @@ def grid_cells(name: str, lengths: list[int] | None = None, counts: list[int] | 
 STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 
 
+def record_shapes(engine: Any) -> list[BatchShape]:
+    """A list that gets the ``BatchShape`` of every step ``engine``'s executor runs, read as the
+    step starts (``del engine.executor.execute`` stops it)."""
+    shapes: list[BatchShape] = []
+    execute = engine.executor.execute
+
+    def recording_execute(out):
+        shapes.append(BatchShape.from_scheduler_output(out))
+        return execute(out)
+
+    engine.executor.execute = recording_execute
+    return shapes
+
+
 class Profiler:
     """Times engine steps of chosen compositions on a model-executor ``LLMEngine`` (prefix cache
     off, so every prompt computes), keeping every duration per distinct ``BatchShape``."""
@@ -68,15 +82,8 @@ class Profiler:
         self.timer = timer
         self.rng = random.Random(seed)
         self.seconds: dict[tuple, list[float]] = defaultdict(list)
-        self._shapes: list[BatchShape] = []
+        self._shapes = record_shapes(engine)
         self._cells = 0
-        execute = engine.executor.execute
-
-        def recording_execute(out):
-            self._shapes.append(BatchShape.from_scheduler_output(out))
-            return execute(out)
-
-        engine.executor.execute = recording_execute
 
     def close(self) -> None:
         del self.engine.executor.execute

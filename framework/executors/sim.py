@@ -59,7 +59,6 @@ class SimExecutor(Executor):
         #: One KV block on one device: what the budget is divided into.
         self.bytes_per_block = config.block_size * 2 * model.num_hidden_layers * kv_heads * model.head_dim * self.dtype_bytes
         self.num_steps = 0
-        self.busy_time = 0.0
 
     @classmethod
     def make_clock(cls) -> Clock:
@@ -113,22 +112,11 @@ class SimExecutor(Executor):
         return next(t for t in range(self.source.config.vocab_size) if t not in stops and t not in self._eos)
 
     def execute(self, out: SchedulerOutput) -> ExecutorOutput:
-        shape = BatchShape(swap_in_blocks=len(out.blocks_to_swap_in), swap_out_blocks=len(out.blocks_to_swap_out),
-                           copy_blocks=len(out.blocks_to_copy))
-        counts = out.num_scheduled_tokens
-        sampled: dict[str, int] = {}
-        for req in out.scheduled:
-            q = counts[req.request_id]
-            c = req.num_computed_tokens
-            samples = c + q >= len(req.token_ids)
-            shape.add_row(c, q, samples)
-            if samples:
-                sampled[req.request_id] = self.token_for(req)
-        dt = self.cost_model.step_time(shape)
-        self.clock.advance(dt)  # type: ignore[attr-defined]
+        sampling: list[Request] = []
+        shape = BatchShape.from_scheduler_output(out, sampling)
+        self.clock.advance(self.cost_model.step_time(shape))  # type: ignore[attr-defined]
         self.num_steps += 1
-        self.busy_time += dt
-        return ExecutorOutput(sampled)
+        return ExecutorOutput({req.request_id: self.token_for(req) for req in sampling})
 
     def plan_decode_run(self, segments: list[tuple[int, int, int]], until: float = math.inf) -> list[float]:
         """End times of consecutive pure-decode steps: segment ``(steps, num_seqs, context)`` is
@@ -147,7 +135,6 @@ class SimExecutor(Executor):
                 context += num_seqs
         return times
 
-    def commit_decode_run(self, start: float, times: list[float]) -> None:
+    def commit_decode_run(self, times: list[float]) -> None:
         self.clock.wait_until(times[-1])
         self.num_steps += len(times)
-        self.busy_time += times[-1] - start
