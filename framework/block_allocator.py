@@ -113,6 +113,21 @@ class BlockAllocator(ABC):
         tokens, taking the ``prefix`` blocks first (only for a request holding no blocks).
         All-or-nothing: on False nothing changed."""
 
+    def fits_after(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None,
+                   released: Sequence[Request]) -> bool:
+        """Whether ``allocate_slots(request, num_new_tokens, prefix)`` would succeed once the
+        ``released`` requests gave their device blocks back (a policy asking before it preempts
+        them). Changes nothing. This default counts every block they hold as freed, which
+        overcounts blocks they share; allocators that share blocks answer exactly."""
+        freed = sum(len(r.block_ids) for r in released)
+        return self._new_blocks(request, num_new_tokens, prefix) <= self.num_free_blocks + freed
+
+    def _new_blocks(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None) -> int:
+        """Blocks ``allocate_slots`` takes from the free pool beyond the prefix blocks."""
+        prefix_tokens, prefix_blocks = (prefix.num_tokens, len(prefix.block_ids)) if prefix else (0, 0)
+        total = request.num_computed_tokens + prefix_tokens + num_new_tokens
+        return max(0, self.blocks_needed(total) - len(request.block_ids) - prefix_blocks)
+
     # -- decode runs (simulator fast-forward, framework/fast_forward.py) ---------------------------
     def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
         """At least as many free blocks as ``allocate_decode_run(requests, num_steps)`` would take

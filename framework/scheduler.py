@@ -145,6 +145,15 @@ class SchedulerPolicy(ABC):
         """Tokens to compute for ``request`` now, given what is left of the step's budget."""
         return min(request.num_tokens - request.num_computed_tokens - num_prefix_tokens, token_budget)
 
+    def swap_in_in_order(self, scheduler: Scheduler, step: Step) -> bool:
+        """Bring swapped requests back in the order they left, each with its next tokens
+        scheduled, while the budget, the blocks and ``max_num_seqs`` allow. False when one had to
+        stay out (those after it stay out too)."""
+        for req in list(scheduler.swapped):
+            if step.token_budget == 0 or not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget)):
+                return False
+        return True
+
     # -- the whole step --------------------------------------------------------------------------
     @abstractmethod
     def schedule(self, scheduler: Scheduler, step: Step) -> None:

@@ -46,9 +46,8 @@ class ChunkedPolicy(SchedulerPolicy):
             return
         # Swapped requests (preemption_mode="swap") come back, in the order they left, before
         # anything new is admitted (as in vLLM v0).
-        for req in list(scheduler.swapped):
-            if step.token_budget == 0 or not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget)):
-                return
+        if not self.swap_in_in_order(scheduler, step):
+            return
         for req in list(self.waiting_order(scheduler.waiting)):
             if step.token_budget == 0 or len(scheduler.running) >= scheduler.max_num_seqs:
                 break

@@ -42,6 +42,4 @@ class FCFSPolicy(SchedulerPolicy):
             scheduler.schedule_or_preempt(step, req, n)
         if step.out.preempted or step.out.swapped_out:
             return
-        for req in list(scheduler.swapped):
-            if step.token_budget == 0 or not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget)):
-                break
+        self.swap_in_in_order(scheduler, step)

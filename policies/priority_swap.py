@@ -78,11 +78,10 @@ class PrioritySwapPolicy(ChunkedPolicy):
         n = self.num_new_tokens(req, step.token_budget, prefix.num_tokens)
         if scheduler.schedule_request(step, req, n, prefix):
             return True
-        alloc, rank = scheduler.allocator, self.rank(req)
+        rank = self.rank(req)
         victims = [r for r in scheduler.running
                    if self.rank(r) > rank and not step.is_scheduled(r) and not step.was_swapped_in(r)]
-        need = alloc.blocks_needed(prefix.num_tokens + n) - len(prefix.block_ids)
-        if (need > alloc.num_free_blocks + sum(len(v.block_ids) for v in victims)
-                or len(scheduler.running) - len(victims) >= scheduler.max_num_seqs):
+        if (len(scheduler.running) - len(victims) >= scheduler.max_num_seqs
+                or not scheduler.allocator.fits_after(req, n, prefix, victims)):
             return False
         return scheduler.schedule_or_preempt(step, req, n, prefix)

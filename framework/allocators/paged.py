@@ -139,6 +139,17 @@ class PagedBlockAllocator(BlockAllocator):
             self._seal(request, start // bs, total // bs)
         return True
 
+    def fits_after(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None,
+                   released: Sequence[Request]) -> bool:
+        # A released block comes free only if the released requests hold all its references; a
+        # prefix block that is (or comes) free is taken from the pool too (allocate_slots'
+        # "reclaimed"). No copy-on-write: the policies ask this for requests holding no blocks.
+        held = Counter(bid for req in released for bid in req.block_ids)
+        blocks = self._blocks
+        freed = sum(1 for bid, n in held.items() if blocks[bid].ref_count == n)
+        reclaimed = sum(1 for bid in prefix.block_ids if blocks[bid].ref_count == held.get(bid, 0)) if prefix else 0
+        return self._new_blocks(request, num_new_tokens, prefix) + reclaimed <= len(self._free) + freed
+
     # -- decode runs ----------------------------------------------------------------------------
     def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
         # A one-token step allocates only when it starts a block and seals only when it fills

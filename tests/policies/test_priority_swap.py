@@ -85,3 +85,22 @@ def test_full_swap_space_falls_back_to_recompute_with_the_same_outputs():
     assert e.scheduler.num_preemptions >= 1 and e.scheduler.num_swap_outs == 0
     _, calm = run(engine(num_gpu_blocks_override=None, policy="fcfs"))
     assert {r: o.outputs[0].token_ids for r, o in done.items()} == {r: o.outputs[0].token_ids for r, o in calm.items()}
+
+
+def test_no_swap_when_the_victims_blocks_would_not_make_room():
+    """The victim shares its prompt's full blocks with a higher-priority request, so swapping it
+    out frees only its own last block: too little for the newcomer, so nobody is swapped."""
+    e = engine()
+    prompt = [7] * 40
+    e.add_request("mid", prompt, GREEDY, priority=0)
+    e.add_request("low", prompt, GREEDY, priority=1)
+    e.step()
+    assert e.allocator.num_free_blocks == 4  # mid and low hold 3 blocks each, 2 of them shared
+    e.add_request("new", list(range(100, 190)), GREEDY, priority=0)  # 6 blocks
+    steps = []
+    e.step_callbacks.append(lambda stats, out: steps.append(out))
+    e.step()
+    assert not steps[0].swapped_out and not steps[0].preempted
+    assert "new" not in steps[0].num_scheduled_tokens
+    while e.has_unfinished_requests():
+        e.step()

@@ -172,3 +172,40 @@ def test_invariant_check_catches_a_wrong_owner():
         alloc.check_invariants([r, thief])
     thief.block_ids = []
     alloc.free(r)
+
+
+@pytest.mark.parametrize("released", [["b"], ["a"], ["a", "b"], ["c"], []])
+def test_fits_after_answers_what_allocating_after_the_release_does(released):
+    """Shared prefix blocks come free only with their last holder, and a prefix hit on a free
+    cached block takes it from the pool: the answer must match what really happens."""
+    import copy
+
+    def setup():
+        alloc = PagedBlockAllocator(num_blocks=12, block_size=4, enable_prefix_caching=True)
+        shared = list(range(100, 108))
+        held = {name: req(name, shared + [i] * 3) for i, name in enumerate("ab")}
+        held["c"] = req("c", [50] * 9)
+        for r in held.values():
+            hit = alloc.find_prefix(r)
+            compute(alloc, r, r.num_tokens - hit.num_tokens, hit)
+        gone = req("gone", [60] * 8)  # finished: its two full blocks stay cached in the free pool
+        compute(alloc, gone, 8)
+        alloc.free(gone)
+        return alloc, held
+
+    probe_alloc, probe_held = setup()
+    outcomes = set()
+    for size in range(1, 40):
+        newcomer = req("new", [60] * 8 + [70] * size)
+        prefix = probe_alloc.find_prefix(newcomer)
+        predicted = probe_alloc.fits_after(newcomer, newcomer.num_tokens - prefix.num_tokens, prefix,
+                                           [probe_held[n] for n in released])
+        alloc, held = copy.deepcopy((probe_alloc, probe_held))
+        for name in released:
+            alloc.free(held[name])
+        actual_prefix = alloc.find_prefix(newcomer)
+        assert actual_prefix.block_ids == prefix.block_ids
+        actual = alloc.allocate_slots(copy.deepcopy(newcomer), newcomer.num_tokens - prefix.num_tokens, actual_prefix)
+        assert predicted == actual, f"{size} more tokens, released {released}"
+        outcomes.add(actual)
+    assert outcomes == {True, False}
