@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any, Callable, Generic, TypeVar
 
@@ -113,6 +114,15 @@ class Registry(Generic[T]):
         except TypeError as exc:
             raise BadOptionsError(f"{self.kind} {name!r}: {exc}") from None
         return cls(*args, **kwargs)
+
+    def create_from(self, spec: str | Mapping[str, Any] | None, *args: Any, default: str | None = None) -> T:
+        """An instance from a config node: a name, or ``{name: ..., **options}`` (``default``
+        when it names none; a ValueError listing the registered names when there is neither)."""
+        options = {"name": spec} if isinstance(spec, str) else dict(spec or {})
+        name = options.pop("name", None) or default
+        if name is None:
+            raise ValueError(f"a {self.kind} needs a 'name' (one of {', '.join(self.list())})")
+        return self.create(name, *args, **options)
 
     def __contains__(self, name: str) -> bool:
         return name in self.list()

@@ -44,8 +44,7 @@ LOGGERS: Registry[RunLogger] = Registry(
 
 def create_logger(options: dict[str, Any]) -> RunLogger:
     """The logger a Hydra ``logger`` node describes: ``{name: ..., **options}``."""
-    options = dict(options)
-    return LOGGERS.create(options.pop("name", "none"), **options)
+    return LOGGERS.create_from(options, default="none")
 
 
 class Guarded:

@@ -74,7 +74,4 @@ def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
     sampling options (``SAMPLING_KEYS``) split off from it."""
     options = dict(options)
     sampling = {k: options.pop(k) for k in SAMPLING_KEYS if k in options}
-    name = options.pop("name", None)
-    if name is None:
-        raise ValueError(f"a workload needs a 'name' (one of {', '.join(WORKLOADS.list())})")
-    return WORKLOADS.create(name, **options), sampling
+    return WORKLOADS.create_from(options), sampling

@@ -43,10 +43,8 @@ class SimExecutor(Executor):
         self.tp = tensor_parallel_size
         self.dtype_bytes = DTYPE_BYTES[self._dtype_name(config.dtype)]
         model = source.config
-        spec = {"name": cost_model} if isinstance(cost_model, str) else dict(cost_model or {})
-        name = spec.pop("name", "roofline")
-        self.cost_model: CostModel = COST_MODELS.create(name, model, self.hardware, self.dtype_bytes,
-                                                        tensor_parallel_size, config.block_size, **spec)
+        self.cost_model: CostModel = COST_MODELS.create_from(cost_model, model, self.hardware, self.dtype_bytes,
+                                                             tensor_parallel_size, config.block_size, default="roofline")
         self.fast_forward = bool(fast_forward)
         eos = set(model.eos_token_ids)
         if sampled_token is None:

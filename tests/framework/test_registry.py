@@ -4,6 +4,7 @@ import subprocess
 import pytest
 
 from framework import ALLOCATORS, BACKENDS, POLICIES, PREPARERS, Registry, SchedulerPolicy, UnknownNameError
+from framework.registry import BadOptionsError
 from framework.scheduler import Scheduler, Step
 
 
@@ -80,3 +81,14 @@ def test_engine_reports_an_unknown_policy_option_as_a_value_error():
 
     with pytest.raises(ValueError, match=r"policy 'fcfs': .*'bogus'"):
         LLMEngine(EngineConfig(model="tiny-llama", policy="fcfs", policy_options={"bogus": 1}))
+
+
+def test_create_from_a_config_node():
+    from framework.run_logger import LOGGERS
+
+    assert type(LOGGERS.create_from("none")) is type(LOGGERS.create("none"))
+    assert type(LOGGERS.create_from({}, default="none")) is type(LOGGERS.create("none"))
+    with pytest.raises(ValueError, match="a logger needs a 'name' \\(one of .*none"):
+        LOGGERS.create_from({"project": "x"})
+    with pytest.raises(BadOptionsError, match="logger 'none'"):
+        LOGGERS.create_from({"name": "none", "colour": "blue"})
