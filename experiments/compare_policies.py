@@ -89,7 +89,7 @@ def run(args, seed, name, policy, **engine_kw):
         "makespan": makespan,
         "preemptions": s.num_preemptions, "swap_outs": s.num_swap_outs, "recomputes": s.num_preemptions - s.num_swap_outs,
         "blocks_out": stats.blocks_swapped_out, "blocks_in": stats.blocks_swapped_in,
-        "swap_MiB": (stats.blocks_swapped_out + stats.blocks_swapped_in) * engine.executor.bytes_per_block() / 2**20,
+        "swap_MiB": (stats.blocks_swapped_out + stats.blocks_swapped_in) * engine.executor.bytes_per_block / 2**20,
         "block_op_s": block_op_time[0], "recomputed_tokens": computed[0] - needed,
     }
 

@@ -68,11 +68,24 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
+            raise ValueError(f"dtype must be one of {sorted({'auto', *DTYPE_ALIASES})}, got {self.dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-_DTYPES = {"auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float"}
+#: Every dtype name the configs accept, and the one it means.
+DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16", "fp16": "float16",
+                 "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def resolve_dtype_name(name: str, model_dtype: str | None, device_type: str, default: str) -> str:
+    """The dtype an engine runs in: ``name`` (any alias), or for ``auto`` the checkpoint's 16-bit
+    dtype on a GPU and the device's ``default`` otherwise. Executors real and simulated share it."""
+    if name != "auto":
+        return DTYPE_ALIASES[name]
+    if device_type == "cuda" and model_dtype in ("float16", "bfloat16"):
+        return model_dtype
+    return DTYPE_ALIASES[default]

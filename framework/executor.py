@@ -93,6 +93,6 @@ def activation_peak_bytes(model: ModelConfig, config: EngineConfig, dtype_bytes:
     """Activation memory of the largest step on one device: the widest per-token tensors (fused
     gate/up, qkv, residual) for every batched token, twice, plus float32 logits for every sequence."""
     tp = tensor_parallel_size
-    kv = max(model.num_key_value_heads // tp, 1) * model.head_dim
+    kv = model.kv_size_per_device(tp)
     per_token = (2 * model.intermediate_size // tp + model.q_size // tp + 2 * kv + 4 * model.hidden_size) * dtype_bytes
     return config.max_num_batched_tokens * per_token * 2 + config.max_num_seqs * model.vocab_size // tp * 4

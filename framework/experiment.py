@@ -258,9 +258,9 @@ def _handed_over(requests: list[WorkloadRequest]) -> Iterator[WorkloadRequest]:
 def warm_up(engine: LLMEngine, num_requests: int) -> None:
     """Run a few short requests first, so one-time costs (first kernel calls, allocations)
     do not land on the measured requests; as ``vllm bench serve --num-warmups``."""
-    vocab = engine.model_config.vocab_size
+    vocab, low = engine.model_config.vocab_size, WorkloadContext.first_token_id  # no special tokens
     for i in range(num_requests):
-        prompt = [3 + (7 * i + j) % (vocab - 3) for j in range(32)]
+        prompt = [low + (7 * i + j) % (vocab - low) for j in range(32)]
         engine.add_request(f"warmup-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()

@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from framework.config import DTYPE_ALIASES
+
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 GiB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class Hardware:
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"hardware {self.name!r}: device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"hardware {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_ALIASES:
+            raise ValueError(f"hardware {self.name!r}: dtype must be one of {sorted(DTYPE_ALIASES)}, got {self.dtype!r}")
         for name in ("peak_tflops", "memory_bandwidth_gb_s", "memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")

@@ -308,8 +308,8 @@ class Scheduler:
                          prefix: PrefixHit | None = None) -> bool:
         """Schedule ``num_tokens`` of ``request`` (admitting it if waiting). False, with nothing
         changed, when the KV blocks or the sequence limit do not allow it."""
-        self._check_num_tokens(step, request, num_tokens, prefix.num_tokens if prefix else 0)
         prefix_tokens = prefix.num_tokens if prefix else 0
+        self._check_num_tokens(step, request, num_tokens, prefix_tokens)
         waiting = request.status == RequestStatus.WAITING
         if waiting and len(self.running) >= self.max_num_seqs:
             return False

@@ -97,5 +97,11 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else v * h
         return self.num_hidden_layers * layer + v * h + head + h
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+    def kv_size_per_device(self, tensor_parallel_size: int = 1) -> int:
+        """K (or V) width one device of a tensor-parallel group keeps: KV heads are split across
+        the devices, and replicated when there are fewer heads than devices."""
+        return max(self.num_key_value_heads // tensor_parallel_size, 1) * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+        """K and V bytes of one token, all layers, on one device."""
+        return 2 * self.num_hidden_layers * self.kv_size_per_device(tensor_parallel_size) * dtype_bytes

@@ -88,7 +88,7 @@ class RooflineCostModel(CostModel):
         m, hw, tp, b = self.model, self.hardware, self.tp, self.dtype_bytes
         h, L = m.hidden_size, m.num_hidden_layers
         qs = m.num_attention_heads // tp * m.head_dim
-        kvs = max(m.num_key_value_heads // tp, 1) * m.head_dim
+        kvs = m.kv_size_per_device(tp)
         inter = m.intermediate_size // tp
         vocab = m.vocab_size / tp
         F, B = hw.flops, hw.memory_bandwidth
@@ -97,7 +97,7 @@ class RooflineCostModel(CostModel):
         elementwise_io = 9 * h + 3 * inter + 4 * qs + 4 * kvs   # norms, RoPE, act, residuals, KV write, q/o
         self.num_layers = L
         #: Bytes of one KV block on one device (all layers, K and V).
-        self.block_bytes = self.block_size * 2 * L * kvs * b
+        self.block_bytes = self.block_size * m.kv_bytes_per_token(b, tp)
         # Seconds at 100% efficiency: compute (c) and memory (m) legs, per unit of their driver.
         self._lin_c_tok = 2 * L * layer_params / F
         self._lin_m_fixed = L * layer_params * b / B

@@ -8,7 +8,7 @@ import torch
 
 from framework.attention import BACKENDS
 from framework.clock import Clock
-from framework.config import EngineConfig
+from framework.config import EngineConfig, resolve_dtype_name
 from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
 from framework.input_preparer import PREPARERS
 from framework.model_runner import ModelRunner
@@ -20,11 +20,6 @@ from models.presets import SHAPE_ONLY_PRESETS
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -35,11 +30,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, model_dtype: str | None, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return _DTYPES[model_dtype] if model_dtype in ("float16", "bfloat16") else torch.bfloat16
+    default = "float32" if device.type == "cpu" else "bfloat16"
+    return getattr(torch, resolve_dtype_name(name, model_dtype, device.type, default))
 
 
 @EXECUTORS.register("model")
@@ -75,12 +67,13 @@ class ModelExecutor(Executor):
     def device(self) -> str:
         return str(self._device)
 
+    @property
     def bytes_per_block(self) -> int:
-        cfg = self.source.config
-        return self.config.block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        """One KV block (all layers, K and V): what the KV budget is divided into."""
+        return self.config.block_size * self.source.config.kv_bytes_per_token(self.dtype.itemsize)
 
     def kv_block_counts(self) -> tuple[int, int]:
-        return size_kv_cache(self.config, self.bytes_per_block(), self._device_budget)
+        return size_kv_cache(self.config, self.bytes_per_block, self._device_budget)
 
     def _device_budget(self) -> float:
         if self._device.type != "cuda":

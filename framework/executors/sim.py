@@ -10,10 +10,10 @@ import math
 from typing import Any
 
 from framework.clock import Clock, VirtualClock
-from framework.config import EngineConfig
+from framework.config import DTYPE_BYTES, EngineConfig, resolve_dtype_name
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
-from framework.hardware import DTYPE_BYTES, Hardware, load_hardware
+from framework.hardware import Hardware, load_hardware
 from framework.request import Request
 from framework.scheduler import SchedulerOutput
 from models.loader import ModelSource
@@ -41,7 +41,8 @@ class SimExecutor(Executor):
             raise ValueError("executor=sim advances simulated time: give the engine a VirtualClock (or no clock)")
         self.hardware = load_hardware(hardware)
         self.tp = tensor_parallel_size
-        self.dtype_bytes = DTYPE_BYTES[self._dtype_name(config.dtype)]
+        self.dtype_bytes = DTYPE_BYTES[resolve_dtype_name(config.dtype, source.config.torch_dtype,
+                                                          self.hardware.device_type, self.hardware.dtype)]
         model = source.config
         self.cost_model: CostModel = COST_MODELS.create_from(cost_model, model, self.hardware, self.dtype_bytes,
                                                              tensor_parallel_size, config.block_size, default="roofline")
@@ -53,24 +54,13 @@ class SimExecutor(Executor):
             raise ValueError(f"sampled_token must be a non-EOS id in [0, {model.vocab_size}), got {sampled_token!r}")
         self.sampled_token = sampled_token
         self._eos = eos
-        kv_heads = max(model.num_key_value_heads // self.tp, 1)
         #: One KV block on one device: what the budget is divided into.
-        self.bytes_per_block = config.block_size * 2 * model.num_hidden_layers * kv_heads * model.head_dim * self.dtype_bytes
+        self.bytes_per_block = config.block_size * model.kv_bytes_per_token(self.dtype_bytes, self.tp)
         self.num_steps = 0
 
     @classmethod
     def make_clock(cls) -> Clock:
         return VirtualClock()
-
-    def _dtype_name(self, dtype: str) -> str:
-        """``auto`` as the model executor resolves it: the checkpoint's 16-bit dtype on a GPU,
-        the device's default otherwise."""
-        if dtype != "auto":
-            return dtype
-        model_dtype = self.source.config.torch_dtype
-        if self.hardware.device_type == "cuda" and model_dtype in ("float16", "bfloat16"):
-            return model_dtype
-        return self.hardware.dtype
 
     # -- memory ----------------------------------------------------------------------------------
     def kv_block_counts(self) -> tuple[int, int]:

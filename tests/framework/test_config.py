@@ -1,0 +1,26 @@
+"""Dtype names: one table for the config, the real executor and the simulator."""
+import pytest
+import torch
+
+from framework.config import DTYPE_BYTES, EngineConfig, resolve_dtype_name
+from framework.executors.model import resolve_dtype
+
+
+@pytest.mark.parametrize("name, canonical", [("fp16", "float16"), ("half", "float16"), ("bf16", "bfloat16"),
+                                             ("float", "float32"), ("float32", "float32")])
+def test_aliases_resolve_to_one_name(name, canonical):
+    assert resolve_dtype_name(name, "bfloat16", "cuda", "float32") == canonical
+    assert resolve_dtype(name, None, torch.device("cpu")) == getattr(torch, canonical)
+    assert DTYPE_BYTES[canonical] == getattr(torch, canonical).itemsize
+
+
+def test_auto_takes_the_checkpoints_16_bit_dtype_on_a_gpu_only():
+    assert resolve_dtype_name("auto", "float16", "cuda", "bfloat16") == "float16"
+    assert resolve_dtype_name("auto", "float32", "cuda", "bfloat16") == "bfloat16"
+    assert resolve_dtype_name("auto", "float16", "cpu", "fp32") == "float32"
+    assert resolve_dtype("auto", "bfloat16", torch.device("cpu")) == torch.float32
+
+
+def test_an_unknown_dtype_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"dtype must be one of \['auto', 'bf16', .*'half'.*got 'fp8'"):
+        EngineConfig(dtype="fp8")
