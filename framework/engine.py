@@ -4,9 +4,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from framework.block_allocator import ALLOCATORS
 from framework.clock import Clock
@@ -132,14 +135,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text")
             ids = self.tokenizer.encode(text)
-        ids = _token_ids(ids)
-        if not ids:
-            raise ValueError("prompt is empty: a request needs at least one prompt token")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise ValueError(f"prompt token id {bad} is out of the vocabulary [0, {vocab})")
-        return ids, text
+        return _token_ids(ids, self.model_config.vocab_size), text
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
@@ -341,17 +337,41 @@ class LLMEngine:
             priority=first.priority)
 
 
-def _token_ids(ids: Iterable[Any]) -> list[int]:
-    """``ids`` as a list of ints. A list whose ``sum`` is an ``int`` holds only ints (``sum``
-    turns float, Decimal or numpy on meeting one, and fails on anything else) and is kept as is:
-    converting token by token would dominate the cost of big simulated workloads."""
-    if type(ids) is list:
-        try:
-            if type(sum(ids)) is int:
-                return ids
-        except TypeError:
-            pass
-    return list(map(int, ids))
+def _token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:
+    """``ids`` (a list, a 1-D integer numpy array or any iterable of ints) as a non-empty list of
+    ints in ``[0, vocab_size)``; ValueError otherwise. Big simulated workloads send millions of
+    ids, so the checks avoid a Python step per token where they can: an array is checked in
+    numpy, and a list whose ``sum`` is an ``int`` holds only ints (``sum`` turns float, Decimal
+    or numpy on meeting one, and fails on anything else) and is kept as is."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt token ids must be a 1-D integer array, got shape {ids.shape} of {ids.dtype}")
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            _out_of_vocabulary(ids.tolist(), vocab_size)
+        ids = ids.tolist()
+    else:
+        if type(ids) is not list or not _all_ints(ids):
+            try:
+                ids = list(map(operator.index, ids))  # ints and numpy ints; a float is no token id
+            except TypeError as exc:
+                raise ValueError(f"prompt token ids must be integers: {exc}") from None
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            _out_of_vocabulary(ids, vocab_size)
+    if not ids:
+        raise ValueError("prompt is empty: a request needs at least one prompt token")
+    return ids
+
+
+def _all_ints(ids: list[Any]) -> bool:
+    try:
+        return type(sum(ids)) is int
+    except TypeError:
+        return False
+
+
+def _out_of_vocabulary(ids: list[int], vocab_size: int) -> None:
+    bad = next(t for t in ids if not 0 <= t < vocab_size)
+    raise ValueError(f"prompt token id {bad} is out of the vocabulary [0, {vocab_size})")
 
 
 def _has_block_ops(out: SchedulerOutput) -> bool:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.block_allocator import AllocatorStats
 from framework.clock import Clock, VirtualClock, WallClock
-from framework.cluster import Cluster, check_num_replicas
+from framework.cluster import Cluster, check_num_replicas, gc_paused
 from framework.config import EngineConfig
 from framework.engine import LLMEngine, StepStats
 from framework.metrics import SLO, RequestRecord, summarize
@@ -28,7 +28,7 @@ from framework.router import ROUTERS
 from framework.run_logger import Guarded, create_logger
 from framework.sampling_params import SamplingParams
 from framework.scheduler import SchedulerOutput
-from framework.workload import WorkloadContext, WorkloadRequest, create_workload
+from framework.workload import Workload, WorkloadContext, WorkloadRequest, create_workload
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,17 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     identity = describe(cfg, cluster)
     run_name = run_name or f"{config.policy}-{config.backend}"
 
+    # A simulated run is pure Python bookkeeping over millions of small objects: no collector.
+    with gc_paused(all(isinstance(e.clock, VirtualClock) for e in engines)):
+        return _run(cfg, cluster, workload, sampling, slo, run_logger, identity, Path(run_dir), run_name, group,
+                    on_engine)
+
+
+def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[str, Any], slo: SLO,
+         run_logger: Guarded, identity: dict[str, Any], run_dir: Path, run_name: str, group: str | None,
+         on_engine: Callable[[LLMEngine], None] | None) -> dict[str, Any]:
+    """``run_experiment`` once its parts are built: warm up, generate, serve, record."""
+    engines = cluster.engines
     for engine in engines:
         warm_up(engine, cfg.get("warmup", 1))
     hits0 = [(e.allocator.stats.prefix_hit_tokens, e.allocator.stats.prefix_query_tokens) for e in engines]
@@ -164,7 +175,6 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     requests = workload.generate(WorkloadContext(first.model_config.vocab_size, first.tokenizer,
                                                  first.config.max_model_len))
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    run_dir = Path(run_dir)
     plots_wanted = cfg.get("plots", True)
     recorder = RunRecorder(run_dir, replica_column=cfg.get("cluster") is not None, keep_timeline=plots_wanted,
                            step_listener=run_logger.log_step if run_logger.implements("log_step") else None)

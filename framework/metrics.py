@@ -17,6 +17,7 @@ import operator
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from typing import Any
 
 import numpy as np
@@ -74,17 +75,24 @@ class RequestRecord:
         """A ``requests.csv`` row: latencies in ms. Of the ITLs only the longest (the worst stall
         the request saw) is kept, so a row costs the same for any output length; the run's ITL
         statistics and CDF pool every gap."""
-        ms = lambda v: None if v is None else round(v * 1000, 4)  # noqa: E731
+        return dict(zip(REQUEST_COLUMNS, self.values()))
+
+    def values(self) -> list[Any]:
+        """``row()``'s values, in ``REQUEST_COLUMNS`` order."""
         t = self.token_times
-        return {"request_id": self.request_id, "status": self.status, "priority": self.priority,
-                "arrival_s": round(self.arrival_time, 6), "prompt_len": self.prompt_len, "output_len": self.output_len,
-                "cached_tokens": self.cached_tokens, "queueing_delay_ms": ms(self.queueing_delay),
-                "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
-                "max_itl_ms": ms(max(map(operator.sub, t[1:], t))) if len(t) > 1 else None,
-                "num_preemptions": self.num_preemptions, "num_swaps": self.num_swaps, "message": self.message}
+        return [self.request_id, self.status, self.priority, round(self.arrival_time, 6), self.prompt_len,
+                self.output_len, self.cached_tokens, _ms(self.queueing_delay), _ms(self.ttft), _ms(self.tpot),
+                _ms(self.e2el), _ms(max(map(operator.sub, islice(t, 1, None), t))) if len(t) > 1 else None,
+                self.num_preemptions, self.num_swaps, self.message]
 
 
-REQUEST_COLUMNS = list(RequestRecord("", "").row())
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 4)
+
+
+REQUEST_COLUMNS = ["request_id", "status", "priority", "arrival_s", "prompt_len", "output_len", "cached_tokens",
+                   "queueing_delay_ms", "ttft_ms", "tpot_ms", "e2el_ms", "max_itl_ms", "num_preemptions", "num_swaps",
+                   "message"]
 #: ``StepStats`` fields, the columns of the engine's per-step records.
 STATS_COLUMNS = [f.name for f in dataclasses.fields(StepStats)]
 #: ``steps.csv``: each step's start in seconds since the run began, then its ``StepStats``.
@@ -177,11 +185,12 @@ def itl_gaps(records: Sequence[RequestRecord]) -> np.ndarray:
     times = [r.token_times for r in records if len(r.token_times) > 1]
     if not times:
         return np.empty(0)
-    flat = array("d")
-    for t in times:
-        flat.extend(t)
-    ends = np.cumsum(np.fromiter(map(len, times), dtype=np.int64, count=len(times)))
-    return np.delete(np.diff(np.frombuffer(flat)), ends[:-1] - 1)  # less the gaps between requests
+    lengths = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
+    flat = np.fromiter(chain.from_iterable(times), dtype=np.float64, count=int(lengths.sum()))
+    gaps = np.diff(flat)
+    keep = np.ones(len(gaps), dtype=bool)
+    keep[np.cumsum(lengths)[:-1] - 1] = False  # the gaps between one request's last token and the next's first
+    return gaps[keep]
 
 
 def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None = None,

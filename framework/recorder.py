@@ -109,7 +109,7 @@ class RunRecorder:
 
     def request_values(self, record: RequestRecord, replica: int = 0) -> list[Any]:
         """``record``'s ``requests.csv`` row, in ``request_columns`` order."""
-        values = list(record.row().values())
+        values = record.values()
         if self.replica_column:
             values.insert(1, replica)
         return values

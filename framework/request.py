@@ -8,6 +8,8 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from framework.sampling_params import SamplingParams
 
 
@@ -58,7 +60,7 @@ class Request:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         arrival_time: float,
         priority: int = 0,
@@ -69,6 +71,8 @@ class Request:
         index: int = 0,
     ) -> None:
         self.request_id = request_id
+        if hasattr(prompt_token_ids, "tolist"):  # a numpy array: Python ints, not numpy scalars
+            prompt_token_ids = prompt_token_ids.tolist()
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

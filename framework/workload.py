@@ -8,20 +8,25 @@ comes. Generation is deterministic: the same options and seed give the same requ
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import numpy as np
 
 from framework.registry import Registry
 from framework.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class WorkloadRequest:
-    """One request to send. ``arrival_time`` is seconds after the start of the run; ``priority``
-    follows vLLM (a lower value is more urgent); ``output_len`` is exact when ``ignore_eos``."""
+    """One request to send. ``prompt_token_ids`` is a list of ints or a 1-D integer numpy array
+    (the synthetic workload's: 4 bytes a token); ``arrival_time`` is seconds after the start of the
+    run; ``priority`` follows vLLM (a lower value is more urgent); ``output_len`` is exact when
+    ``ignore_eos``."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     output_len: int
     arrival_time: float = 0.0
     priority: int = 0
@@ -30,6 +35,14 @@ class WorkloadRequest:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    def __eq__(self, other: object) -> bool:
+        # The dataclass's own comparison would ask an array for one truth value.
+        if not isinstance(other, WorkloadRequest):
+            return NotImplemented
+        return ((self.request_id, self.output_len, self.arrival_time, self.priority, self.prompt)
+                == (other.request_id, other.output_len, other.arrival_time, other.priority, other.prompt)
+                and np.array_equal(self.prompt_token_ids, other.prompt_token_ids))
 
 
 @dataclass

@@ -265,18 +265,21 @@ class PagedBlockAllocator(BlockAllocator):
     def _pop_free(self) -> int:
         return self._pop_free_blocks(1)[0]
 
-    def _release(self, bid: int) -> None:
-        block = self._blocks[bid]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self._free[bid] = None
-            if block.hash is None:
-                self._free.move_to_end(bid, last=False)
+    def _release_all(self, request: Request) -> None:
+        """Drop ``request``'s reference to each of its blocks, the tail first (it is then evicted
+        first); a block no one holds goes back to the free queue."""
+        blocks, free = self._blocks, self._free
+        for bid in reversed(request.block_ids):
+            block = blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                free[bid] = None
+                if block.hash is None:
+                    free.move_to_end(bid, last=False)
+        request.block_ids = []
 
     def free(self, request: Request) -> None:
-        for bid in reversed(request.block_ids):  # the tail first: it is evicted first
-            self._release(bid)
-        request.block_ids = []
+        self._release_all(request)
         if request.cpu_block_ids:
             self._cpu_free.extend(request.cpu_block_ids)
             request.cpu_block_ids = []
@@ -307,9 +310,7 @@ class PagedBlockAllocator(BlockAllocator):
         if len(request.block_ids) > len(self._cpu_free):
             return None
         mapping = [(bid, self._cpu_free.pop()) for bid in request.block_ids]
-        for bid in reversed(request.block_ids):
-            self._release(bid)
-        request.block_ids = []
+        self._release_all(request)
         request.cpu_block_ids = [cpu for _, cpu in mapping]
         self.stats.blocks_swapped_out += len(mapping)
         return mapping

@@ -16,6 +16,10 @@ from framework.workloads.lengths import LengthDist
 _DRAW_CHUNK = 4096
 
 
+def _id_dtype(vocab_size: int) -> type[np.integer]:
+    return np.int32 if vocab_size <= np.iinfo(np.int32).max else np.int64
+
+
 @dataclass(frozen=True)
 class SharedPrefix:
     """``fraction`` of the requests start with one of ``num_prefixes`` system prompts of
@@ -117,9 +121,9 @@ class SyntheticWorkload(Workload):
         low, high = ctx.first_token_id, ctx.vocab_size
         if not 0 <= low < high:
             raise ValueError(f"vocabulary of {high} tokens leaves no ids for random prompts (first id {low})")
-        # One int object per id, shared by every prompt (the same draws as integers(low, high)):
-        # a large workload then holds pointers into one table, not millions of separate ints.
-        ids = np.arange(low, high).astype(object)
+        # Prompts are numpy arrays of 4-byte ids (a big simulated workload holds millions of
+        # tokens; the engine validates an array in one vectorised pass and makes its own list).
+        dtype = _id_dtype(high)
         priorities = [c.priority for c in classes]
         requests = []
         lengths, ends = prompt_lens.tolist(), np.cumsum(prompt_lens).tolist()
@@ -127,12 +131,12 @@ class SyntheticWorkload(Workload):
             # One draw for a chunk of requests: the same stream as a draw per request.
             last = min(n, first + _DRAW_CHUNK)
             base = ends[first] - lengths[first]
-            tokens = ids[token_rng.integers(0, high - low, size=ends[last - 1] - base)].tolist()
+            tokens = (token_rng.integers(0, high - low, size=ends[last - 1] - base) + low).astype(dtype)
             for i in range(first, last):
                 own = tokens[ends[i] - lengths[i] - base:ends[i] - base]
                 prefix = prefixes[i]
-                requests.append(WorkloadRequest(str(i), own if prefix is None else prefix + own, int(output_lens[i]),
-                                                float(times[i]), priorities[class_of[i]]))
+                requests.append(WorkloadRequest(str(i), own if prefix is None else np.concatenate((prefix, own)),
+                                                int(output_lens[i]), float(times[i]), priorities[class_of[i]]))
         return requests
 
     def _arrivals(self, arrival_rng: np.random.Generator, class_rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -154,16 +158,16 @@ class SyntheticWorkload(Workload):
         order = np.argsort(times, kind="stable")[:n]
         return times[order], labels[order]
 
-    def _prefix_assignment(self, rng: np.random.Generator, ctx: WorkloadContext) -> list[list[int] | None]:
+    def _prefix_assignment(self, rng: np.random.Generator, ctx: WorkloadContext) -> list[np.ndarray | None]:
         n = self.num_requests
         sp = self.shared_prefix
         if sp is None:
             return [None] * n
-        prompts = [rng.integers(ctx.first_token_id, ctx.vocab_size, size=sp.prefix_len).tolist()
+        prompts = [rng.integers(ctx.first_token_id, ctx.vocab_size, size=sp.prefix_len).astype(_id_dtype(ctx.vocab_size))
                    for _ in range(sp.num_prefixes)]
         chosen = rng.permutation(n)[: round(sp.fraction * n)]
         which = rng.integers(0, sp.num_prefixes, size=len(chosen))
-        out: list[list[int] | None] = [None] * n
+        out: list[np.ndarray | None] = [None] * n
         for i, k in zip(chosen, which):
             out[i] = prompts[k]
         return out

@@ -1,13 +1,15 @@
 """The driver every run uses: requests entering at their arrival times, events in time order,
 idle replicas waiting for arrivals (a virtual clock jumps, a wall clock sleeps), replicas that
 never interfere, routing that sees the cluster as of each arrival, and interrupts."""
+import gc
 import time
+from pathlib import Path
 
 import pytest
 
 from framework import EngineConfig, LLMEngine
 from framework.clock import VirtualClock, WallClock
-from framework.cluster import Cluster
+from framework.cluster import Cluster, gc_paused
 from framework.cost_model import BatchShape
 from framework.workload import WorkloadRequest
 from tests.framework.sim_support import chat_requests
@@ -187,3 +189,32 @@ def test_lazy_decode_runs_route_and_serve_exactly_like_stepping(router):
                               for i, o in cluster.run(requests).outputs))
     assert results[0] == results[1]
     assert len({r[1] for r in results[0]}) == 3 and any(r[3] for r in results[0])
+
+
+def test_gc_paused_restores_the_collector_with_the_survivors_aged():
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # a nested pause leaves the outer one in charge
+            kept = [[i] for i in range(20_000)]
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    # The survivors wait in the oldest generation, not in the youngest for the next collection to rescan.
+    assert gc.get_count()[0] < 1_000
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert all(id(x) in oldest for x in kept[::997])
+    with gc_paused(False):
+        assert gc.isenabled()
+
+
+def test_a_simulated_run_leaves_the_collector_on(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from framework.experiment import run_experiment
+
+    conf = str(Path(__file__).resolve().parents[2] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        cfg = compose(config_name="config", overrides=["+executor=sim", "workload.num_requests=5", "progress=false",
+                                                       "plots=false"])
+    assert run_experiment(cfg, tmp_path)["completed"] == 5
+    assert gc.isenabled()

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameError
@@ -35,12 +36,30 @@ def test_prompt_longer_than_token_budget_is_ignored_by_fcfs():
     ({"prompt_token_ids": [-1]}, "out of the vocabulary"),
     ("some text", "has no tokenizer"),
     ({"tokens": [1]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [3, 4.5]}, "float"),
+    ({"prompt_token_ids": np.array([3, 5000], dtype=np.int32)}, "5000 is out of the vocabulary"),
+    ({"prompt_token_ids": np.array([3, -2])}, "-2 is out of the vocabulary"),
+    ({"prompt_token_ids": np.array([3.0, 4.0])}, "1-D integer array"),
+    ({"prompt_token_ids": np.array([[3, 4]])}, "1-D integer array"),
+    ({"prompt_token_ids": np.array([], dtype=np.int64)}, "empty"),
 ])
 def test_bad_prompts_raise_clear_errors_and_queue_nothing(prompt, match):
     llm = small_llm()
     with pytest.raises(ValueError, match=match):
         llm.generate([{"prompt_token_ids": [4, 5]}, prompt], GREEDY)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_token_ids_as_numpy_arrays_or_numpy_scalars_are_plain_ints_inside():
+    llm = small_llm()
+    as_list = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, GREEDY)[0]
+    for ids in (np.array([5, 6, 7, 8], dtype=np.int32), list(np.array([5, 6, 7, 8])), np.array([5, 6, 7, 8], dtype=np.uint16)):
+        llm.engine.add_request("r", {"prompt_token_ids": ids}, GREEDY)
+        (req,) = llm.engine.scheduler.requests.values()
+        assert all(type(t) is int for t in req.token_ids)
+        while llm.engine.has_unfinished_requests():
+            out = llm.engine.step()
+        assert out[0].prompt_token_ids == [5, 6, 7, 8] and out[0].outputs[0].token_ids == as_list.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -23,6 +23,7 @@ def test_same_seed_same_requests_other_seed_others():
 def test_requests_are_well_formed():
     reqs = generate(num_requests=50, rate=10.0, prompt_len=[1, 30], output_len=[1, 5])
     assert len({r.request_id for r in reqs}) == 50
+    assert all(r.prompt_token_ids.dtype == np.int32 and r.prompt_token_ids.ndim == 1 for r in reqs)
     assert all(1 <= r.prompt_len <= 30 and 1 <= r.output_len <= 5 for r in reqs)
     assert all(3 <= t < 1024 for r in reqs for t in r.prompt_token_ids)
     times = [r.arrival_time for r in reqs]
@@ -31,7 +32,7 @@ def test_requests_are_well_formed():
 
 def test_changing_the_rate_changes_only_the_times():
     slow, fast = generate(num_requests=30, rate=2.0), generate(num_requests=30, rate=6.0)
-    assert [r.prompt_token_ids for r in slow] == [r.prompt_token_ids for r in fast]
+    assert [r.prompt_token_ids.tolist() for r in slow] == [r.prompt_token_ids.tolist() for r in fast]
     assert [r.output_len for r in slow] == [r.output_len for r in fast]
     assert np.allclose([r.arrival_time for r in slow], [3 * r.arrival_time for r in fast])
     assert all(r.arrival_time == 0 for r in generate(num_requests=5, rate=None))
