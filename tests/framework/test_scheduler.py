@@ -1,5 +1,7 @@
 """The scheduler's mechanism, driven by hand: preemption by swap and recompute, swap-in, the
 same-step rules that keep swap copies correct, and the invariant checks catching broken books."""
+from types import SimpleNamespace
+
 import pytest
 
 from framework.allocators.paged import PagedBlockAllocator
@@ -178,7 +180,7 @@ def test_invariants_catch_a_write_into_a_block_another_request_holds():
         s_.schedule_request(st, b, 1)
         # Then b's second block (where position 6 goes) is swapped for a's partially filled third.
         alloc = s_.allocator
-        alloc._release(b.block_ids[1])
+        alloc._release_all(SimpleNamespace(block_ids=[b.block_ids[1]]))  # b lets go of that one block
         b.block_ids[1] = a.block_ids[2]
         alloc._blocks[a.block_ids[2]].ref_count += 1
     with pytest.raises(AssertionError, match="shared by 2 requests"):
