@@ -227,6 +227,7 @@ def gc_paused(pause: bool = True) -> Iterator[None]:
     would rescan again and again for nothing, about a tenth of the run. On the way out the
     survivors go straight to the oldest generation (``freeze`` then ``unfreeze``, both O(1)):
     left in the youngest, the first collection after the pause would scan every one of them.
+    That is skipped when the program froze objects itself (``unfreeze`` would thaw them too).
     Nested pauses are free: only the outermost one acts."""
     if not pause or not gc.isenabled():
         yield
@@ -235,8 +236,9 @@ def gc_paused(pause: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
-        gc.freeze()
-        gc.unfreeze()
+        if not gc.get_freeze_count():
+            gc.freeze()
+            gc.unfreeze()
         gc.enable()
 
 

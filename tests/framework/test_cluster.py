@@ -205,6 +205,15 @@ def test_gc_paused_restores_the_collector_with_the_survivors_aged():
     assert all(id(x) in oldest for x in kept[::997])
     with gc_paused(False):
         assert gc.isenabled()
+    # Objects the program froze itself stay frozen.
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_a_simulated_run_leaves_the_collector_on(tmp_path):
