@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # install leaves that to the first import, which PYTHONDONTWRITEBYTECODE (set on these machines)
 # turns into compiling them again in every process (~70 ms a start).
 setup: $(VENV)/.installed
-	@$(PY) -m compileall -q framework policies backends models experiments >/dev/null
+	@$(PY) -m compileall -q framework policies backends models experiments
 
 # torch==2.13.0 goes in first: on a CPU machine it is the CPU wheel; anything looser would pull
 # several GB of CUDA packages. A torch already in the venv is kept.

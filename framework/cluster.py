@@ -106,6 +106,11 @@ class Cluster:
         except KeyboardInterrupt:
             result.interrupted = True
             logger.warning("interrupted: %d of %d requests sent finished", result.num_finished, result.num_sent)
+        finally:
+            # The run's settle closure reaches its whole state (on_output, and through it the
+            # caller's records): a replica outliving the run must not keep it alive.
+            for replica in self.replicas:
+                replica._settle = lambda index, t: None
         result.end_time = max(e.clock.now() for e in self.engines)
         result.unfinished = sorted(in_flight, key=lambda rid: (len(rid), rid))
         if result.interrupted and in_flight:
@@ -224,11 +229,10 @@ class Cluster:
 def gc_paused(pause: bool = True) -> Iterator[None]:
     """Pause CPython's cycle collector (if ``pause`` and it is on). A simulated run allocates
     millions of small acyclic objects (token lists, floats, blocks' tuples) that the collector
-    would rescan again and again for nothing, about a tenth of the run. On the way out the
-    survivors go straight to the oldest generation (``freeze`` then ``unfreeze``, both O(1)):
-    left in the youngest, the first collection after the pause would scan every one of them.
-    That is skipped when the program froze objects itself (``unfreeze`` would thaw them too).
-    Nested pauses are free: only the outermost one acts."""
+    would rescan again and again for nothing, about a tenth of the run; refcounting frees them
+    all the same. Nested pauses are free: only the outermost one acts. (Survivors are not moved
+    to the oldest generation on the way out: a finished run's cycles would then wait there for
+    a full collection that a process serving run after run seldom reaches.)"""
     if not pause or not gc.isenabled():
         yield
         return
@@ -236,9 +240,6 @@ def gc_paused(pause: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
-        if not gc.get_freeze_count():
-            gc.freeze()
-            gc.unfreeze()
         gc.enable()
 
 

@@ -339,10 +339,11 @@ class LLMEngine:
 
 def _token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:
     """``ids`` (a list, a 1-D integer numpy array or any iterable of ints) as a non-empty list of
-    ints in ``[0, vocab_size)``; ValueError otherwise. Big simulated workloads send millions of
-    ids, so the checks avoid a Python step per token where they can: an array is checked in
-    numpy, and a list whose ``sum`` is an ``int`` holds only ints (``sum`` turns float, Decimal
-    or numpy on meeting one, and fails on anything else) and is kept as is."""
+    ints in ``[0, vocab_size)``; ValueError otherwise (floats, and float, bool or object arrays,
+    included). Big simulated workloads send millions of ids, so the checks avoid a Python step
+    per token where they can: an array is checked in numpy, and a list whose ``sum`` is an
+    ``int`` holds only ints or bools (``sum`` turns float, Decimal or numpy on meeting one, and
+    fails on anything else) and is kept as is."""
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise ValueError(f"prompt token ids must be a 1-D integer array, got shape {ids.shape} of {ids.dtype}")

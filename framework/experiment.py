@@ -176,7 +176,9 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
                                                  first.config.max_model_len))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     plots_wanted = cfg.get("plots", True)
-    recorder = RunRecorder(run_dir, replica_column=cfg.get("cluster") is not None, keep_timeline=plots_wanted,
+    # Not cfg.get("cluster"): DictConfig.get raises and catches for an absent key, and the caught
+    # exception's frames hold this one (with the run's records) until the next cycle collection.
+    recorder = RunRecorder(run_dir, replica_column="cluster" in resolved, keep_timeline=plots_wanted,
                            step_listener=run_logger.log_step if run_logger.implements("log_step") else None)
     recorder.write_config(resolved)
     if cfg.get("save_workload", True):

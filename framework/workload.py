@@ -7,6 +7,7 @@ comes. Generation is deterministic: the same options and seed give the same requ
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,11 +39,10 @@ class WorkloadRequest:
 
     def __eq__(self, other: object) -> bool:
         # The dataclass's own comparison would ask an array for one truth value.
-        if not isinstance(other, WorkloadRequest):
+        if other.__class__ is not self.__class__:
             return NotImplemented
-        return ((self.request_id, self.output_len, self.arrival_time, self.priority, self.prompt)
-                == (other.request_id, other.output_len, other.arrival_time, other.priority, other.prompt)
-                and np.array_equal(self.prompt_token_ids, other.prompt_token_ids))
+        return all(np.array_equal(getattr(self, f.name), getattr(other, f.name)) if f.name == "prompt_token_ids"
+                   else getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self))
 
 
 @dataclass

@@ -132,6 +132,7 @@ class SyntheticWorkload(Workload):
             last = min(n, first + _DRAW_CHUNK)
             base = ends[first] - lengths[first]
             tokens = (token_rng.integers(0, high - low, size=ends[last - 1] - base) + low).astype(dtype)
+            tokens.flags.writeable = False  # prompts are views into it: an edit in place would reach others
             for i in range(first, last):
                 own = tokens[ends[i] - lengths[i] - base:ends[i] - base]
                 prefix = prefixes[i]

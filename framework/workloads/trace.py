@@ -140,7 +140,14 @@ def save_trace(path: str | Path, requests: list[WorkloadRequest]) -> None:
         for r in requests:
             f.write(orjson.dumps({"request_id": r.request_id, "arrival_time": r.arrival_time, "priority": r.priority,
                                   "output_len": r.output_len, "prompt_token_ids": r.prompt_token_ids},
-                                 option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+                                 option=orjson.OPT_SERIALIZE_NUMPY, default=_as_list) + b"\n")
+
+
+def _as_list(value: Any) -> Any:
+    """What orjson cannot write natively: a strided numpy array (a slice with a step)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot write {type(value).__name__} to a trace")
 
 
 @WORKLOADS.register("trace")

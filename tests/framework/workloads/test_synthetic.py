@@ -24,6 +24,8 @@ def test_requests_are_well_formed():
     reqs = generate(num_requests=50, rate=10.0, prompt_len=[1, 30], output_len=[1, 5])
     assert len({r.request_id for r in reqs}) == 50
     assert all(r.prompt_token_ids.dtype == np.int32 and r.prompt_token_ids.ndim == 1 for r in reqs)
+    with pytest.raises(ValueError, match="read-only"):  # prompts share one draw: no edits in place
+        reqs[0].prompt_token_ids[0] = 7
     assert all(1 <= r.prompt_len <= 30 and 1 <= r.output_len <= 5 for r in reqs)
     assert all(3 <= t < 1024 for r in reqs for t in r.prompt_token_ids)
     times = [r.arrival_time for r in reqs]

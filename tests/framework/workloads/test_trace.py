@@ -29,6 +29,13 @@ def test_numpy_numbers_a_custom_workload_hands_over_are_saved_as_plain_numbers(t
     assert load_trace(tmp_path / "t.jsonl", CTX) == [WorkloadRequest("a", [5, 6, 7, 8], 3, 0.5, 1)]
 
 
+@pytest.mark.parametrize("ids", [np.arange(5, 13, dtype=np.int32)[::2], np.arange(5, 9, dtype=np.uint16)])
+def test_prompts_as_numpy_arrays_strided_or_unsigned_round_trip(tmp_path, ids):
+    save_trace(tmp_path / "t.jsonl", [WorkloadRequest("a", ids, 3)])
+    (back,) = load_trace(tmp_path / "t.jsonl", CTX)
+    assert back.prompt_token_ids == ids.tolist() and all(type(t) is int for t in back.prompt_token_ids)
+
+
 def test_entry_forms_and_sorting(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [
         "# comment lines and blank lines are skipped", "",
