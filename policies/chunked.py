@@ -22,6 +22,8 @@ class ChunkedPolicy(SchedulerPolicy):
     """
 
     chunks_prefills = True
+    # With nothing waiting or swapped, the loop over running requests gives each its one token.
+    steady_decode = True
 
     def __init__(self, preemption_mode: str = RECOMPUTE, long_prefill_token_threshold: int = 0) -> None:
         super().__init__(preemption_mode)

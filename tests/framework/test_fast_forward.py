@@ -43,6 +43,8 @@ SCENARIOS = {
                              policy_options={"preemption_mode": "swap"}, swap_space=0.05),
     "block size 1": dict(block_size=1, num_gpu_blocks_override=3000, max_model_len=1024),
     "no prefix caching, length cap": dict(enable_prefix_caching=False, block_size=32, max_model_len=700),
+    "chunked prefill": dict(policy="chunked", policy_options={"long_prefill_token_threshold": 256}),
+    "chunked, recompute preemptions": dict(num_gpu_blocks_override=260, max_model_len=1024, policy="chunked"),
 }
 
 
