@@ -158,7 +158,7 @@ class BlockAllocator(ABC):
             # multiple of bs, and starts one on the step after.
             fill = (-computed) % bs or bs
             begin = fill % bs + 1
-            for j in sorted(set(range(fill, last + 1, bs)) | set(range(begin, last + 1, bs))):
+            for j in set(range(fill, last + 1, bs)) | set(range(begin, last + 1, bs)):
                 events.setdefault(j, []).append((req, computed))
         used: list[int] = []
         done = 0
@@ -166,10 +166,10 @@ class BlockAllocator(ABC):
             if track:
                 used.extend([self.num_used_blocks] * (j - 1 - done))
             for req, computed in events[j]:
-                saved = req.num_computed_tokens
+                # A request's count changes only at its own pause, after its last allocation.
                 req.num_computed_tokens = computed + j - 1
                 ok = self.allocate_slots(req, 1)
-                req.num_computed_tokens = saved
+                req.num_computed_tokens = computed
                 if not ok:
                     raise RuntimeError(f"decode run: {req.request_id} found no free block although the pool was checked")
             if j in pauses:

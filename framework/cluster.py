@@ -90,10 +90,8 @@ class Cluster:
         finishes or, with no callback, into the result's ``outputs``."""
         start = max(e.clock.now() for e in self.engines) if start is None else start
         result = ServeResult(start, start, 0, 0)
-        in_flight: set[str] = set()
 
         def emit(i: int, out: RequestOutput) -> None:
-            in_flight.discard(out.request_id)
             result.num_finished += 1
             if on_output is None:
                 result.outputs.append((i, out))
@@ -102,7 +100,7 @@ class Cluster:
 
         try:
             with gc_paused(not self._wall):
-                self._serve(iter(requests), sampling or {}, start, emit, in_flight, result)
+                self._serve(iter(requests), sampling or {}, start, emit, result)
         except KeyboardInterrupt:
             result.interrupted = True
             logger.warning("interrupted: %d of %d requests sent finished", result.num_finished, result.num_sent)
@@ -112,15 +110,17 @@ class Cluster:
             for replica in self.replicas:
                 replica._settle = lambda index, t: None
         result.end_time = max(e.clock.now() for e in self.engines)
-        result.unfinished = sorted(in_flight, key=lambda rid: (len(rid), rid))
-        if result.interrupted and in_flight:
+        if result.interrupted:  # each replica aborts its own unfinished requests
             for engine in self.engines:
-                if engine.has_unfinished_requests():
-                    _abort(engine, result.unfinished)
+                ids = engine.unfinished_request_ids()
+                if ids:
+                    result.unfinished += ids
+                    _abort(engine, ids)
+            result.unfinished.sort(key=lambda rid: (len(rid), rid))
         return result
 
     def _serve(self, source: Iterator[WorkloadRequest], sampling: dict[str, Any], start: float, emit: OnOutput,
-               in_flight: set[str], result: ServeResult) -> None:
+               result: ServeResult) -> None:
         engines, replicas, router = self.engines, self.replicas, self.router
         n = len(engines)
         # With several replicas on a deterministic cost model, a replica's decode run is planned
@@ -135,12 +135,14 @@ class Cluster:
         version = [0] * n
         plans: list[DecodePlan | None] = [None] * n
         busy = [False] * n
-        finishes: list[tuple[float, int]] = []     # (finish time, replica), applied at routing
+        # (finish time, replica), applied at routing: only routers read Replica.num_finished.
+        finishes: list[tuple[float, int]] = []
 
         def emit_all(i: int, outputs: list[RequestOutput]) -> None:
             for out in outputs:
                 emit(i, out)
-                heapq.heappush(finishes, (out.metrics.finished_time, i))
+                if n > 1:
+                    heapq.heappush(finishes, (out.metrics.finished_time, i))
 
         def settle(i: int, t: float) -> None:
             """Apply replica i's planned steps that start before t, and drop the rest of the plan."""
@@ -189,7 +191,6 @@ class Cluster:
                 prompt = nxt.prompt_token_ids if nxt.prompt is None else {
                     "prompt_token_ids": nxt.prompt_token_ids, "prompt": nxt.prompt}
                 engine.add_request(nxt.request_id, prompt, params, arrival_time=a, priority=nxt.priority)
-                in_flight.add(nxt.request_id)
                 result.num_sent += 1
                 replicas[i].num_routed += 1
                 if not busy[i]:

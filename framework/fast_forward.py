@@ -79,13 +79,16 @@ def _declares(policy_cls: type) -> bool:
 class DecodePlan:
     """The pure-decode steps that provably come next from the engine's current state: step ``k``
     ends at ``end_times[k]``; request ``i`` of ``running`` samples ``tokens[i]`` and finishes on
-    its ``lefts[i]``-th step. Planning changes nothing; a plan is valid until the engine changes."""
+    its ``lefts[i]``-th step; ``segments`` are the runs of steps between finishes, ``(steps, batch
+    size, keys attended on the first)``. Planning changes nothing; a plan is valid until the
+    engine changes."""
 
     start_time: float
     end_times: list[float]
     running: list[Request]
     tokens: list[int]
     lefts: list[int]
+    segments: list[tuple[int, int, int]]
 
 
 def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes: bool = True) -> DecodePlan | None:
@@ -149,7 +152,7 @@ def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes
     times = executor.plan_decode_run(segments, until)
     if not times:
         return None
-    return DecodePlan(start, times, list(running), tokens, lefts)
+    return DecodePlan(start, times, list(running), tokens, lefts, segments)
 
 
 def commit_decode_run(engine: LLMEngine, plan: DecodePlan, num: int) -> DecodeRun:
@@ -199,12 +202,13 @@ def commit_decode_run(engine: LLMEngine, plan: DecodePlan, num: int) -> DecodeRu
     executor.commit_decode_run(times)
     scheduler.num_steps += num
     engine.num_steps += num
-    sizes = []
-    alive = len(running)
-    for k in range(1, num + 1 if track else 1):
-        sizes.append(alive)
-        if k in groups:
-            alive -= len(groups[k])
+    sizes: list[int] = []
+    if track:
+        for steps, alive, _ in plan.segments:
+            sizes += [alive] * steps
+            if len(sizes) >= num:
+                break
+        del sizes[num:]
     return DecodeRun(first_step, plan.start_time, times, sizes, used, allocator.num_usable_blocks,
                      finished, finished_outside)
 

@@ -59,6 +59,12 @@ def grid_cells(name: str, lengths: list[int] | None = None, counts: list[int] | 
 STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 
 
+def _statistic(name: str) -> Callable[[list[float]], float]:
+    if name not in STATISTICS:
+        raise ValueError(f"unknown statistic {name!r}; statistics: {', '.join(STATISTICS)}")
+    return STATISTICS[name]
+
+
 def record_shapes(engine: Any) -> list[BatchShape]:
     """A list that gets the ``BatchShape`` of every step ``engine``'s executor runs, read as the
     step starts (``del engine.executor.execute`` stops it)."""
@@ -108,9 +114,7 @@ class Profiler:
     def samples(self, statistic: str = "median") -> list[tuple[BatchShape, float]]:
         """Seconds of every distinct shape measured: the ``statistic`` (one of ``STATISTICS``)
         of its repeats."""
-        if statistic not in STATISTICS:
-            raise ValueError(f"unknown statistic {statistic!r}; statistics: {', '.join(STATISTICS)}")
-        reduce = STATISTICS[statistic]
+        reduce = _statistic(statistic)
         return [(BatchShape.from_list(list(key)), reduce(v)) for key, v in self.seconds.items()]
 
 
@@ -121,8 +125,7 @@ def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: 
     off so every prompt computes), timed with ``timer`` (``time.process_time`` leaves out other
     processes' time on a shared machine, provided torch runs one thread). A first pass warms up
     and is not recorded."""
-    if statistic not in STATISTICS:
-        raise ValueError(f"unknown statistic {statistic!r}; statistics: {', '.join(STATISTICS)}")
+    _statistic(statistic)  # before the grid runs
     profiler = Profiler(engine, seed, timer)
     try:
         for rep in range(repeats + 1):

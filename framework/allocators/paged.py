@@ -99,8 +99,7 @@ class PagedBlockAllocator(BlockAllocator):
             raise ValueError(f"{request.request_id}: a prefix can only be taken by a request holding no blocks")
         start = request.num_computed_tokens + prefix_tokens
         total = start + num_new_tokens
-        held = len(request.block_ids) + len(prefix_ids)
-        num_new_blocks = max(0, -(-total // bs) - held)
+        num_new_blocks = self._new_blocks(request, num_new_tokens, prefix)
         # Writing into a partially filled block that others share needs a private copy first.
         cow = (num_new_tokens > 0 and start % bs != 0 and bool(request.block_ids)
                and start // bs < len(request.block_ids)
