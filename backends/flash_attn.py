@@ -16,11 +16,6 @@ import torch
 from backends.naive import write_kv
 from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
 
-#: flash-attn 2's paged KV cache needs block_size to be a multiple of this.
-PAGE_MULTIPLE = 256
-MAX_HEAD_DIM = 256
-
-
 @dataclass
 class FlashAttnMetadata:
     common: AttentionMetadata
@@ -41,19 +36,14 @@ def missing_requirements(block_size: int, dtype: torch.dtype, device: torch.devi
     if importlib.util.find_spec("flash_attn") is None:
         problems.append("the flash-attn package is not installed (pip install 'flash-attn>=2.6', "
                         "or this project's [cuda] extra)")
-    if block_size % PAGE_MULTIPLE:
-        problems.append(f"block_size={block_size} is not a multiple of {PAGE_MULTIPLE}, which flash-attn's paged "
-                        f"KV cache requires (run with engine.block_size={PAGE_MULTIPLE})")
-    if dtype not in (torch.float16, torch.bfloat16):
-        problems.append(f"dtype {dtype} is not supported, only float16 and bfloat16 (set engine.dtype=bfloat16)")
-    if head_dim > MAX_HEAD_DIM:
-        problems.append(f"head size {head_dim} is above flash-attn's limit of {MAX_HEAD_DIM}")
-    return problems
+    return problems + FlashAttnBackend.unsupported(head_dim, block_size, dtype)
 
 
 @BACKENDS.register("flash_attn")
 class FlashAttnBackend(AttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
+    max_head_size = 256
+    block_size_multiple = 256  # what flash-attn 2's paged KV cache reads
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -9,6 +9,7 @@ the block table, so a tile may span several cache blocks.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -236,8 +237,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     heads_pad, head_dim_pad = _pow2(num_kv_heads), _pow2(head_dim, 16)
-    # The interpreter pays per program, not per element: one program covers a whole step.
-    block_t = min(_pow2(num_tokens), 4096) if INTERPRETED else max(1, 4096 // (heads_pad * head_dim_pad))
+    block_t = store_block_t(num_tokens, heads_pad, head_dim_pad)
     _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, k_cache, v_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -246,17 +246,35 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
 
 
+def store_block_t(num_tokens: int, heads_pad: int, head_dim_pad: int) -> int:
+    """Tokens per ``_store_kv_kernel`` program. The interpreter pays per program, not per
+    element: there one program covers a whole step."""
+    return min(_pow2(num_tokens), 4096) if INTERPRETED else max(1, 4096 // (heads_pad * head_dim_pad))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for ``dtype`` operands: exact for float32 (the float64
+    reference checks it), tensor cores' tf32 otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @dataclass
 class LaunchPlan:
     """One step's tiling, shared by every layer: tile sizes and the list of query tiles the
     attention kernel's first grid axis runs over, as ``tiles`` int64 ``[5, num_tiles]`` rows:
-    request, first token row, number of tokens, position of the first token, end of its keys."""
+    request, first token row, number of tokens, position of the first token, end of its keys
+    (``tile_rows``: the five rows, the kernel's arguments). With splits, ``part`` and ``lse`` are
+    the float32 partial outputs ``[splits, T, heads, head_dim]`` and log-sum-exps ``[splits, T,
+    heads]`` every layer writes and combines (layers run one after another)."""
 
     block_q: int
     block_n: int
     kv_heads: int    # K/V heads per program
     num_splits: int  # key ranges per tile (flash-decoding); 1 = none
     tiles: torch.Tensor
+    tile_rows: tuple[torch.Tensor, ...] = ()
+    part: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
 
 
 # What the interpreter spends, measured on a 2-core CPU (``tile_sizes`` weighs candidates with
@@ -314,9 +332,14 @@ def plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_heads: int, num_
     first_pos = (seq_lens - q_lens)[req] + offset
     num_tokens = np.minimum(q_lens[req] - offset, block_q)
     kv_end = first_pos + num_tokens  # keys past the tile's last token are in every row's future
-    tiles = np.stack([req, query_start_loc[req] + offset, num_tokens, first_pos, kv_end])
+    tiles = torch.from_numpy(np.stack([req, query_start_loc[req] + offset, num_tokens, first_pos, kv_end])).to(device)
     splits = num_splits(len(req) * num_kv_heads // kv_heads, int(kv_end.max()), block_n, device)
-    return LaunchPlan(block_q, block_n, kv_heads, splits, torch.from_numpy(tiles).to(device))
+    part = lse = None
+    if splits > 1:
+        num_tokens_total = int(query_start_loc[-1])
+        part = torch.empty((splits, num_tokens_total, num_heads, head_dim), dtype=torch.float32, device=device)
+        lse = torch.empty((splits, num_tokens_total, num_heads), dtype=torch.float32, device=device)
+    return LaunchPlan(block_q, block_n, kv_heads, splits, tiles, tuple(tiles), part, lse)
 
 
 def num_splits(num_programs: int, longest: int, block_n: int, device: torch.device) -> int:
@@ -325,9 +348,13 @@ def num_splits(num_programs: int, longest: int, block_n: int, device: torch.devi
     Always 1 under the interpreter, where more programs only cost more."""
     if INTERPRETED or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = -(-2 * sms // num_programs)
+    wanted = -(-2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device()) // num_programs)
     return max(1, min(wanted, longest // (8 * block_n), 16))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -337,22 +364,21 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    tiles, splits = launch.tiles, launch.num_splits
+    splits = launch.num_splits
     if splits == 1:
         part, lse = out[None], out  # lse is not touched without splits
     else:
-        part = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
-        lse = torch.empty((splits, *q.shape[:2]), dtype=torch.float32, device=q.device)
-    grid = (tiles.shape[1], triton.cdiv(num_kv_heads, launch.kv_heads), splits)
+        part, lse = launch.part, launch.lse
+    grid = (launch.tiles.shape[1], triton.cdiv(num_kv_heads, launch.kv_heads), splits)
     _paged_attention_kernel[grid](
-        part, lse, q, k_cache, v_cache, block_table, tiles[0], tiles[1], tiles[2], tiles[3], tiles[4],
+        part, lse, q, k_cache, v_cache, block_table, *launch.tile_rows,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group), KV_HEADS=launch.kv_heads,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(q.dtype),
         # The interpreter multiplies bfloat16 as raw integers, and float16 without BLAS.
         DOT_FP32=INTERPRETED and q.dtype != torch.float32)
     if splits > 1:

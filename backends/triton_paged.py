@@ -19,7 +19,6 @@ import torch
 from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
 
 _KERNELS = "backends.triton_kernels"
-MAX_HEAD_DIM = 256
 INTERPRETER_NOTICE = ("servelab: no CUDA device for the triton attention backend; running its kernels "
                       "through Triton's CPU interpreter (TRITON_INTERPRET=1, numpy's BLAS on one thread). "
                       "Correct but slow.")
@@ -66,11 +65,11 @@ class TritonMetadata:
 
 @BACKENDS.register("triton")
 class TritonBackend(AttentionBackend):
+    max_head_size = 256
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
-        if head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"attention backend 'triton' supports head sizes up to {MAX_HEAD_DIM}, got {head_dim}")
         self.kernels = load_kernels(self.device)
 
     def build_metadata(self, meta: AttentionMetadata) -> TritonMetadata:

@@ -34,9 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from backends.flash_attn import missing_requirements  # noqa: E402
 from framework.attention import BACKENDS, AttentionMetadata  # noqa: E402
+from framework.config import DTYPE_ALIASES  # noqa: E402
+from framework.executors.model import resolve_device, resolve_dtype  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -70,17 +72,7 @@ def make_inputs(case: Case, heads: int, kv_heads: int, head_dim: int, block_size
     slots = (table[:, pos // block_size] * block_size + pos % block_size).ravel()
     qsl = np.arange(n + 1, dtype=np.int64) * case.q_len
     seq_lens = np.full(n, seq, dtype=np.int64)
-    computed = np.full(n, case.context, dtype=np.int64)
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device)
-
-    meta = AttentionMetadata(
-        num_reqs=n, num_actual_tokens=tokens, max_query_len=case.q_len, max_seq_len=seq, block_size=block_size,
-        query_start_loc=t(qsl), seq_lens=t(seq_lens), num_computed_tokens=t(computed), block_table=t(table),
-        slot_mapping=t(slots), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_computed_tokens_cpu=computed,
-        block_table_cpu=table, num_prefills=0 if case.q_len == 1 else n,
-        num_prefill_tokens=0 if case.q_len == 1 else tokens, num_decode_tokens=tokens if case.q_len == 1 else 0)
+    meta = AttentionMetadata.from_host(qsl, seq_lens, table, slots.astype(np.int64), block_size, device)
     return q, k, v, cache, meta
 
 
@@ -138,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", default=None, help="comma-separated (default: naive,torch_paged on CPU; "
                    "naive,torch_paged,triton and flash_attn if installed on CUDA)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", default="auto", choices=sorted({"auto", *DTYPE_ALIASES}),
+                   help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--heads", type=int, default=None, help="query heads (default 8 on CPU, 32 on CUDA)")
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default 4 on CPU, 8 on CUDA)")
     p.add_argument("--head-dim", type=int, default=None, help="default 32 on CPU (the tiny presets), 128 on CUDA")
@@ -153,11 +146,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="buffer rewritten before each timed call to evict the caches (default 64 CPU, 256 CUDA)")
     args = p.parse_args(argv)
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     gpu = device.type == "cuda"
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype or ("bfloat16" if gpu else "float32")]
+    dtype = resolve_dtype(args.dtype, None, device)
     heads = args.heads or (32 if gpu else 8)
     kv_heads = args.kv_heads or (8 if gpu else 4)
     head_dim = args.head_dim or (128 if gpu else 32)
@@ -170,15 +163,14 @@ def main(argv: list[str] | None = None) -> None:
         names = args.backends.split(",")
     else:
         names = ["naive", "torch_paged"] + (["triton"] if gpu else [])
-        if gpu and "flash_attn" in BACKENDS.list():
-            try:
-                BACKENDS.create("flash_attn", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                scale=1.0, block_size=256, dtype=dtype, device=device)
+        if gpu:
+            problems = missing_requirements(256, dtype, device, head_dim)
+            if problems:
+                print(f"(flash_attn left out: {'; '.join(problems)})")
+            else:
                 names.append("flash_attn")
-            except (RuntimeError, ImportError) as exc:
-                print(f"(flash_attn left out: {exc})")
 
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     bandwidth = copy_bandwidth(device, 1024 if gpu else 256)
     name = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; dtype {dtype}; heads {heads}/{kv_heads} (q/kv), head_dim {head_dim}, "
@@ -210,12 +202,11 @@ def make_call(name: str, case: Case, heads: int, kv_heads: int, head_dim: int, b
     q, k, v, cache, meta = make_inputs(case, heads, kv_heads, head_dim, block_size, dtype, device)
     backend = BACKENDS.create(name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                               scale=head_dim ** -0.5, block_size=block_size, dtype=dtype, device=device)
-    out = torch.empty_like(q)
     with torch.inference_mode():
         step_meta = backend.build_metadata(meta)
 
-    def call():
-        backend.forward(q, k, v, cache, step_meta, out=out)
+    def call():  # as the model calls it: each backend allocates its output (flash-attn cannot write into one)
+        backend.forward(q, k, v, cache, step_meta)
 
     return call
 

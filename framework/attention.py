@@ -47,6 +47,27 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                  slot_mapping: np.ndarray, block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """The metadata of a step given as int64 host arrays, the rest derived (tests and
+        benchmarks; input preparers build theirs with one transfer, ``InputPreparer.model_input``)."""
+        q_lens = np.diff(query_start_loc)
+        computed = seq_lens - q_lens
+        prefill = q_lens > 1
+        dev = torch.device(device)
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev)
+
+        return cls(
+            num_reqs=len(seq_lens), num_actual_tokens=int(query_start_loc[-1]), max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()), block_size=block_size, query_start_loc=t(query_start_loc),
+            seq_lens=t(seq_lens), num_computed_tokens=t(computed), block_table=t(block_table),
+            slot_mapping=t(slot_mapping), query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+            num_computed_tokens_cpu=computed, block_table_cpu=block_table, num_prefills=int(prefill.sum()),
+            num_prefill_tokens=int(q_lens[prefill].sum()), num_decode_tokens=int((q_lens == 1).sum()))
+
 
 class AttentionBackend(ABC):
     """Stores a step's new K/V in the paged cache and computes causal attention over each
@@ -64,8 +85,8 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str] = ""
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
-    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
-    supported_block_sizes: ClassVar[tuple[int, ...] | None] = None
+    max_head_size: ClassVar[int | None] = None
+    block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -80,15 +101,26 @@ class AttentionBackend(ABC):
         self.device = torch.device(device)
         self._check_supported()
 
+    @classmethod
+    def unsupported(cls, head_dim: int, block_size: int, dtype: torch.dtype) -> list[str]:
+        """What in these settings the class's limits (``supported_dtypes``, ``max_head_size``,
+        ``block_size_multiple``) rule out, one phrase each; empty when nothing."""
+        problems = []
+        if dtype not in cls.supported_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
+            problems.append(f"dtype {dtype} is not supported, only {names} "
+                            f"(set engine.dtype={str(cls.supported_dtypes[-1]).removeprefix('torch.')})")
+        if cls.max_head_size is not None and head_dim > cls.max_head_size:
+            problems.append(f"head size {head_dim} is too large: it supports head sizes up to {cls.max_head_size}")
+        if block_size % cls.block_size_multiple:
+            problems.append(f"block_size={block_size} is not a multiple of {cls.block_size_multiple} "
+                            f"(run with engine.block_size={cls.block_size_multiple})")
+        return problems
+
     def _check_supported(self) -> None:
-        who = f"attention backend {self.name!r}"
-        if self.dtype not in self.supported_dtypes:
-            raise ValueError(f"{who} does not support dtype {self.dtype}; it supports {list(self.supported_dtypes)}")
-        if self.supported_head_sizes and self.head_dim not in self.supported_head_sizes:
-            raise ValueError(f"{who} does not support head size {self.head_dim}; it supports {list(self.supported_head_sizes)}")
-        if self.supported_block_sizes and self.block_size not in self.supported_block_sizes:
-            raise ValueError(
-                f"{who} does not support block_size={self.block_size}; it supports {list(self.supported_block_sizes)}")
+        problems = self.unsupported(self.head_dim, self.block_size, self.dtype)
+        if problems:
+            raise ValueError(f"attention backend {self.name!r} cannot run with these settings: " + "; ".join(problems))
 
     def build_metadata(self, meta: AttentionMetadata) -> Any:
         """Per-step preparation shared by all layers (default: use the common metadata as is)."""

@@ -79,8 +79,7 @@ class ModelExecutor(Executor):
         if self._device.type != "cuda":
             return self.config.cpu_kv_cache_gb * GiB
         free, total = torch.cuda.mem_get_info(self._device)
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        activations = activation_peak_bytes(self.source.config, self.config, esize)
+        activations = activation_peak_bytes(self.source.config, self.config, self.dtype.itemsize)
         used = total - free
         return max(0.0, total * self.config.gpu_memory_utilization - used - activations)
 

@@ -73,20 +73,9 @@ def random_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int
         outs.append(reference_attention(queries, keys, values, scale, group))
 
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
-    computed = seq_lens - q_lens
     slot_mapping = np.concatenate(slots).astype(np.int64)
     dev = torch.device(device)
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev)
-
-    meta = AttentionMetadata(
-        num_reqs=len(specs), num_actual_tokens=int(qsl[-1]), max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()), block_size=block_size, query_start_loc=t(qsl), seq_lens=t(seq_lens),
-        num_computed_tokens=t(computed), block_table=t(table), slot_mapping=t(slot_mapping),
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_computed_tokens_cpu=computed, block_table_cpu=table,
-        num_prefills=int((q_lens > 1).sum()), num_prefill_tokens=int(q_lens[q_lens > 1].sum()),
-        num_decode_tokens=int((q_lens == 1).sum()))
+    meta = AttentionMetadata.from_host(qsl, seq_lens, table, slot_mapping, block_size, dev)
     return Batch(q=torch.cat(qs).to(dev), k=torch.cat(ks).to(dev), v=torch.cat(vs).to(dev), kv_cache=cache.to(dev),
                  meta=meta, expected=torch.cat(outs), scale=scale)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -19,6 +20,7 @@ import backends.triton_kernels as tk
 
 # (dtype, head_dim, query heads per K/V head)
 CONFIGS = [("bf16", 128, 4), ("fp16", 80, 1), ("fp32", 64, 8), ("bf16", 256, 2)]
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def signature(fn, pointer_types: dict[str, str], scalars: dict[str, str], constexprs: dict) -> ASTSource:
@@ -39,7 +41,7 @@ def attention(dtype: str, head_dim: int, group: int, block_q: int, block_n: int,
                 "v_cache_ptr": f"*{dtype}"}
     constexprs = dict(NUM_KV_HEADS=8, GROUP=group, GROUP_PAD=tk._pow2(group), KV_HEADS=1, HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=tk._pow2(head_dim, 16), BLOCK_SIZE=16, BLOCK_Q=block_q, BLOCK_N=block_n,
-                      NUM_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_FP32=False)
+                      NUM_SPLITS=splits, DOT_PRECISION=tk.dot_precision(TORCH_DTYPES[dtype]), DOT_FP32=False)
     return signature(tk._paged_attention_kernel, pointers, {"scale_log2e": "fp32"}, constexprs)
 
 
@@ -47,7 +49,7 @@ def store(dtype: str, head_dim: int) -> ASTSource:
     pointers = {name: f"*{dtype}" for name in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
     head_dim_pad = tk._pow2(head_dim, 16)
     constexprs = dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16,
-                      BLOCK_T=max(1, 4096 // (8 * head_dim_pad)))
+                      BLOCK_T=tk.store_block_t(4096, 8, head_dim_pad))
     return signature(tk._store_kv_kernel, pointers, {}, constexprs)
 
 
