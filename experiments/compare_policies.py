@@ -1,8 +1,8 @@
 """fcfs vs chunked vs priority_swap on a mixed workload, and swap vs recompute under one memory
 pressure, on the CPU tiny model.
 
-Many short chats (priority 0) and a few long prompts (priority 1) arrive as a Poisson process;
-each is added to the engine at its arrival time. Prints p50/p99 TTFT (chats, long prompts, all)
+Many short chats (priority 0) and a few long prompts (priority 1) arrive as a Poisson process,
+served by the run driver (``framework.cluster.Cluster``), which adds each at its arrival time. Prints p50/p99 TTFT (chats, long prompts, all)
 and TPOT per run, the same figures as ratios against fcfs, and preemptions, swap volumes, time
 spent copying blocks and tokens recomputed after preemption.
 
@@ -22,22 +22,27 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
-from framework import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from framework import EngineConfig, LLMEngine  # noqa: E402
 from framework.clock import CPUClock, WallClock  # noqa: E402
+from framework.cluster import Cluster  # noqa: E402
+from framework.experiment import warm_up  # noqa: E402
+from framework.workload import WorkloadRequest  # noqa: E402
 
 
-def workload(args, seed):
-    """(arrival time, prompt, params, priority, kind), sorted by time."""
+def workload(args, seed) -> tuple[list[WorkloadRequest], dict[str, str]]:
+    """The requests in arrival order (exactly ``args.chats`` chats and ``args.long`` long
+    prompts, shuffled), and the kind of each by id."""
     rng = random.Random(seed)
     jobs = [("chat", rng.randint(24, 96), rng.randint(24, 48), 0) for _ in range(args.chats)]
     jobs += [("long", rng.randint(600, 800), 16, 1) for _ in range(args.long)]
     rng.shuffle(jobs)
-    t, out = 0.0, []
-    for kind, n_in, n_out, prio in jobs:
+    t, requests, kinds = 0.0, [], {}
+    for i, (kind, n_in, n_out, prio) in enumerate(jobs):
         t += rng.expovariate(args.rate)
         prompt = [rng.randrange(3, 1024) for _ in range(n_in)]
-        out.append((t, prompt, SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True), prio, kind))
-    return out
+        requests.append(WorkloadRequest(str(i), prompt, n_out, t, prio))
+        kinds[str(i)] = kind
+    return requests, kinds
 
 
 def run(args, seed, name, policy, **engine_kw):
@@ -57,24 +62,13 @@ def run(args, seed, name, policy, **engine_kw):
     runner.apply_block_ops = timed_block_ops
     computed = [0]
     engine.step_callbacks.append(lambda stats, out: computed.__setitem__(0, computed[0] + stats.num_scheduled_tokens))
-    engine.add_request("warm-up", [5] * 64, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    warm_up(engine, 1)
     computed[0] = 0
 
-    jobs = workload(args, seed)
-    kinds = {str(i): job[4] for i, job in enumerate(jobs)}
-    clock, t0, i, done = engine.clock, engine.clock.now(), 0, []
-    while i < len(jobs) or engine.has_unfinished_requests():
-        while i < len(jobs) and t0 + jobs[i][0] <= clock.now():
-            t, prompt, params, prio, _ = jobs[i]
-            engine.add_request(str(i), prompt, params, arrival_time=t0 + t, priority=prio)
-            i += 1
-        if not engine.has_unfinished_requests():
-            clock.wait_until(t0 + jobs[i][0])
-            continue
-        done += [o for o in engine.step() if o.finished]
-    makespan = clock.now() - t0
+    requests, kinds = workload(args, seed)
+    result = Cluster([engine]).run(requests)  # greedy, exactly each request's output_len tokens
+    done = [o for _, o in result.outputs]
+    makespan = result.end_time - result.start_time
 
     s, stats = engine.scheduler, engine.allocator.stats
     ttft = {k: [o.metrics.ttft for o in done if k in ("all", kinds[o.request_id])] for k in ("chat", "long", "all")}

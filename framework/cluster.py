@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from framework.clock import VirtualClock
-from framework.config import EngineConfig
+from framework.config import EngineConfig, check_positive_int
 from framework.engine import LLMEngine
 from framework.fast_forward import DecodePlan
 from framework.outputs import RequestOutput
@@ -90,8 +90,12 @@ class Cluster:
         finishes or, with no callback, into the result's ``outputs``."""
         start = max(e.clock.now() for e in self.engines) if start is None else start
         result = ServeResult(start, start, 0, 0)
+        # Sent and not yet handed to on_output: not the engines' unfinished requests, since an
+        # interrupt can land after an engine finished a request and before its output went out.
+        in_flight: set[str] = set()
 
         def emit(i: int, out: RequestOutput) -> None:
+            in_flight.discard(out.request_id)
             result.num_finished += 1
             if on_output is None:
                 result.outputs.append((i, out))
@@ -100,7 +104,7 @@ class Cluster:
 
         try:
             with gc_paused(not self._wall):
-                self._serve(iter(requests), sampling or {}, start, emit, result)
+                self._serve(iter(requests), sampling or {}, start, emit, in_flight, result)
         except KeyboardInterrupt:
             result.interrupted = True
             logger.warning("interrupted: %d of %d requests sent finished", result.num_finished, result.num_sent)
@@ -110,17 +114,15 @@ class Cluster:
             for replica in self.replicas:
                 replica._settle = lambda index, t: None
         result.end_time = max(e.clock.now() for e in self.engines)
-        if result.interrupted:  # each replica aborts its own unfinished requests
+        result.unfinished = sorted(in_flight, key=lambda rid: (len(rid), rid))
+        if result.interrupted and in_flight:
             for engine in self.engines:
-                ids = engine.unfinished_request_ids()
-                if ids:
-                    result.unfinished += ids
-                    _abort(engine, ids)
-            result.unfinished.sort(key=lambda rid: (len(rid), rid))
+                if engine.has_unfinished_requests():
+                    _abort(engine, result.unfinished)
         return result
 
     def _serve(self, source: Iterator[WorkloadRequest], sampling: dict[str, Any], start: float, emit: OnOutput,
-               result: ServeResult) -> None:
+               in_flight: set[str], result: ServeResult) -> None:
         engines, replicas, router = self.engines, self.replicas, self.router
         n = len(engines)
         # With several replicas on a deterministic cost model, a replica's decode run is planned
@@ -191,6 +193,7 @@ class Cluster:
                 prompt = nxt.prompt_token_ids if nxt.prompt is None else {
                     "prompt_token_ids": nxt.prompt_token_ids, "prompt": nxt.prompt}
                 engine.add_request(nxt.request_id, prompt, params, arrival_time=a, priority=nxt.priority)
+                in_flight.add(nxt.request_id)
                 result.num_sent += 1
                 replicas[i].num_routed += 1
                 if not busy[i]:
@@ -245,8 +248,7 @@ def gc_paused(pause: bool = True) -> Iterator[None]:
 
 
 def check_num_replicas(num_replicas: Any) -> None:
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+    check_positive_int("num_replicas", num_replicas)
 
 
 def _abort(engine: LLMEngine, request_ids: list[str]) -> None:

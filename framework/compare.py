@@ -27,6 +27,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from framework.config import PART_NAMES
+
 log = logging.getLogger(__name__)
 
 COLUMNS = ["label", "x", "status", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
@@ -74,7 +76,7 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     config_path = run_dir / "config.yaml"
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
     flat = flatten(config or {})
-    for part in ("policy", "backend", "allocator", "preparer", "executor"):
+    for part in PART_NAMES:
         if summary.get(part) is not None:
             flat[f"{part}.name"] = summary[part]
     return summary, flat

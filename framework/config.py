@@ -5,6 +5,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+#: The engine's pluggable parts, each an ``EngineConfig`` field naming a registered implementation.
+PART_NAMES = ("policy", "backend", "allocator", "preparer", "executor")
+
+
 @dataclass
 class EngineConfig:
     """Everything that shapes one engine instance.
@@ -55,9 +59,7 @@ class EngineConfig:
         if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...), got {bs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
@@ -73,6 +75,15 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_positive_int(name: str, value: Any, optional: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int >= 1 (a bool is not), or None when
+    ``optional``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or null' if optional else ''}, got {value!r}")
 
 
 #: Every dtype name the configs accept, and the one it means.

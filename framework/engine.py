@@ -182,11 +182,6 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
-
-    def unfinished_request_ids(self) -> list[str]:
-        """The ids (as given to ``add_request``) of the requests not finished yet."""
-        return list(self._parents)
-
     # -- one step --------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one step. Returns an output for every request that progressed, or with

@@ -18,12 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from framework.block_allocator import AllocatorStats
 from framework.clock import Clock, VirtualClock, WallClock
 from framework.cluster import Cluster, check_num_replicas, gc_paused
-from framework.config import EngineConfig
+from framework.config import PART_NAMES, EngineConfig
 from framework.engine import LLMEngine, StepStats
 from framework.metrics import SLO, RequestRecord, summarize
 from framework.outputs import RequestOutput
 from framework.recorder import RunRecorder
 from framework.report import format_summary
+from framework.registry import split_spec
 from framework.router import ROUTERS
 from framework.run_logger import Guarded, create_logger
 from framework.sampling_params import SamplingParams
@@ -34,17 +35,13 @@ log = logging.getLogger(__name__)
 
 #: Config groups that name a registered part, with the part used when the group is absent.
 #: Pluggable parts and their defaults (EngineConfig's, so the CLI and the Python API agree).
-PARTS = {part: EngineConfig.__dataclass_fields__[part].default
-         for part in ("policy", "backend", "allocator", "preparer", "executor")}
+PARTS = {part: EngineConfig.__dataclass_fields__[part].default for part in PART_NAMES}
 
 
 def _split(group: Any, default_name: str) -> tuple[str, dict[str, Any]]:
     """A config group node is ``{name: ..., **options}``."""
-    if group is None:
-        return default_name, {}
-    d = OmegaConf.to_container(group, resolve=True) if isinstance(group, DictConfig) else dict(group)
-    name = d.pop("name", default_name)
-    return name, d
+    return split_spec(OmegaConf.to_container(group, resolve=True) if isinstance(group, DictConfig) else group,
+                      default_name)
 
 
 def engine_config(cfg: DictConfig) -> EngineConfig:
@@ -89,8 +86,7 @@ def describe(cfg: DictConfig, cluster: Cluster) -> dict[str, Any]:
     workload = cfg.get("workload") or {}
     executor = cluster.engines[0].executor
     config = cluster.engines[0].config
-    identity = {"policy": config.policy, "backend": config.backend, "allocator": config.allocator,
-                "preparer": config.preparer, "executor": config.executor, "model": config.model,
+    identity = {**{part: getattr(config, part) for part in PART_NAMES}, "model": config.model,
                 "workload": workload.get("name"), "rate": workload.get("rate"),
                 "preemption_mode": config.policy_options.get("preemption_mode"),
                 "enable_prefix_caching": config.enable_prefix_caching}

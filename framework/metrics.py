@@ -55,12 +55,6 @@ class RequestRecord:
     def completed(self) -> bool:
         return self.status in ("length", "stop") and self.output_len > 0
 
-    @property
-    def itl(self) -> list[float]:
-        """Every gap between consecutive output tokens."""
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
-
     @classmethod
     def from_output(cls, out: RequestOutput, run_start: float = 0.0) -> RequestRecord:
         m = out.metrics
@@ -73,7 +67,7 @@ class RequestRecord:
 
     def row(self) -> dict[str, Any]:
         """A ``requests.csv`` row: latencies in ms. Of the ITLs only the longest (the worst stall
-        the request saw) is kept, so a row costs the same for any output length; the run's ITL
+        the request saw) is kept, so a row's size does not grow with the output; the run's ITL
         statistics and CDF pool every gap."""
         return dict(zip(REQUEST_COLUMNS, self.values()))
 

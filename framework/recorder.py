@@ -46,12 +46,23 @@ _DECODE_ZEROS = {"num_prefill_tokens", "num_waiting", "num_swapped", "num_preemp
                  "num_swapped_in_blocks"}
 _DECODE_FORMAT = "%.6f," + ",".join("0" if name in _DECODE_ZEROS else _FLOAT_FORMATS.get(name, "%d")
                                     for name in STATS_COLUMNS) + "\n"
+#: The columns a decode run's rows fill in, in ``_DECODE_FORMAT`` order.
+_DECODE_COLUMNS = [name for name in STEP_COLUMNS if name not in _DECODE_ZEROS]
 _stats_values = attrgetter(*STATS_COLUMNS)
 #: What the timeline plot reads, kept compactly (float32 / int32) when plots are wanted.
 TIMELINE_COLUMNS = {"time_s": "f", "duration": "f", "num_prefill_tokens": "i", "num_decode_tokens": "i",
                     "num_running": "i", "num_waiting": "i", "num_swapped": "i", "kv_usage": "f", "replica": "i"}
 
 StepListener = Callable[[dict[str, Any]], None]
+
+
+def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> None:
+    """Replace ``run_dir/summary.json`` atomically (a reader never sees half a file); NaN and
+    infinities become null."""
+    tmp = Path(run_dir) / "summary.json.tmp"
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(summary), f, indent=2)
+    os.replace(tmp, Path(run_dir) / "summary.json")
 
 
 class RunRecorder:
@@ -94,11 +105,7 @@ class RunRecorder:
         save_trace(self.run_dir / "workload.jsonl", requests)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """Replace ``summary.json`` atomically (a reader never sees half a file)."""
-        tmp = self.run_dir / "summary.json.tmp"
-        with open(tmp, "w") as f:
-            json.dump(_jsonable(summary), f, indent=2)
-        os.replace(tmp, self.run_dir / "summary.json")
+        write_summary(self.run_dir, summary)
 
     # -- as the run goes -------------------------------------------------------------------------
     def step_log(self, replica: int = 0, run_start: float = 0.0) -> StepLog:
@@ -185,17 +192,19 @@ class StepLog:
         for step, count in run.outputs_finished.items():
             finished[step - 1] = count
         usage = [u / run.num_usable_blocks for u in run.kv_blocks_used]
-        steps = range(run.first_step, run.first_step + num)
+        # Every STEP_COLUMNS column but the _DECODE_ZEROS ones.
+        columns = {"time_s": times, "step": range(run.first_step, run.first_step + num), "start_time": starts,
+                   "duration": durations, "num_scheduled_reqs": sizes, "num_scheduled_tokens": sizes,
+                   "num_decode_tokens": sizes, "num_running": running, "kv_blocks_used": run.kv_blocks_used,
+                   "kv_usage": usage, "num_finished": finished}
         fmt = self._decode_format
-        self.rows += [fmt % row for row in zip(times, steps, starts, durations, sizes, sizes, sizes, running,
-                                                run.kv_blocks_used, usage, finished)]
+        self.rows += [fmt % row for row in zip(*[columns[name] for name in _DECODE_COLUMNS])]
         self._totals.add(num, usage, sum(sizes), 0, 0, 0)
         if self._timeline is not None:
             zeros = [0] * num
             self._keep(times, durations, zeros, sizes, running, zeros, zeros, usage)
         if self._listener is not None:
-            for row in zip(times, steps, starts, durations, sizes, sizes, repeat(0), sizes, running, repeat(0),
-                           repeat(0), run.kv_blocks_used, usage, repeat(0), repeat(0), repeat(0), finished):
+            for row in zip(*[columns.get(name, repeat(0)) for name in STEP_COLUMNS]):
                 self._listen(row)
         self._after()
 

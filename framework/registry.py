@@ -38,6 +38,13 @@ class BadOptionsError(ValueError, TypeError):
     as every configuration error, and a TypeError, as Python reports a bad call."""
 
 
+def split_spec(spec: str | Mapping[str, Any] | None, default: str | None = None) -> tuple[str | None, dict[str, Any]]:
+    """A config node's part name and options: the node is a name, or ``{name: ..., **options}``;
+    ``default`` when it names none."""
+    options = {"name": spec} if isinstance(spec, str) else dict(spec or {})
+    return options.pop("name", None) or default, options
+
+
 class Registry(Generic[T]):
     def __init__(self, kind: str, base: type[T], entry_point_group: str, builtin: str | None = None,
                  plural: str | None = None) -> None:
@@ -118,8 +125,7 @@ class Registry(Generic[T]):
     def create_from(self, spec: str | Mapping[str, Any] | None, *args: Any, default: str | None = None) -> T:
         """An instance from a config node: a name, or ``{name: ..., **options}`` (``default``
         when it names none; a ValueError listing the registered names when there is neither)."""
-        options = {"name": spec} if isinstance(spec, str) else dict(spec or {})
-        name = options.pop("name", None) or default
+        name, options = split_spec(spec, default)
         if name is None:
             raise ValueError(f"a {self.kind} needs a 'name' (one of {', '.join(self.list())})")
         return self.create(name, *args, **options)

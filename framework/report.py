@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from framework.metrics import LATENCIES
+from framework.metrics import LATENCIES, PERCENTILES
+
+_STATS = [("mean", "Mean"), ("median", "Median"), ("std", "Std")] + [(f"p{p}", f"P{p}") for p in PERCENTILES]
 
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency", "queueing_delay": "Queueing Delay"}
@@ -36,7 +38,7 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
         if summary.get(f"mean_{name}_ms") is None:
             continue
         lines.append(f"{' ' + _TITLES[name] + ' ':-^{WIDTH}}")
-        for stat, label in (("mean", "Mean"), ("median", "Median"), ("std", "Std"), ("p90", "P90"), ("p99", "P99")):
+        for stat, label in _STATS:
             row(f"{label} {name.upper() if name != 'queueing_delay' else 'queueing delay'} (ms):", f"{stat}_{name}_ms")
     lines.append("=" * WIDTH)
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from framework.experiment import engine_config, run_experiment
+from framework.recorder import write_summary
 
 __all__ = ["engine_config", "main"]
 
@@ -70,8 +71,8 @@ def _mark_failed(run_dir: Path, exc: Exception) -> None:
     summary = json.loads(path.read_text()) if path.is_file() else {}
     if summary.get("status") != "failed":
         run_dir.mkdir(parents=True, exist_ok=True)
-        error = f"{type(exc).__name__}: {exc}"
-        path.write_text(json.dumps({**summary, "status": "failed", "interrupted": False, "error": error}, indent=2))
+        write_summary(run_dir, {**summary, "status": "failed", "interrupted": False,
+                                "error": f"{type(exc).__name__}: {exc}"})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from framework.config import check_positive_int
 from framework.run_logger import LOGGERS, RunLogger
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,7 @@ class WandbLogger(RunLogger):
                  max_step_rows: int | None = 5000) -> None:
         if mode is not None and mode not in MODES:
             raise ValueError(f"logger.mode must be one of {', '.join(MODES)} or null, got {mode!r}")
-        if max_step_rows is not None and (isinstance(max_step_rows, bool) or not isinstance(max_step_rows, int)
-                                          or max_step_rows < 1):
-            raise ValueError(f"logger.max_step_rows must be a positive integer or null, got {max_step_rows!r}")
+        check_positive_int("logger.max_step_rows", max_step_rows, optional=True)
         self.max_step_rows = max_step_rows
         self._steps_seen = self._steps_logged = 0
         self._stride = 1

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 
-def check_rate(rate: float | None, burstiness: float, what: str = "rate") -> None:
+def check_rate(rate: float | None, burstiness: float = 1.0, what: str = "rate") -> None:
     if rate is not None and not (isinstance(rate, (int, float)) and rate > 0):
         raise ValueError(f"{what} must be a positive number of requests per second, or null for all at once; got {rate!r}")
     if not (isinstance(burstiness, (int, float)) and burstiness > 0):

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from framework.config import check_positive_int
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import arrival_times, check_rate
 from framework.workloads.text import tokenize
@@ -35,12 +36,10 @@ class ShareGPTWorkload(Workload):
     def __init__(self, path: str, num_requests: int = 32, rate: float | None = None, burstiness: float = 1.0,
                  output_len: int | None = None, max_output_len: int | None = None,
                  max_prompt_len: int | None = None, min_len: int = 4, seed: int = 0) -> None:
-        if not isinstance(num_requests, int) or num_requests < 1:
-            raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}")
+        check_positive_int("num_requests", num_requests)
         check_rate(rate, burstiness)
         for name, v in (("output_len", output_len), ("max_output_len", max_output_len), ("max_prompt_len", max_prompt_len)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer or null, got {v!r}")
+            check_positive_int(name, v, optional=True)
         self.path, self.num_requests, self.rate, self.burstiness = path, num_requests, rate, burstiness
         self.output_len, self.max_output_len, self.max_prompt_len = output_len, max_output_len, max_prompt_len
         self.min_len, self.seed = min_len, seed

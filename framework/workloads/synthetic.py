@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from framework.config import check_positive_int
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import arrival_times, check_rate
 from framework.workloads.lengths import LengthDist
@@ -69,14 +70,13 @@ class SyntheticWorkload(Workload):
                  prompt_len: Any = (16, 128), output_len: Any = (16, 64),
                  shared_prefix: dict[str, Any] | None = None,
                  priority_classes: list[dict[str, Any]] | None = None, seed: int = 0) -> None:
-        if not isinstance(num_requests, int) or num_requests < 1:
-            raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}")
+        check_positive_int("num_requests", num_requests)
         check_rate(rate, burstiness)
         self.num_requests = num_requests
         self.rate = rate
         self.burstiness = burstiness
-        self.prompt_len = LengthDist.parse(list(prompt_len) if isinstance(prompt_len, tuple) else prompt_len, "prompt_len")
-        self.output_len = LengthDist.parse(list(output_len) if isinstance(output_len, tuple) else output_len, "output_len")
+        self.prompt_len = LengthDist.parse(prompt_len, "prompt_len")
+        self.output_len = LengthDist.parse(output_len, "output_len")
         self.shared_prefix = SharedPrefix.parse(shared_prefix) if shared_prefix else None
         self.classes = self._parse_classes(priority_classes) if priority_classes else None
         self.seed = seed

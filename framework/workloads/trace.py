@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from framework.config import check_positive_int
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import check_rate
 from framework.workloads.text import tokenize
@@ -157,9 +158,8 @@ class TraceWorkload(Workload):
     ones; ``seed`` draws the ids of ``prompt_len`` entries."""
 
     def __init__(self, path: str, rate: float | None = None, max_requests: int | None = None, seed: int = 0) -> None:
-        check_rate(rate, 1.0)
-        if max_requests is not None and (not _is_int(max_requests) or max_requests < 1):
-            raise ValueError(f"max_requests must be a positive integer or null, got {max_requests!r}")
+        check_rate(rate)
+        check_positive_int("max_requests", max_requests, optional=True)
         self.path, self.rate, self.max_requests, self.seed = path, rate, max_requests, seed
 
     def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:

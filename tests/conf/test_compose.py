@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from framework.engine import LLMEngine
@@ -12,8 +11,8 @@ from framework.experiment import build_cluster, engine_config
 from framework.run import engine_config as cli_engine_config
 from framework.run_logger import LOGGERS, create_logger
 from framework.workload import WorkloadContext, create_workload
+from tests.hydra_support import CONF, compose_config
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 #: Groups not in the defaults list are added with '+'.
 OPTIONAL_GROUPS = {"policy", "experiment", "executor", "hardware", "cluster"}
 #: Options that need hardware CI does not have; they must fail with a clear message instead.
@@ -33,8 +32,7 @@ def overrides_for(group, option):
 
 
 def compose_with(overrides, return_hydra_config=False):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
+    return compose_config(*overrides, return_hydra_config=return_hydra_config)
 
 
 def test_root_config_composes():

@@ -4,9 +4,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
-
 from framework.experiment import engine_config
+from tests.hydra_support import compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))
@@ -32,8 +31,7 @@ def test_every_sweep_trial_composes(sweep, overrides):
         key, value = o.lstrip("+").split("=", 1)
         if key == "policy" and not (ROOT / "conf" / "policy" / f"{value}.yaml").exists():
             pytest.skip(f"conf/policy/{value}.yaml is not in this checkout (another branch adds it)")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(*overrides)
     assert cfg.logger.name == "wandb"
     engine_config(cfg)
 

@@ -4,7 +4,6 @@ never interfere, routing that sees the cluster as of each arrival, and interrupt
 import gc
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 
@@ -215,13 +214,9 @@ def test_gc_paused_restores_the_collector_and_keeps_cycles_collectable():
 
 
 def test_a_simulated_run_leaves_the_collector_on(tmp_path):
-    from hydra import compose, initialize_config_dir
-
     from framework.experiment import run_experiment
+    from tests.hydra_support import compose_config
 
-    conf = str(Path(__file__).resolve().parents[2] / "conf")
-    with initialize_config_dir(config_dir=conf, version_base=None):
-        cfg = compose(config_name="config", overrides=["+executor=sim", "workload.num_requests=5", "progress=false",
-                                                       "plots=false"])
+    cfg = compose_config("+executor=sim", "workload.num_requests=5", "progress=false", "plots=false")
     assert run_experiment(cfg, tmp_path)["completed"] == 5
     assert gc.isenabled()

@@ -1,5 +1,4 @@
 """One run end to end: the files in the run directory, the summary, interrupts and config errors."""
-import csv
 import json
 import os
 import subprocess
@@ -8,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 
 from framework.clock import VirtualClock
 from framework.experiment import make_clock, run_experiment
 from framework.workload import WorkloadContext
 from framework.workloads.trace import load_trace
+from tests.hydra_support import compose_config, read_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP = 0.1
@@ -22,8 +21,7 @@ TINY = ["workload.num_requests=6", "workload.prompt_len=[8,24]", "workload.outpu
 
 
 def config(*overrides, workload=TINY):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose(config_name="config", overrides=[*BASE, *workload, *overrides])
+    return compose_config(*BASE, *workload, *overrides)
 
 
 def timed(clock):
@@ -32,11 +30,6 @@ def timed(clock):
         execute = engine.executor.execute
         engine.executor.execute = lambda out: (clock.advance(STEP), execute(out))[1]
     return patch
-
-
-def read_csv(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
 
 
 def test_a_run_writes_every_file(tmp_path, capsys):

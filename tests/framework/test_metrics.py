@@ -40,9 +40,9 @@ def test_per_request_latencies():
     a, b, c = records()
     assert a.arrival_time == pytest.approx(0.0) and c.arrival_time == pytest.approx(1.0)
     assert (a.ttft, a.tpot, a.e2el, a.queueing_delay) == pytest.approx((0.1, 0.15, 0.4, 0.05))
-    assert a.itl == pytest.approx([0.1, 0.2])
+    assert itl_gaps([a]) == pytest.approx([0.1, 0.2])
     assert (b.ttft, b.tpot, b.e2el, b.queueing_delay) == pytest.approx((0.2, 0.1, 0.3, 0.0))
-    assert c.ttft == pytest.approx(0.4) and c.tpot is None and c.itl == [] and c.e2el == pytest.approx(0.4)
+    assert c.ttft == pytest.approx(0.4) and c.tpot is None and len(itl_gaps([c])) == 0 and c.e2el == pytest.approx(0.4)
     assert (a.num_preemptions, a.num_swaps, a.cached_tokens) == (1, 1, 4)
     assert [r.status for r in (a, b, c)] == ["length", "length", "stop"]
     row = a.row()

@@ -1,6 +1,5 @@
 """The run directory's files: step rows equal the engine's step stats whether steps come one by
 one or as fast-forwarded decode runs, replica columns, totals, and rows flushed as the run goes."""
-import csv
 
 import pytest
 
@@ -9,11 +8,7 @@ from framework.cluster import Cluster
 from framework.metrics import STATS_COLUMNS, STEP_COLUMNS, RequestRecord
 from framework.recorder import RunRecorder
 from tests.framework.sim_support import chat_requests
-
-
-def read(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
+from tests.hydra_support import read_csv
 
 
 def test_step_rows_are_the_step_stats_with_the_time_since_the_run_start(tmp_path):
@@ -26,7 +21,7 @@ def test_step_rows_are_the_step_stats_with_the_time_since_the_run_start(tmp_path
     while engine.has_unfinished_requests():
         engine.step()
     recorder.close()
-    rows = read(tmp_path / "steps.csv")
+    rows = read_csv(tmp_path / "steps.csv")
     assert list(rows[0]) == STEP_COLUMNS and len(rows) == len(stats) == 4
     assert [float(r["time_s"]) for r in rows] == pytest.approx([s.start_time - 0.25 for s in stats], abs=1e-6)
     for row, s in zip(rows, stats):
@@ -62,11 +57,11 @@ def test_fast_forwarded_runs_write_the_same_files_as_stepping(tmp_path, engine):
     assert sum(e.executor.num_steps for e in fast_cluster.engines) == fast.step_totals.num_steps
     # Rows come in chunks per replica; each replica's rows are the same, in the same order.
     def per_replica(path):
-        rows = read(path / "steps.csv")
+        rows = read_csv(path / "steps.csv")
         return {r: [row for row in rows if row["replica"] == r] for r in ("0", "1")}
     assert per_replica(tmp_path / "fast") == per_replica(tmp_path / "slow")
-    assert sorted(read(tmp_path / "fast" / "requests.csv"), key=lambda r: r["request_id"]) == \
-        sorted(read(tmp_path / "slow" / "requests.csv"), key=lambda r: r["request_id"])
+    assert sorted(read_csv(tmp_path / "fast" / "requests.csv"), key=lambda r: r["request_id"]) == \
+        sorted(read_csv(tmp_path / "slow" / "requests.csv"), key=lambda r: r["request_id"])
     assert fast.step_totals.summary() == slow.step_totals.summary()  # exactly: mean KV usage too
     if engine:
         assert sum(e.scheduler.num_preemptions for e in fast_cluster.engines) > 0
@@ -74,10 +69,10 @@ def test_fast_forwarded_runs_write_the_same_files_as_stepping(tmp_path, engine):
 
 def test_replica_columns_and_the_timeline(tmp_path):
     cluster, recorder = serve_and_record(tmp_path, True)
-    requests = read(tmp_path / "requests.csv")
+    requests = read_csv(tmp_path / "requests.csv")
     assert list(requests[0])[:2] == ["request_id", "replica"] and {r["replica"] for r in requests} == {"0", "1"}
     assert len(requests) == 150 and all(r["max_itl_ms"] for r in requests)
-    steps = read(tmp_path / "steps.csv")
+    steps = read_csv(tmp_path / "steps.csv")
     assert list(steps[0])[:2] == ["replica", "time_s"]
     for i, engine in enumerate(cluster.engines):
         mine = [int(r["step"]) for r in steps if r["replica"] == str(i)]
@@ -92,10 +87,10 @@ def test_rows_reach_the_disk_as_the_run_goes(tmp_path):
     engine.step_callbacks.append(recorder.step_log())
     engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()
-    assert len(read(tmp_path / "steps.csv")) == 1  # before close
+    assert len(read_csv(tmp_path / "steps.csv")) == 1  # before close
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 recorder.add_request(RequestRecord.from_output(out))
-    assert [r["request_id"] for r in read(tmp_path / "requests.csv")] == ["a"]
+    assert [r["request_id"] for r in read_csv(tmp_path / "requests.csv")] == ["a"]
     recorder.close()

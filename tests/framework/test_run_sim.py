@@ -1,7 +1,6 @@
 """Simulated runs through the experiments' run path: ``+executor=sim`` with a device, a cost
 model and a cluster selects the simulator from Hydra, runs on simulated time and writes the same
 files as a real run, which ``framework.compare`` tables together with real runs."""
-import csv
 import json
 import os
 import subprocess
@@ -9,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from framework.compare import comparison_rows, write_comparison
 from framework.engine import LLMEngine
 from framework.experiment import engine_config, run_experiment
 from tests.framework.sim_support import RunCounter
+from tests.hydra_support import compose_config, read_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = {"config.yaml", "workload.jsonl", "summary.json", "requests.csv", "steps.csv", "latency_cdf.png", "timeline.png"}
@@ -23,13 +22,7 @@ SMALL = ["progress=false", "workload.num_requests=24", "workload.rate=2", "workl
 
 
 def compose_with(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
-
-def read_csv(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
+    return compose_config(*overrides)
 
 
 def test_executor_hardware_and_cost_model_reach_the_engine():

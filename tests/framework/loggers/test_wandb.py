@@ -5,12 +5,12 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from wandb.proto import wandb_internal_pb2
 
 from framework.clock import VirtualClock
 from framework.experiment import run_experiment
 from framework.loggers.wandb import WandbLogger, resolve_mode
+from tests.hydra_support import compose_config
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["workload.num_requests=3", "workload.prompt_len=[8,16]", "workload.output_len=[2,3]", "progress=false",
@@ -18,8 +18,7 @@ TINY = ["workload.num_requests=3", "workload.prompt_len=[8,16]", "workload.outpu
 
 
 def config(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose(config_name="config", overrides=[*TINY, *overrides])
+    return compose_config(*TINY, *overrides)
 
 
 def wandb_records(path):
