@@ -2,6 +2,7 @@
 workload for real and in simulation and compare.
 
     python experiments/sim_fidelity.py --repeats 3                  # calibration interleaved with the real run
+    python experiments/sim_fidelity.py --repeats 3 --model small-llama   # twice the width: steadier step times
     python experiments/sim_fidelity.py --calibration cal.yaml       # a calibration from python -m framework.profile
 
 Per repeat: one real run (the ``model`` executor, one torch thread) and one simulated run (the
@@ -51,18 +52,18 @@ from framework.workloads.synthetic import SyntheticWorkload
 LENGTHS, COUNTS = [16, 48, 96, 192, 320], [1, 2, 3, 4, 6, 8, 12, 16]
 
 
-def workload(seed: int) -> list[WorkloadRequest]:
+def workload(seed: int, vocab_size: int = 1024) -> list[WorkloadRequest]:
     """A chat mix (``conf/workload/chat.yaml``'s shape) scaled to the tiny model: prompts of 4-272
     tokens after one of 4 system prompts of 48, outputs of 4-96, Poisson at 5 req/s."""
     chat = SyntheticWorkload(num_requests=60, rate=5.0, seed=seed,
                              prompt_len={"dist": "lognormal", "mean": 80, "std": 60, "min": 4, "max": 272},
                              output_len={"dist": "lognormal", "mean": 36, "std": 20, "min": 4, "max": 96},
                              shared_prefix={"fraction": 0.8, "num_prefixes": 4, "prefix_len": 48})
-    return chat.generate(WorkloadContext(vocab_size=1024))
+    return chat.generate(WorkloadContext(vocab_size=vocab_size))
 
 
-def engine_config(executor: str, **options) -> EngineConfig:
-    return EngineConfig(model="tiny-llama", executor=executor, executor_options=options, max_model_len=512,
+def engine_config(executor: str, model: str = "tiny-llama", **options) -> EngineConfig:
+    return EngineConfig(model=model, executor=executor, executor_options=options, max_model_len=512,
                         max_num_seqs=32, max_num_batched_tokens=1024, num_threads=1 if executor == "model" else None)
 
 
@@ -88,7 +89,7 @@ def serve(engine: LLMEngine, seed: int, between_steps=None) -> tuple[dict, list[
                 between_steps()
 
         engine.step_callbacks.append(on_step)
-    outs = [o for _, o in Cluster([engine]).run(workload(seed)).outputs]
+    outs = [o for _, o in Cluster([engine]).run(workload(seed, engine.model_config.vocab_size)).outputs]
     ttft = np.array([o.metrics.ttft for o in outs])
     tpot = np.array([o.metrics.tpot for o in outs if o.metrics.tpot is not None])
     stats = {"ttft_p50": float(np.median(ttft)), "ttft_p90": float(np.percentile(ttft, 90)),
@@ -97,11 +98,12 @@ def serve(engine: LLMEngine, seed: int, between_steps=None) -> tuple[dict, list[
     return stats, steps
 
 
-def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, statistic: str = "median") -> tuple[dict, list, dict]:
+def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, statistic: str = "median",
+                              model: str = "tiny-llama") -> tuple[dict, list, dict]:
     """The real run, with the profile grid's cells run between its steps (its clock paused);
     each grid shape's repeats reduce to ``statistic`` (``framework.profile.STATISTICS``)."""
     cells = grid_cells("default", LENGTHS, COUNTS)
-    profile_engine = LLMEngine(profile_engine_config(cells, num_threads=1))
+    profile_engine = LLMEngine(profile_engine_config(cells, model, num_threads=1))
     timer = time.process_time if clock == "cpu" else time.perf_counter
     profiler = Profiler(profile_engine, seed, timer)
     for cell in cells:  # warm-up pass, not recorded
@@ -119,7 +121,7 @@ def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, stati
             profiler.run_cell(*queue.pop())
             real_clock.resume()
 
-    real, steps = serve(LLMEngine(engine_config("model"), clock=real_clock), seed, between_steps)
+    real, steps = serve(LLMEngine(engine_config("model", model), clock=real_clock), seed, between_steps)
     while queue:
         profiler.run_cell(*queue.pop())
     profiler.close()
@@ -127,7 +129,7 @@ def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, stati
     hardware = load_hardware("cpu")
     dtype_bytes = profile_engine.executor.dtype.itemsize
     params, fit = calibrate(samples, profile_engine.model_config, hardware, dtype_bytes)
-    calibration = calibration_record("roofline", "tiny-llama", hardware, dtype_bytes, 16, params, fit, samples,
+    calibration = calibration_record("roofline", model, hardware, dtype_bytes, 16, params, fit, samples,
                                      {"clock": clock, "cells": [list(c) for c in cells], "repeats": profile_repeats, "statistic": statistic,
                                       "interleaved_with_real_run": clock == "cpu"})
     return real, steps, calibration
@@ -156,13 +158,15 @@ def main() -> None:
                     help="what a grid shape's repeats reduce to: min fits typical steps more closely but "
                          "predicts TPOT ~16%% low (docs/simulator.md)")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--model", default="tiny-llama", help="preset or Hugging Face checkpoint directory")
     ap.add_argument("--save-calibration", default=None, help="write the last interleaved calibration here")
     args = ap.parse_args()
     rows = []
     for rep in range(args.repeats):
         started = time.perf_counter()
         if args.calibration is None:
-            real, steps, calibration = real_run_with_calibration(args.seed, args.profile_repeats, args.clock, args.statistic)
+            real, steps, calibration = real_run_with_calibration(args.seed, args.profile_repeats, args.clock, args.statistic,
+                                                                    args.model)
             if args.save_calibration:
                 import yaml
 
@@ -171,8 +175,8 @@ def main() -> None:
         else:
             calibration = args.calibration
             clock = CPUClock() if args.clock == "cpu" else WallClock()
-            real, steps = serve(LLMEngine(engine_config("model"), clock=clock), args.seed)
-        sim_engine = LLMEngine(engine_config("sim", hardware="cpu", cost_model={"name": "roofline", "calibration": calibration}))
+            real, steps = serve(LLMEngine(engine_config("model", args.model), clock=clock), args.seed)
+        sim_engine = LLMEngine(engine_config("sim", args.model, hardware="cpu", cost_model={"name": "roofline", "calibration": calibration}))
         sim, _ = serve(sim_engine, args.seed)
         cost = sim_engine.executor.cost_model
         errors = sorted(abs(cost.step_time(shape) / t - 1) for shape, t in steps)

@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{fit['fit_seconds'] * 1000:.0f} ms: median |error| {fit['median_abs_rel_error']:.1%}, "
           f"p90 {fit['p90_abs_rel_error']:.1%}")
     for name, value in params.items():
-        print(f"  {name:24s} {value:.4g}")
+        shown = "  ".join(f"{k}: {v:.3g}" for k, v in value.items()) if isinstance(value, dict) else f"{value:.4g}"
+        print(f"  {name:24s} {shown}")
     print(f"wrote {out}")
     return result
 

@@ -12,17 +12,26 @@ Per tensor-parallel device, for ``N`` scheduled tokens of which ``S`` sample:
 - tensor parallelism: two ring all-reduces of the hidden states per layer and a gather of the
   logits, over the interconnect; swap traffic over PCIe; copy-on-write copies in device memory;
 - overheads: a fixed CPU cost per step, per request (input preparation, sampling, and backends
-  that loop over requests), per token, and a launch cost per kernel.
+  that loop over requests), per token, and a launch cost per kernel;
+- small GEMMs (``extra_weight_passes``, calibrated, off by default): a GEMM of a few rows may
+  stream its weights more than once. CPU BLAS runs small-M products a few rows per pass over
+  the weights (measured here: 2 or 3 rows cost 2 or 3 single-row products, 4 about as much as
+  3, 5 to 8 one pass more), and GPU libraries switch tile shapes and split-K by M. For ``N``
+  tokens the layers' weights are read ``extra(N)`` more times at nominal bandwidth, ``extra``
+  interpolated linearly between the token counts it was fitted at and held beyond them.
 
-The efficiency factors and overheads are parameters (``PARAMS``); ``calibrate`` fits them to
-measured steps by bounded least squares on relative error.
+The efficiency factors and overheads are parameters (``PARAMS``, plus the ``CURVE``);
+``calibrate`` fits them to measured steps by bounded least squares on relative error.
 """
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.hardware import Hardware
@@ -42,23 +51,26 @@ PARAMS: dict[str, float] = {
 }
 #: Structure, not fitted: kernels launched per decoder layer and per step outside the layers.
 STRUCTURE: dict[str, float] = {"kernels_per_layer": 12, "kernels_per_step": 6}
+#: Fitted per token count, not a scalar: ``{tokens: extra passes over the layers' weights}``.
+CURVE = "extra_weight_passes"
 _EFFICIENCIES = ("matmul_efficiency", "memory_efficiency", "attention_efficiency", "kv_efficiency")
 _OVERHEADS = ("step_overhead_us", "seq_overhead_us", "token_overhead_us")
 
 
 @COST_MODELS.register("roofline")
 class RooflineCostModel(CostModel):
-    """Options: any of ``PARAMS`` and ``STRUCTURE``, and ``calibration`` (a YAML written by
-    ``python -m framework.profile``, whose fitted parameters apply under the explicit ones)."""
+    """Options: any of ``PARAMS`` and ``STRUCTURE``, ``extra_weight_passes`` (``CURVE``), and
+    ``calibration`` (a YAML written by ``python -m framework.profile``, whose fitted parameters
+    apply under the explicit ones)."""
 
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2, tensor_parallel_size: int = 1,
                  block_size: int = 16, calibration: str | Path | dict[str, Any] | None = None,
-                 **options: float) -> None:
+                 extra_weight_passes: Mapping[int, float] | None = None, **options: float) -> None:
         super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
         unknown = sorted(set(options) - set(PARAMS) - set(STRUCTURE))
         if unknown:
             raise ValueError(f"unknown roofline option(s) {unknown}; options: "
-                             f"{sorted(PARAMS) + sorted(STRUCTURE) + ['calibration']}")
+                             f"{sorted(PARAMS) + sorted(STRUCTURE) + [CURVE, 'calibration']}")
         self.calibration = load_calibration(calibration) if calibration is not None else None
         fitted = self.calibration["params"] if self.calibration else {}
         fitted_on = (self.calibration or {}).get("hardware", {}).get("name")
@@ -74,6 +86,10 @@ class RooflineCostModel(CostModel):
         for name in _OVERHEADS:
             if self.params[name] < 0:
                 raise ValueError(f"roofline {name} must be >= 0, got {self.params[name]!r}")
+        curve = extra_weight_passes if extra_weight_passes is not None else fitted.get(CURVE)
+        self.extra_weight_passes = _check_curve(curve or {})
+        self._knots = np.array(list(self.extra_weight_passes), dtype=float)
+        self._passes = np.array(list(self.extra_weight_passes.values()), dtype=float)
         self._geometry()
         p = self.params
         self._inv = [1.0 / p[name] for name in _EFFICIENCIES]
@@ -133,6 +149,8 @@ class RooflineCostModel(CostModel):
         head = 0.0
         if sampled:
             head = max(self._head_c_row * sampled * inv_mm, (self._head_m_fixed + self._head_m_row * sampled) * inv_mem)
+        if len(self._knots):
+            lin += float(np.interp(tokens, self._knots, self._passes)) * self._lin_m_fixed
         cpu = self._step + self._seq * n + self._tok * tokens
         comm = self._ar_fixed + self._ar_tok * tokens + self._ar_row * sampled
         return cpu + self._launch + comm + lin + head + self._elem_m_tok * tokens * inv_mem
@@ -177,10 +195,19 @@ class RooflineCostModel(CostModel):
             groups.append([(0, self._head_c_row * s), (1, self._head_m_fixed + self._head_m_row * s)])
         if batch.num_prefill_seqs:
             groups.append([(2, self._pre_c_pair * batch.prefill_pairs), (3, self._pre_m_ctx * batch.prefill_context)])
+        if len(self._knots):
+            # np.interp's weight on each knot. The first knot's value is no parameter: calibration
+            # pins it at 0 (passes beyond the smallest batch's), else it trades off against step_overhead.
+            for k, unit in enumerate(np.eye(len(self._knots))):
+                w = float(np.interp(tok, self._knots, unit))
+                if k == 0:
+                    offset += w * self._passes[0] * self._lin_m_fixed
+                elif w:
+                    groups.append([(6 + k, w * self._lin_m_fixed)])
         return offset, groups
 
     def fit_vector(self) -> list[float]:
-        return self._inv + [self.params[name] for name in _OVERHEADS]
+        return self._inv + [self.params[name] for name in _OVERHEADS] + [float(v) for v in self._passes[1:]]
 
     @classmethod
     def calibrate(cls, samples: list[tuple[BatchShape, float]], model: ModelConfig, hardware: Hardware,
@@ -189,14 +216,20 @@ class RooflineCostModel(CostModel):
 
         if len(samples) < len(PARAMS):
             raise ValueError(f"calibration needs at least {len(PARAMS)} measured steps, got {len(samples)}")
-        probe = cls(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
+        # The curve's knots: the batch sizes of the pure-decode samples, where the token count
+        # varies alone (a prefill's tokens move its attention and overheads along with them).
+        knots = sorted({s.num_tokens for s, _ in samples if s.is_pure_decode})
+        curve = {k: 0.0 for k in knots} if len(knots) >= 2 else None
+        probe = cls(model, hardware, dtype_bytes, tensor_parallel_size, block_size, extra_weight_passes=curve)
         rows = [probe.legs(shape) for shape, _ in samples]
         # Efficiencies may exceed 1 against nominal figures (e.g. weights that stay in a CPU cache),
-        # but not absurdly: theta = 1/efficiency >= 0.01.
-        lower = [0.01] * 4 + [0.0] * 3
+        # but not absurdly: theta = 1/efficiency >= 0.01. A GEMM reads its weights at least once.
+        lower = [0.01] * 4 + [0.0] * 3 + [0.0] * (len(knots) - 1 if curve else 0)
         theta = fit_max_linear(rows, [t for _, t in samples], probe.fit_vector(), lower)
-        params = {name: 1.0 / theta[i] for i, name in enumerate(_EFFICIENCIES)}
+        params: dict[str, Any] = {name: 1.0 / theta[i] for i, name in enumerate(_EFFICIENCIES)}
         params.update({name: theta[4 + i] for i, name in enumerate(_OVERHEADS)})
+        if curve:
+            params[CURVE] = {int(k): (theta[6 + i] if i else 0.0) for i, k in enumerate(knots)}
         return params
 
 
@@ -214,7 +247,23 @@ def load_calibration(spec: str | Path | dict[str, Any]) -> dict[str, Any]:
             data = yaml.safe_load(f)
     if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
         raise ValueError(f"calibration {spec!r} has no 'params' mapping; was it written by python -m framework.profile?")
-    unknown = sorted(set(data["params"]) - set(PARAMS))
+    unknown = sorted(set(data["params"]) - set(PARAMS) - {CURVE})
     if unknown:
-        raise ValueError(f"calibration {spec!r} has unknown parameter(s) {unknown}; known: {sorted(PARAMS)}")
+        raise ValueError(f"calibration {spec!r} has unknown parameter(s) {unknown}; known: {sorted(PARAMS) + [CURVE]}")
     return data
+
+
+def _check_curve(curve: Mapping[Any, Any]) -> dict[int, float]:
+    """``{tokens: extra passes}`` sorted by tokens; tokens positive integers, passes >= 0."""
+    if not isinstance(curve, Mapping):
+        raise ValueError(f"roofline {CURVE} must map token counts to extra weight passes, got {curve!r}")
+    out: dict[int, float] = {}
+    for k, v in curve.items():
+        # YAML and Hydra may hand the keys over as strings; bools are no counts.
+        tokens = int(k) if isinstance(k, (int, str)) and str(k).strip().isdigit() else None
+        if tokens is None or tokens < 1:
+            raise ValueError(f"roofline {CURVE}: token counts must be positive integers, got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"roofline {CURVE}[{tokens}] must be a number >= 0, got {v!r}")
+        out[tokens] = float(v)
+    return dict(sorted(out.items()))

@@ -44,12 +44,13 @@ def test_fit_of_a_max_of_linear_model_recovers_its_parameters():
     assert theta == pytest.approx([3.0, 2.0, 0.5], rel=1e-6)
 
 
-def test_roofline_calibration_recovers_efficiencies_and_overheads_from_its_own_times():
+@pytest.mark.parametrize("curve", [None, {1: 0.0, 2: 1.0, 4: 1.5, 8: 3.0, 16: 2.5, 32: 2.5, 64: 4.0}])
+def test_roofline_calibration_recovers_efficiencies_and_overheads_from_its_own_times(curve):
     cfg = ModelConfig.from_hf(PRESETS["tiny-llama"])
     hw = load_hardware("cpu")
     truth = dict(matmul_efficiency=0.3, memory_efficiency=0.9, attention_efficiency=0.05, kv_efficiency=0.4,
                  step_overhead_us=800.0, seq_overhead_us=30.0, token_overhead_us=2.0)
-    model = RooflineCostModel(cfg, hw, 4, **truth)
+    model = RooflineCostModel(cfg, hw, 4, extra_weight_passes=curve, **truth)
     samples = []
     for m, length in itertools.product([1, 2, 4, 8, 16, 32, 64], [16, 64, 256, 1024]):
         samples.append((BatchShape(num_seqs=m, num_tokens=m * length, num_sampled=m, num_prefill_seqs=m,
@@ -65,6 +66,9 @@ def test_roofline_calibration_recovers_efficiencies_and_overheads_from_its_own_t
     for name in ("matmul_efficiency", "attention_efficiency", "step_overhead_us", "seq_overhead_us",
                  "token_overhead_us"):
         assert fitted[name] == pytest.approx(truth[name], rel=1e-4), name
+    # Knots at the decode batch sizes measured; a curve that is not there fits as zeros.
+    expected = curve or dict.fromkeys([1, 2, 4, 8, 16, 32, 64], 0.0)
+    assert fitted["extra_weight_passes"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_calibration_needs_enough_positive_samples():

@@ -8,7 +8,7 @@ import yaml
 from framework import LLM, SamplingParams
 from framework.config import EngineConfig
 from framework.cost_model import BatchShape
-from framework.cost_models.roofline import PARAMS
+from framework.cost_models.roofline import CURVE, PARAMS
 from framework.profile import Profiler, grid_cells, main, measure
 
 
@@ -18,14 +18,15 @@ def test_profile_writes_a_calibration_the_sim_loads(tmp_path):
     data = yaml.safe_load(out.read_text())
     assert data["measured"]["statistic"] == "min" and data["measured"]["repeats"] == 1
     assert data["measured"]["backend"] == EngineConfig().backend  # what a default real run uses
-    assert data["params"] == result["params"] and set(data["params"]) == set(PARAMS)
+    assert data["params"] == result["params"] and set(data["params"]) == set(PARAMS) | {CURVE}
     shapes = {tuple(row[:-1]) for row in data["samples"]["rows"]}
     assert len(shapes) == len(data["samples"]["rows"]) >= 3 * len(grid_cells("quick"))  # prefill + 2 decodes each
     assert all(row[-1] > 0 for row in data["samples"]["rows"])
     assert data["fit"]["samples"] == len(shapes) and data["hardware"]["name"] == "cpu"
     llm = LLM(model="tiny-llama", executor="sim", max_model_len=256,
               executor_options={"hardware": "cpu", "cost_model": {"name": "roofline", "calibration": str(out)}})
-    assert llm.engine.executor.cost_model.params == data["params"]
+    cost = llm.engine.executor.cost_model
+    assert {**cost.params, CURVE: cost.extra_weight_passes} == data["params"]
     assert len(llm.generate({"prompt_token_ids": [5] * 50}, SamplingParams(max_tokens=5))[0].outputs[0].token_ids) == 5
 
 

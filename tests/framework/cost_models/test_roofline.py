@@ -104,16 +104,37 @@ def test_decode_step_time_is_step_time_bit_for_bit():
         assert m.decode_step_time(num, ctx) == m.step_time(decode(num, ctx))
 
 
+def test_extra_weight_passes_read_the_layers_weights_again_by_token_count():
+    # Extra passes at 1, 4 and 8 tokens: 0.5, 2 and 3, interpolated between and held beyond.
+    curve = model(extra_weight_passes={1: 0.5, 4: 2, 8: 3})
+    one_pass = 2 * LINEAR_PARAMS / BW
+    for tokens, passes in [(1, 0.5), (2, 1.0), (4, 2.0), (6, 2.5), (8, 3.0), (300, 3.0)]:
+        added = curve.decode_step_time(tokens, 1024) - model().decode_step_time(tokens, 1024)
+        assert added == pytest.approx(passes * one_pass, rel=1e-9), tokens
+    assert curve.step_time(prefill(300)) - model().step_time(prefill(300)) == pytest.approx(3 * one_pass, rel=1e-9)
+    assert curve.extra_weight_passes == {1: 0.5, 4: 2.0, 8: 3.0}
+
+
+@pytest.mark.parametrize("curve, message", [
+    ({0: 1.0}, "token counts must be positive integers"), ({"x": 1.0}, "token counts must be positive integers"),
+    ({2: -1.0}, r"extra_weight_passes\[2\] must be a number >= 0"), ({2: "1"}, "must be a number >= 0"),
+    ([1, 2], "must map token counts to extra weight passes")])
+def test_extra_weight_passes_are_checked(curve, message):
+    with pytest.raises(ValueError, match=message):
+        model(extra_weight_passes=curve)
+
+
 def test_legs_reproduce_step_time_for_every_shape():
     from framework.calibration import predict
 
     m = model(tp=2, hardware=load_hardware("h100-sxm"), matmul_efficiency=0.6, memory_efficiency=0.7,
-              attention_efficiency=0.4, kv_efficiency=0.5, step_overhead_us=300, seq_overhead_us=7)
+              attention_efficiency=0.4, kv_efficiency=0.5, step_overhead_us=300, seq_overhead_us=7,
+              extra_weight_passes={2: 0.25, 4: 1.5, 16: 2.0})
     mixed = BatchShape(num_seqs=5, num_tokens=260, num_sampled=4, num_decode_seqs=4, decode_context=9000,
                        num_prefill_seqs=1, prefill_tokens=256, prefill_context=1256, prefill_pairs=256 * 1000 + 256 * 257 // 2,
                        swap_in_blocks=2, copy_blocks=1)
     swaps_only = BatchShape(swap_out_blocks=4, copy_blocks=1)
-    for shape in (mixed, decode(9, 3000), prefill(4000), swaps_only):
+    for shape in (mixed, decode(9, 3000), decode(1, 10), decode(3, 100), prefill(4000), swaps_only):
         offset, groups = m.legs(shape)
         assert predict(offset, groups, m.fit_vector()) == pytest.approx(m.step_time(shape), rel=1e-12)
 
