@@ -76,8 +76,9 @@ class BatchShape:
 
     @property
     def is_pure_decode(self) -> bool:
-        return (self.num_prefill_seqs == 0 and self.num_sampled == self.num_seqs and not self.swap_in_blocks
-                and not self.swap_out_blocks and not self.copy_blocks)
+        """At least one row, every row a sampling decode row, and no block traffic."""
+        return (self.num_decode_seqs > 0 and self.num_prefill_seqs == 0 and self.num_sampled == self.num_seqs
+                and not self.swap_in_blocks and not self.swap_out_blocks and not self.copy_blocks)
 
     def to_list(self) -> list[int]:
         return list(astuple(self))

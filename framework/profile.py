@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 #: (prompt lengths, request counts, decode steps, most prompt tokens per cell). A dozen decode steps
 #: per cell: the first after a prefill runs slower (cold caches), as it does in real runs too. The
 #: counts are dense where batches are small: they are the knots of the roofline's small-GEMM curve,
-#: and GEMM time is not monotone there (this VM's MKL: 3 rows slower than 4). On this CPU the
+#: and step time is not monotone there (this VM, small-llama: a decode step of 3 requests is
+#: slower than one of 4). On this CPU the
 #: extra counts cost 50% more profiling time (tiny-llama, 3 repeats: 30 s, was 20 s); the fit's
 #: error on held-out real steps fell from 21-23% to 14-17% (calibrated first, then served).
 GRIDS: dict[str, tuple[list[int], list[int], int, int]] = {

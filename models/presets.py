@@ -1,7 +1,7 @@
 """Named model descriptions that need no download.
 
-``tiny-*`` and ``small-*`` presets are small random-weight models built deterministically from the engine's
-seed: what tests, examples and CPU experiments run. The published shapes (``llama-3-8b``,
+``tiny-*`` and ``small-*`` presets are small random-weight models built deterministically from
+the engine's seed: what tests, examples and CPU experiments run. The published shapes (``llama-3-8b``,
 ``llama-3-70b``, ``qwen2-7b``, ``mistral-7b``) copy the shape keys of the released
 ``config.json`` files; they carry no weights, so only the simulated executor runs them. Every
 config uses Hugging Face's keys, so it goes through the same parser as a real ``config.json``.
@@ -40,7 +40,7 @@ SHAPE_ONLY_PRESETS: dict[str, dict[str, Any]] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": {**_TINY, "model_type": "llama", "tie_word_embeddings": False},
-    # Twice tiny-llama's width (12 M parameters): a CPU step of a few milliseconds is mostly
+    # Twice tiny-llama's width (13.6 M parameters): a CPU step of a few milliseconds is mostly
     # arithmetic rather than Python, so its times vary less (experiments/sim_fidelity.py).
     "small-llama": {**_TINY, "model_type": "llama", "tie_word_embeddings": False, "hidden_size": 512,
                     "intermediate_size": 1536},

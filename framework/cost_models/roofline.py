@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,11 @@ class RooflineCostModel(CostModel):
         for name in _OVERHEADS:
             if self.params[name] < 0:
                 raise ValueError(f"roofline {name} must be >= 0, got {self.params[name]!r}")
-        curve = extra_weight_passes if extra_weight_passes is not None else fitted.get(CURVE)
-        self.extra_weight_passes = _check_curve(curve or {})
+        if extra_weight_passes is not None:
+            self.extra_weight_passes = _check_curve(extra_weight_passes)
+        else:
+            source = "calibration" if isinstance(calibration, dict) else f"calibration {str(calibration)!r}"
+            self.extra_weight_passes = _check_curve(fitted.get(CURVE), source)
         self._knots = np.array(list(self.extra_weight_passes), dtype=float)
         self._passes = np.array(list(self.extra_weight_passes.values()), dtype=float)
         self._geometry()
@@ -212,23 +216,36 @@ class RooflineCostModel(CostModel):
     @classmethod
     def calibrate(cls, samples: list[tuple[BatchShape, float]], model: ModelConfig, hardware: Hardware,
                   dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 16) -> dict[str, Any]:
-        from framework.calibration import fit_max_linear
+        from framework.calibration import fit_max_linear, predict
 
         if len(samples) < len(PARAMS):
             raise ValueError(f"calibration needs at least {len(PARAMS)} measured steps, got {len(samples)}")
+        measured = [t for _, t in samples]
+
+        def fit(curve: dict[int, float] | None, theta0: list[float] | None = None) -> tuple[list[float], float]:
+            probe = cls(model, hardware, dtype_bytes, tensor_parallel_size, block_size, extra_weight_passes=curve)
+            rows = [probe.legs(shape) for shape, _ in samples]
+            # Efficiencies may exceed 1 against nominal figures (e.g. weights that stay in a CPU
+            # cache), but not absurdly: theta = 1/efficiency >= 0.01. No batch streams its
+            # weights fewer times than the smallest one: the curve's knots are >= its first (0).
+            lower = [0.01] * 4 + [0.0] * (3 + max(len(curve or ()) - 1, 0))
+            theta = fit_max_linear(rows, measured, theta0 or probe.fit_vector(), lower)
+            return theta, sum((predict(o, g, theta) / t - 1) ** 2 for (o, g), t in zip(rows, measured))
+
+        plain, plain_error = fit(None)
+        theta = plain
         # The curve's knots: the batch sizes of the pure-decode samples, where the token count
         # varies alone (a prefill's tokens move its attention and overheads along with them).
         knots = sorted({s.num_tokens for s, _ in samples if s.is_pure_decode})
-        curve = {k: 0.0 for k in knots} if len(knots) >= 2 else None
-        probe = cls(model, hardware, dtype_bytes, tensor_parallel_size, block_size, extra_weight_passes=curve)
-        rows = [probe.legs(shape) for shape, _ in samples]
-        # Efficiencies may exceed 1 against nominal figures (e.g. weights that stay in a CPU cache),
-        # but not absurdly: theta = 1/efficiency >= 0.01. A GEMM reads its weights at least once.
-        lower = [0.01] * 4 + [0.0] * 3 + [0.0] * (len(knots) - 1 if curve else 0)
-        theta = fit_max_linear(rows, [t for _, t in samples], probe.fit_vector(), lower)
+        if len(knots) >= 2:
+            curve = dict.fromkeys(knots, 0.0)
+            flat = plain + [0.0] * (len(knots) - 1)
+            # The alternation finds a local optimum: start it from the fit without the curve too,
+            # and keep that fit itself if neither start beats it, so the curve never fits worse.
+            theta = min([fit(curve), fit(curve, flat), (flat, plain_error)], key=lambda c: c[1])[0]
         params: dict[str, Any] = {name: 1.0 / theta[i] for i, name in enumerate(_EFFICIENCIES)}
         params.update({name: theta[4 + i] for i, name in enumerate(_OVERHEADS)})
-        if curve:
+        if len(knots) >= 2:
             params[CURVE] = {int(k): (theta[6 + i] if i else 0.0) for i, k in enumerate(knots)}
         return params
 
@@ -253,17 +270,27 @@ def load_calibration(spec: str | Path | dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _check_curve(curve: Mapping[Any, Any]) -> dict[int, float]:
-    """``{tokens: extra passes}`` sorted by tokens; tokens positive integers, passes >= 0."""
+def _check_curve(curve: Any, source: str | None = None) -> dict[int, float]:
+    """``{tokens: extra passes}`` sorted by tokens: tokens positive integers (strings of digits
+    too, as YAML or Hydra may give them), passes finite numbers >= 0. ``source`` names where
+    the curve came from, for the error."""
+    if curve is None:
+        return {}
+    where = f" (from {source})" if source else ""
     if not isinstance(curve, Mapping):
-        raise ValueError(f"roofline {CURVE} must map token counts to extra weight passes, got {curve!r}")
+        raise ValueError(f"roofline {CURVE}{where} must map token counts (positive integers) to extra weight "
+                         f"passes (numbers >= 0), e.g. {{1: 0, 4: 1.5}}; got {curve!r}")
     out: dict[int, float] = {}
     for k, v in curve.items():
-        # YAML and Hydra may hand the keys over as strings; bools are no counts.
-        tokens = int(k) if isinstance(k, (int, str)) and str(k).strip().isdigit() else None
-        if tokens is None or tokens < 1:
-            raise ValueError(f"roofline {CURVE}: token counts must be positive integers, got {k!r}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise ValueError(f"roofline {CURVE}[{tokens}] must be a number >= 0, got {v!r}")
+        try:
+            tokens = int(k) if not isinstance(k, (bool, float)) else 0
+        except (TypeError, ValueError):
+            tokens = 0
+        if tokens < 1:
+            raise ValueError(f"roofline {CURVE}{where}: token counts must be positive integers, got {k!r}")
+        if tokens in out:
+            raise ValueError(f"roofline {CURVE}{where}: token count {tokens} is given twice")
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
+            raise ValueError(f"roofline {CURVE}{where}[{tokens}] must be a finite number >= 0, got {v!r}")
         out[tokens] = float(v)
     return dict(sorted(out.items()))

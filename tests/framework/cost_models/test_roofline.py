@@ -116,12 +116,33 @@ def test_extra_weight_passes_read_the_layers_weights_again_by_token_count():
 
 
 @pytest.mark.parametrize("curve, message", [
-    ({0: 1.0}, "token counts must be positive integers"), ({"x": 1.0}, "token counts must be positive integers"),
-    ({2: -1.0}, r"extra_weight_passes\[2\] must be a number >= 0"), ({2: "1"}, "must be a number >= 0"),
-    ([1, 2], "must map token counts to extra weight passes")])
+    ({0: 1.0}, "token counts must be positive integers, got 0"), ({"x": 1.0}, "token counts must be positive integers"),
+    ({2.0: 1.0}, "token counts must be positive integers"), ({"2": 1.0, 2: 2.0}, "token count 2 is given twice"),
+    ({2: -1.0}, r"extra_weight_passes\[2\] must be a finite number >= 0, got -1.0"),
+    ({2: "1"}, "must be a finite number >= 0"), ({2: math.inf}, "must be a finite number >= 0"),
+    ([1, 2], r"must map token counts .* to extra weight passes .*e.g. \{1: 0, 4: 1.5\}")])
 def test_extra_weight_passes_are_checked(curve, message):
     with pytest.raises(ValueError, match=message):
         model(extra_weight_passes=curve)
+
+
+def test_extra_weight_passes_come_from_the_calibration_under_explicit_ones(tmp_path):
+    import yaml
+
+    # Keys may come as strings (YAML written by hand, Hydra overrides); explicit options win, {} turns it off.
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump({"params": {"extra_weight_passes": {"1": 0, "4": 1.5}}}))
+    assert RooflineCostModel(LLAMA3_8B, A100, calibration=str(path)).extra_weight_passes == {1: 0.0, 4: 1.5}
+    assert RooflineCostModel(LLAMA3_8B, A100, calibration=str(path), extra_weight_passes={8: 2}).extra_weight_passes == {8: 2.0}
+    assert RooflineCostModel(LLAMA3_8B, A100, calibration=str(path), extra_weight_passes={}).extra_weight_passes == {}
+    path.write_text(yaml.safe_dump({"params": {"extra_weight_passes": {0: 1.0}}}))
+    with pytest.raises(ValueError, match=f"from calibration '{path}'.*positive integers"):
+        RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
+
+
+def test_an_empty_step_costs_only_the_step_overhead():
+    m = model(step_overhead_us=100.0, extra_weight_passes={1: 1.0})
+    assert m.step_time(BatchShape()) == pytest.approx(100e-6)
 
 
 def test_legs_reproduce_step_time_for_every_shape():
