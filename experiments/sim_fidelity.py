@@ -1,5 +1,5 @@
-"""Fidelity of the simulator on this CPU: calibrate on the tiny model, then serve a held-out
-workload for real and in simulation and compare.
+"""Fidelity of the simulator on this CPU: calibrate on a tiny model (``--model``, default
+``tiny-llama``), then serve a held-out workload for real and in simulation and compare.
 
     python experiments/sim_fidelity.py --repeats 3                  # calibration interleaved with the real run
     python experiments/sim_fidelity.py --repeats 3 --model small-llama   # twice the width: steadier step times
@@ -165,8 +165,8 @@ def main() -> None:
     for rep in range(args.repeats):
         started = time.perf_counter()
         if args.calibration is None:
-            real, steps, calibration = real_run_with_calibration(args.seed, args.profile_repeats, args.clock, args.statistic,
-                                                                    args.model)
+            real, steps, calibration = real_run_with_calibration(args.seed, args.profile_repeats, args.clock,
+                                                                 args.statistic, args.model)
             if args.save_calibration:
                 import yaml
 
@@ -176,7 +176,8 @@ def main() -> None:
             calibration = args.calibration
             clock = CPUClock() if args.clock == "cpu" else WallClock()
             real, steps = serve(LLMEngine(engine_config("model", args.model), clock=clock), args.seed)
-        sim_engine = LLMEngine(engine_config("sim", args.model, hardware="cpu", cost_model={"name": "roofline", "calibration": calibration}))
+        sim_engine = LLMEngine(engine_config("sim", args.model, hardware="cpu",
+                                             cost_model={"name": "roofline", "calibration": calibration}))
         sim, _ = serve(sim_engine, args.seed)
         cost = sim_engine.executor.cost_model
         errors = sorted(abs(cost.step_time(shape) / t - 1) for shape, t in steps)

@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 #: per cell: the first after a prefill runs slower (cold caches), as it does in real runs too. The
 #: counts are dense where batches are small: they are the knots of the roofline's small-GEMM curve,
 #: and step time is not monotone there (this VM, small-llama: a decode step of 3 requests is
-#: slower than one of 4). On this CPU the
-#: extra counts cost 50% more profiling time (tiny-llama, 3 repeats: 30 s, was 20 s); the fit's
-#: error on held-out real steps fell from 21-23% to 14-17% (calibrated first, then served).
+#: slower than one of 4). On this CPU the extra counts cost 50% more profiling time (tiny-llama,
+#: 3 repeats: 30 s, was 20 s); the fit's error on held-out real steps fell from 21-23% to 14-17%
+#: (calibrated first, then served).
 GRIDS: dict[str, tuple[list[int], list[int], int, int]] = {
     "quick": ([16, 96], [1, 4], 2, 512),
     "default": ([16, 64, 128, 256, 512], [1, 2, 3, 4, 6, 8, 12, 16, 32], 12, 4096),
