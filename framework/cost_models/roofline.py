@@ -221,31 +221,33 @@ class RooflineCostModel(CostModel):
         if len(samples) < len(PARAMS):
             raise ValueError(f"calibration needs at least {len(PARAMS)} measured steps, got {len(samples)}")
         measured = [t for _, t in samples]
+        # The curve's knots: the batch sizes of the pure-decode samples, where the token count
+        # varies alone (a prefill's tokens move its attention and overheads along with them).
+        knots = sorted({s.num_tokens for s, _ in samples if s.is_pure_decode})
+        if len(knots) < 2:
+            knots = []
 
-        def fit(curve: dict[int, float] | None, theta0: list[float] | None = None) -> tuple[list[float], float]:
+        def fit(curve: dict[int, float] | None) -> tuple[list[Any], list[float], list[float]]:
+            """The probe's rows, lower bounds and a fit from its default start."""
             probe = cls(model, hardware, dtype_bytes, tensor_parallel_size, block_size, extra_weight_passes=curve)
             rows = [probe.legs(shape) for shape, _ in samples]
             # Efficiencies may exceed 1 against nominal figures (e.g. weights that stay in a CPU
             # cache), but not absurdly: theta = 1/efficiency >= 0.01. No batch streams its
             # weights fewer times than the smallest one: the curve's knots are >= its first (0).
             lower = [0.01] * 4 + [0.0] * (3 + max(len(curve or ()) - 1, 0))
-            theta = fit_max_linear(rows, measured, theta0 or probe.fit_vector(), lower)
-            return theta, sum((predict(o, g, theta) / t - 1) ** 2 for (o, g), t in zip(rows, measured))
+            return rows, lower, fit_max_linear(rows, measured, probe.fit_vector(), lower)
 
-        plain, plain_error = fit(None)
-        theta = plain
-        # The curve's knots: the batch sizes of the pure-decode samples, where the token count
-        # varies alone (a prefill's tokens move its attention and overheads along with them).
-        knots = sorted({s.num_tokens for s, _ in samples if s.is_pure_decode})
-        if len(knots) >= 2:
-            curve = dict.fromkeys(knots, 0.0)
-            flat = plain + [0.0] * (len(knots) - 1)
+        _, _, theta = fit(None)
+        if knots:
+            rows, lower, from_default = fit(dict.fromkeys(knots, 0.0))
+            flat = theta + [0.0] * (len(knots) - 1)  # the fit without the curve, as a curve of zeros
             # The alternation finds a local optimum: start it from the fit without the curve too,
             # and keep that fit itself if neither start beats it, so the curve never fits worse.
-            theta = min([fit(curve), fit(curve, flat), (flat, plain_error)], key=lambda c: c[1])[0]
+            theta = min([from_default, fit_max_linear(rows, measured, flat, lower), flat],
+                        key=lambda th: sum((predict(o, g, th) / t - 1) ** 2 for (o, g), t in zip(rows, measured)))
         params: dict[str, Any] = {name: 1.0 / theta[i] for i, name in enumerate(_EFFICIENCIES)}
         params.update({name: theta[4 + i] for i, name in enumerate(_OVERHEADS)})
-        if len(knots) >= 2:
+        if knots:
             params[CURVE] = {int(k): (theta[6 + i] if i else 0.0) for i, k in enumerate(knots)}
         return params
 
