@@ -40,7 +40,6 @@ from framework.config import DTYPE_ALIASES  # noqa: E402
 from framework.executors.model import resolve_device, resolve_dtype  # noqa: E402
 
 
-
 @dataclass
 class Case:
     kind: str            # "decode" or "prefill"

@@ -2,9 +2,10 @@
 pressure, on the CPU tiny model.
 
 Many short chats (priority 0) and a few long prompts (priority 1) arrive as a Poisson process,
-served by the run driver (``framework.cluster.Cluster``), which adds each at its arrival time. Prints p50/p99 TTFT (chats, long prompts, all)
-and TPOT per run, the same figures as ratios against fcfs, and preemptions, swap volumes, time
-spent copying blocks and tokens recomputed after preemption.
+served by the run driver (``framework.cluster.Cluster``), which adds each at its arrival time.
+Prints p50/p99 TTFT (chats, long prompts, all) and TPOT per run, the same figures as ratios
+against fcfs, and preemptions, swap volumes, time spent copying blocks and tokens recomputed
+after preemption.
 
 Times on a shared machine are noisy. ``--clock cpu`` runs the engine on this process's CPU time
 (jumping over idle waits) instead of the wall clock: latencies as on a dedicated core, which

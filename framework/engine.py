@@ -182,6 +182,7 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
+
     # -- one step --------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one step. Returns an output for every request that progressed, or with

@@ -135,9 +135,9 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     clocks (wall time for the model executor, simulated time for the sim executor), and
     durations and throughputs are in that time. Configuration errors raise ValueError before
     anything runs; a failure while serving raises anything but (a ValueError then comes as the
-    cause of a RuntimeError), after writing a ``failed`` summary. A KeyboardInterrupt while requests run stops the run, keeps what was measured
-    and returns a summary with ``status: interrupted``. ``run_name`` / ``group`` name the run and
-    its sweep for loggers. ``clock`` overrides the config's ``clock`` (one replica only);
+    cause of a RuntimeError), after writing a ``failed`` summary. A KeyboardInterrupt while
+    requests run stops the run, keeps what was measured and returns a summary with ``status:
+    interrupted``. ``run_name`` / ``group`` name the run and its sweep for loggers. ``clock`` overrides the config's ``clock`` (one replica only);
     ``on_engine`` sees each engine once it is built (to add step callbacks, e.g. one that
     advances a ``VirtualClock``).
     """
