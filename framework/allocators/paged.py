@@ -197,13 +197,34 @@ class PagedBlockAllocator(BlockAllocator):
         in_use = self.num_used_blocks
         used: list[int] = []
         done = 0
+        # A long run has one event per request per block_size steps, so the two common events
+        # are inlined: taking one free block (_pop_free_blocks(1)) and sealing the block right
+        # after the last one hashed (_seal's loop for one new block).
+        popitem, blocks, index, stats = self._free.popitem, self._blocks, self._hash_to_block, self.stats
         for j in steps:
             if track:
                 used.extend([in_use] * (j - 1 - done))
             for req, i in events.get(j, ()):
                 if i < 0:
-                    req.block_ids.extend(self._pop_free_blocks(1))
+                    bid = popitem(last=False)[0]
+                    block = blocks[bid]
+                    if block.hash is not None:
+                        if index.get(block.hash) == bid:
+                            del index[block.hash]
+                        block.hash = block.token_ids = None
+                        stats.evictions += 1
+                    block.ref_count = 1
+                    req.block_ids.append(bid)
                     in_use += 1
+                elif len(hashes := req.block_hashes) == i:
+                    toks = tuple(req.token_ids[i * bs:(i + 1) * bs])
+                    h = block_hash(hashes[i - 1] if i else _ROOT_HASH, toks)
+                    hashes.append(h)
+                    block = blocks[req.block_ids[i]]
+                    if block.hash is None:
+                        block.hash = h
+                        block.token_ids = toks
+                        index.setdefault(h, block.block_id)
                 else:
                     self._seal(req, i, i + 1)
             if pauses and j in pauses:
