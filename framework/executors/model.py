@@ -10,6 +10,7 @@ from framework.attention import BACKENDS
 from framework.clock import Clock
 from framework.config import EngineConfig, resolve_dtype_name
 from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
+from framework.host_memory import keep_freed_memory
 from framework.input_preparer import PREPARERS
 from framework.model_runner import ModelRunner
 from framework.sampler import Sampler
@@ -44,6 +45,8 @@ class ModelExecutor(Executor):
                 f"pass a Hugging Face checkpoint directory to the model executor")
         cfg = source.config
         self._device = resolve_device(config.device)
+        if self._device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self._device)
         assert config.max_model_len is not None
         self.backend = BACKENDS.create(
