@@ -14,11 +14,11 @@ from framework.workload import WorkloadContext, create_workload
 from tests.hydra_support import CONF, compose_config
 
 #: Groups not in the defaults list are added with '+'.
-OPTIONAL_GROUPS = {"policy", "experiment", "executor", "hardware", "cluster"}
+OPTIONAL_GROUPS = {"policy", "experiment", "hardware", "cluster"}
 #: Options that need hardware CI does not have; they must fail with a clear message instead.
 NEEDS_CUDA = {("backend", "flash_attn")}
 #: Options composed together with another group's (a device or a cluster needs the simulator).
-NEEDS = {"hardware": ["+executor=sim"], "cluster": ["+executor=sim"]}
+NEEDS = {"hardware": ["executor=sim"], "cluster": ["executor=sim"]}
 
 
 def group_options():

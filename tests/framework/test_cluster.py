@@ -217,6 +217,6 @@ def test_a_simulated_run_leaves_the_collector_on(tmp_path):
     from framework.experiment import run_experiment
     from tests.hydra_support import compose_config
 
-    cfg = compose_config("+executor=sim", "workload.num_requests=5", "progress=false", "plots=false")
+    cfg = compose_config("executor=sim", "workload.num_requests=5", "progress=false", "plots=false")
     assert run_experiment(cfg, tmp_path)["completed"] == 5
     assert gc.isenabled()

@@ -1,4 +1,4 @@
-"""Simulated runs through the experiments' run path: ``+executor=sim`` with a device, a cost
+"""Simulated runs through the experiments' run path: ``executor=sim`` with a device, a cost
 model and a cluster selects the simulator from Hydra, runs on simulated time and writes the same
 files as a real run, which ``framework.compare`` tables together with real runs."""
 import json
@@ -26,7 +26,7 @@ def compose_with(overrides):
 
 
 def test_executor_hardware_and_cost_model_reach_the_engine():
-    cfg = compose_with(["+executor=sim", "+hardware=h100-sxm", "model.name=llama-3-70b",
+    cfg = compose_with(["executor=sim", "+hardware=h100-sxm", "model.name=llama-3-70b",
                         "executor.tensor_parallel_size=4", "+cost_model.matmul_efficiency=0.5",
                         "+cluster=prefix_aware", "cluster.num_replicas=8"])
     config = engine_config(cfg)
@@ -40,7 +40,7 @@ def test_executor_hardware_and_cost_model_reach_the_engine():
 
 def test_a_simulated_run_writes_every_file_on_simulated_time(tmp_path):
     counter = RunCounter()
-    summary = run_experiment(compose_with(["+executor=sim", "+hardware=h100-sxm", "model.name=llama-3-70b",
+    summary = run_experiment(compose_with(["executor=sim", "+hardware=h100-sxm", "model.name=llama-3-70b",
                                            "executor.tensor_parallel_size=4", "progress=true", *SMALL[1:]]),
                              tmp_path, on_engine=lambda e: e.step_callbacks.append(counter))
     assert FILES <= {p.name for p in tmp_path.iterdir()}
@@ -63,7 +63,7 @@ def test_a_simulated_run_writes_every_file_on_simulated_time(tmp_path):
 
 
 def test_a_cluster_run_writes_the_replica_columns(tmp_path):
-    summary = run_experiment(compose_with(["+executor=sim", "model.name=llama-3-8b", "+cluster=least_outstanding",
+    summary = run_experiment(compose_with(["executor=sim", "model.name=llama-3-8b", "+cluster=least_outstanding",
                                            "cluster.num_replicas=3", *SMALL]), tmp_path)
     assert (summary["num_replicas"], summary["router"], summary["completed"]) == (3, "least_outstanding", 24)
     rows = read_csv(tmp_path / "requests.csv")
@@ -90,7 +90,7 @@ def test_interrupting_a_cluster_run_keeps_its_rows_and_frees_every_replica(tmp_p
         engines.append(engine)
         engine.step_callbacks.append(StopAfter300Steps())
 
-    summary = run_experiment(compose_with(["+executor=sim", "model.name=llama-3-8b", "+cluster=round_robin", *SMALL]),
+    summary = run_experiment(compose_with(["executor=sim", "model.name=llama-3-8b", "+cluster=round_robin", *SMALL]),
                              tmp_path, on_engine=attach)
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["status"] == "interrupted" and summary["interrupted"]
@@ -106,7 +106,7 @@ def test_real_and_simulated_runs_compare_in_one_table(tmp_path):
     common = ["progress=false", "workload.num_requests=6", "workload.prompt_len=[8,24]", "workload.output_len=[2,5]"]
     run_experiment(compose_with(["engine.max_model_len=128", "engine.num_gpu_blocks_override=64", *common]),
                    tmp_path / "real")
-    run_experiment(compose_with(["+executor=sim", "+hardware=cpu", *common]), tmp_path / "sim")
+    run_experiment(compose_with(["executor=sim", "+hardware=cpu", *common]), tmp_path / "sim")
     rows = comparison_rows([tmp_path])
     assert len(rows) == 2 and all(r["status"] == "completed" and r["completed"] == 6 for r in rows)
     labels = {r["run_dir"].rsplit("/", 1)[1]: r["label"] for r in rows}
@@ -119,9 +119,9 @@ def test_real_and_simulated_runs_compare_in_one_table(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["+cluster=round_robin"], "several replicas share one machine only in simulated time: use executor=sim"),
-    (["+executor=sim", "+cluster=prefix_aware", "+cluster.router_options.tries=3"], "router 'prefix_aware'.*tries"),
-    (["+executor=sim", "+cluster=round_robin", "cluster.num_replicas=0"], "num_replicas must be a positive integer"),
-    (["+executor=sim", "clock=wall"], "executor=sim runs on simulated time"),
+    (["executor=sim", "+cluster=prefix_aware", "+cluster.router_options.tries=3"], "router 'prefix_aware'.*tries"),
+    (["executor=sim", "+cluster=round_robin", "cluster.num_replicas=0"], "num_replicas must be a positive integer"),
+    (["executor=sim", "clock=wall"], "executor=sim runs on simulated time"),
 ])
 def test_cluster_and_clock_errors_are_configuration_errors(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -129,8 +129,9 @@ def test_cluster_and_clock_errors_are_configuration_errors(tmp_path, overrides, 
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_the_cli_runs_a_simulated_cluster(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "framework.run", "+executor=sim", "+hardware=h100-sxm",
+@pytest.mark.parametrize("select", ["executor=sim", "+executor=sim"])  # the second: as written before it had a default
+def test_the_cli_runs_a_simulated_cluster(tmp_path, select):
+    done = subprocess.run([sys.executable, "-m", "framework.run", select, "+hardware=h100-sxm",
                            "model.name=llama-3-70b", "executor.tensor_parallel_size=4", "+cluster=prefix_aware",
                            "cluster.num_replicas=2", "plots=false", *SMALL, f"hydra.run.dir={tmp_path}"],
                           cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True, text=True,

@@ -98,7 +98,7 @@ def test_a_simulated_cluster_run_logs_the_same_with_replicas(tmp_path, monkeypat
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("HOME", str(tmp_path))
     run_dir = tmp_path / "run"
-    summary = run_experiment(config("logger=wandb", "logger.project=servelab-test", "+executor=sim", "+cluster=round_robin",
+    summary = run_experiment(config("logger=wandb", "logger.project=servelab-test", "executor=sim", "+cluster=round_robin",
                                     "workload.num_requests=6", "workload.output_len=[20,30]"), run_dir)
     offline, = (run_dir / "wandb").glob("offline-run-*")
     keys = logged_keys(next(offline.glob("run-*.wandb")))
