@@ -15,6 +15,7 @@ import torch
 
 from backends.naive import write_kv
 from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from framework.registry import UnavailableError
 
 @dataclass
 class FlashAttnMetadata:
@@ -49,7 +50,7 @@ class FlashAttnBackend(AttentionBackend):
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         problems = missing_requirements(block_size, dtype, torch.device(device), head_dim)
         if problems:
-            raise RuntimeError("attention backend 'flash_attn' cannot run here: " + "; ".join(problems))
+            raise UnavailableError("attention backend 'flash_attn' cannot run here: " + "; ".join(problems))
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 

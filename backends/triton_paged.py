@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from framework.registry import UnavailableError
 
 _KERNELS = "backends.triton_kernels"
 INTERPRETER_NOTICE = ("servelab: no CUDA device for the triton attention backend; running its kernels "
@@ -38,10 +39,10 @@ def load_kernels(device: torch.device) -> ModuleType:
     try:
         module = importlib.import_module(_KERNELS)
     except ImportError as exc:
-        raise ImportError(f"the triton attention backend needs the triton package ({exc}); "
-                          f"install it with `pip install triton`") from exc
+        raise UnavailableError(f"the triton attention backend needs the triton package ({exc}); "
+                               f"install it with `pip install triton`") from exc
     if interpret and not module.INTERPRETED:
-        raise RuntimeError(
+        raise UnavailableError(
             f"the triton kernels were already compiled for CUDA in this process, so they cannot run on "
             f"device {device}; use a CUDA device, or start a new process with TRITON_INTERPRET=1")
     return module

@@ -23,7 +23,7 @@ from framework.engine import LLMEngine, StepStats  # noqa: E402
 from framework.executor import EXECUTORS, Executor  # noqa: E402
 from framework.llm import LLM  # noqa: E402
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
-from framework.registry import Registry, UnknownNameError  # noqa: E402
+from framework.registry import Registry, UnavailableError, UnknownNameError  # noqa: E402
 from framework.request import Request, RequestStatus  # noqa: E402
 from framework.sampling_params import SamplingParams  # noqa: E402
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulerPolicy  # noqa: E402
@@ -54,5 +54,6 @@ __all__ = [
     "AttentionBackend", "BatchShape", "Cluster", "CostModel", "Router",
     "AttentionMetadata", "BlockAllocator", "CompletionOutput", "EngineConfig", "Executor", "InputPreparer",
     "LLMEngine", "ModelInput", "Registry", "Request", "RequestMetrics", "RequestOutput", "RequestStatus",
-    "SamplingParams", "Scheduler", "SchedulerOutput", "SchedulerPolicy", "StepStats", "UnknownNameError",
+    "SamplingParams", "Scheduler", "SchedulerOutput", "SchedulerPolicy", "StepStats", "UnavailableError",
+    "UnknownNameError",
 ]

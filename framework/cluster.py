@@ -55,6 +55,10 @@ class ServeResult:
     outputs: list[tuple[int, RequestOutput]] = field(default_factory=list)
 
 
+#: Why several replicas need simulated time (real ones would share this machine's cores).
+NEEDS_SIMULATED_TIME = "several replicas share one machine only in simulated time: use executor=sim"
+
+
 class Cluster:
     """``engines`` are the replicas (all on virtual clocks when there are several); ``router``
     is a ``Router`` or a registered name, created with ``router_options``."""
@@ -64,7 +68,7 @@ class Cluster:
         if not engines:
             raise ValueError("a cluster needs at least one replica")
         if len(engines) > 1 and not all(isinstance(e.clock, VirtualClock) for e in engines):
-            raise ValueError("several replicas share one machine only in simulated time: use executor=sim")
+            raise ValueError(NEEDS_SIMULATED_TIME)
         if len({id(e.clock) for e in engines}) != len(engines):
             raise ValueError("each replica needs its own clock")
         self.engines = list(engines)

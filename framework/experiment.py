@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.block_allocator import AllocatorStats
 from framework.clock import Clock, VirtualClock, WallClock
-from framework.cluster import Cluster, check_num_replicas, gc_paused
+from framework.cluster import NEEDS_SIMULATED_TIME, Cluster, check_num_replicas, gc_paused
 from framework.config import PART_NAMES, EngineConfig
 from framework.engine import LLMEngine, StepStats
 from framework.metrics import SLO, RequestRecord, summarize
@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 #: Config groups that name a registered part, with the part used when the group is absent.
 #: Pluggable parts and their defaults (EngineConfig's, so the CLI and the Python API agree).
 PARTS = {part: EngineConfig.__dataclass_fields__[part].default for part in PART_NAMES}
+#: ``EngineConfig`` fields the ``engine`` node may set (the others come from their own groups).
+ENGINE_KEYS = set(EngineConfig.__dataclass_fields__) - {*PART_NAMES, *(f"{p}_options" for p in PART_NAMES),
+                                                        "model", "model_seed", "check_invariants"}
 
 
 def _split(group: Any, default_name: str) -> tuple[str, dict[str, Any]]:
@@ -57,8 +60,16 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         for key in ("hardware", "cost_model"):
             if cfg.get(key) is not None:
                 kwargs["executor_options"][key] = OmegaConf.to_container(cfg[key], resolve=True)
+        # A null cost-model option is the model's default: so the roofline's `calibration: null`
+        # in conf/executor/sim.yaml does not reach a cost model without one (cost_model.name=replay).
+        if isinstance(kwargs["executor_options"].get("cost_model"), dict):
+            kwargs["executor_options"]["cost_model"] = {
+                k: v for k, v in kwargs["executor_options"]["cost_model"].items() if v is not None}
     model, model_options = _split(cfg.get("model"), "tiny-llama")
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
+    unknown = sorted(set(engine) - ENGINE_KEYS)
+    if unknown:
+        raise ValueError(f"engine: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(ENGINE_KEYS))}")
     engine["check_invariants"] = bool(OmegaConf.select(cfg, "scheduler.check_invariants", default=False))
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), **kwargs, **engine)
 
@@ -120,6 +131,8 @@ def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = N
     if clock is not None and num_replicas > 1:
         raise ValueError("a given clock drives one replica; each of several replicas needs its own")
     router = ROUTERS.create(router, **router_options)  # a bad router fails before any engine is built
+    if num_replicas > 1 and config.executor == "model":  # as Cluster would, but before building them
+        raise ValueError(NEEDS_SIMULATED_TIME)
     engines = [LLMEngine(dataclasses.replace(config), clock=clock or make_clock(cfg.get("clock", "auto"), config.executor))
                for _ in range(num_replicas)]
     return Cluster(engines, router)

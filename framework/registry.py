@@ -33,6 +33,11 @@ class UnknownNameError(ValueError):
     """A name that no implementation is registered under; the message lists the registered ones."""
 
 
+class UnavailableError(RuntimeError):
+    """A registered implementation that cannot run on this machine (no GPU, a package missing,
+    settings its kernels do not support); the message names everything missing."""
+
+
 class BadOptionsError(ValueError, TypeError):
     """Options an implementation's constructor does not take (unknown or missing). A ValueError,
     as every configuration error, and a TypeError, as Python reports a bad call."""

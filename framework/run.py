@@ -6,10 +6,12 @@ with ``-m``), writing its files to Hydra's run directory (``outputs/DATE/TIME`` 
 ``requests.csv``, ``steps.csv`` and the plots. A multirun also gets a comparison of its runs
 (``comparison.md``/``.csv`` and plots) at its root.
 
-A configuration error (an unknown policy, a bad option value) prints one clear line and exits
-with status 2; Ctrl-C stops the run, keeps what it measured and exits with status 130. In a
-sweep, a job that fails (a configuration error included) is logged and marked ``failed`` in
-its summary; the other jobs run, the comparison is written, and the sweep exits with status 1.
+A configuration error (an unknown policy, a bad option value) or a part that cannot run on this
+machine (flash_attn without CUDA) prints one clear line and exits with status 2; any other
+failure keeps its traceback. Either way the run's ``summary.json`` says ``failed``, with the
+error. Ctrl-C stops the run, keeps what it measured and exits with status 130. In a sweep, a
+job that fails (a configuration error included) is logged and marked ``failed`` in its
+summary; the other jobs run, the comparison is written, and the sweep exits with status 1.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from omegaconf import DictConfig
 
 from framework.experiment import engine_config, run_experiment
 from framework.recorder import write_summary
+from framework.registry import UnavailableError
 
 __all__ = ["engine_config", "main"]
 
@@ -43,37 +46,59 @@ def _run_name(hc: object) -> str | None:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
     try:
         group = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
-        summary = run_experiment(cfg, hc.runtime.output_dir, run_name=_run_name(hc), group=group)
+        summary = run_experiment(cfg, run_dir, run_name=_run_name(hc), group=group)
+    except KeyboardInterrupt:
+        # Ctrl-C outside the serving loop (which handles its own): while the engine was built,
+        # or a second one while the plots were drawn. What was measured is written already.
+        _mark(run_dir, "interrupted")
+        print(f"interrupted: what was measured is in {run_dir}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:
+        _mark(run_dir, "failed", exc)
         if hc.mode == RunMode.MULTIRUN:
             # One failed job must not cost the sweep its other runs and its comparison (Hydra stops
             # a sweep at the first exception, SystemExit included): the job's summary.json says
             # "failed", and the sweep exits non-zero at the end (CompareCallback).
-            _mark_failed(Path(hc.runtime.output_dir), exc)
-            log.exception("run failed (%s); the sweep goes on", hc.runtime.output_dir)
+            log.exception("run failed (%s); the sweep goes on", run_dir)
             return
-        if isinstance(exc, ValueError):  # run_experiment raises these only for configuration errors
+        # run_experiment raises ValueError only for configuration errors; UnavailableError is a
+        # part that cannot run on this machine. Neither needs a traceback to be understood.
+        if isinstance(exc, (ValueError, UnavailableError)):
             log.debug("configuration error", exc_info=True)
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)
         raise
     if summary.get("interrupted"):
-        print(f"interrupted: what was measured is in {hc.runtime.output_dir}", file=sys.stderr)
+        print(f"interrupted: what was measured is in {run_dir}", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
 
 
-def _mark_failed(run_dir: Path, exc: Exception) -> None:
-    """Make the run's summary.json say ``failed``, also when the run failed before writing one
-    (a configuration error, building the engine, generating the workload)."""
+def _mark(run_dir: Path, status: str, exc: Exception | None = None) -> None:
+    """Make the run's summary.json say ``status`` (``failed`` or ``interrupted``), also when the
+    run stopped before writing one (a configuration error, building the engine, warming up). An
+    interrupt keeps a summary that already says how the run ended (a Ctrl-C while the plots of a
+    finished run were drawn); a failure overrides it with its error."""
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.is_file() else {}
-    if summary.get("status") != "failed":
+    if status == "failed" or summary.get("status") in (None, "running"):
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_summary(run_dir, {**summary, "status": "failed", "interrupted": False,
-                                "error": f"{type(exc).__name__}: {exc}"})
+        error = {"error": f"{type(exc).__name__}: {exc}"} if exc is not None else {}
+        write_summary(run_dir, {**summary, "status": status, "interrupted": status == "interrupted", **error})
+
+
+def _legacy_overrides(argv: list[str]) -> list[str]:
+    """``+executor=NAME`` (from before executor had a default) as ``executor=NAME``, which is what
+    it means now; Hydra would refuse it as a second value for the group."""
+    return [a[1:] if a.startswith("+executor=") else a for a in argv]
 
 
 if __name__ == "__main__":
-    main()
+    sys.argv = _legacy_overrides(sys.argv)
+    try:
+        main()
+    except KeyboardInterrupt:  # before Hydra had composed the config: nothing ran yet
+        print("interrupted before the run started", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from framework import BACKENDS
+from framework.registry import UnavailableError
 from tests.backends.batches import mixed_specs, random_batch
 from tests.backends.test_agreement import GQA, check, run, seed_of
 
@@ -24,7 +25,7 @@ def create(**overrides):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_on_cpu_construction_names_everything_missing():
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(UnavailableError) as err:
         create(block_size=16, dtype=torch.float32, device="cpu")
     message = str(err.value)
     assert "'flash_attn' cannot run here" in message

@@ -111,6 +111,7 @@ def cli(*args, cwd):
     (["workload.prompt_len=[0,3]"], "prompt_len: lengths must be >= 1"),
     (["logger.name=carrier_pigeon"], "unknown logger 'carrier_pigeon'"),
     (["slo.tpot_ms=0"], "slo.tpot_ms must be a positive number"),
+    (["+engine.max_num_seq=32"], r"engine: unknown key\(s\) max_num_seq; valid: .*max_num_seqs"),
 ])
 def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
     if overrides[0].startswith("policy."):
@@ -126,6 +127,26 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
                           timeout=300)
     assert done.returncode == 2, done.stderr
     assert "error: block_size must be a power of two" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU path")
+def test_cli_reports_a_backend_that_cannot_run_here_cleanly(tmp_path):
+    done = cli("backend=flash_attn", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "error: attention backend 'flash_attn' cannot run here: CUDA is not available" in done.stderr
+    assert "Traceback" not in done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "UnavailableError" in summary["error"]
+
+
+def test_cli_marks_a_run_that_fails_before_serving_as_failed(tmp_path):
+    # The warm-up request needs more steps than the replayed durations hold.
+    done = cli("executor=sim", "cost_model.name=replay", "+cost_model.durations=[0.01]", "warmup=1",
+               "progress=false", "plots=false", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr  # not a configuration error: the traceback is kept
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "replay cost model has 1 recorded steps" in summary["error"]
 
 
 def test_a_failure_while_serving_is_not_reported_as_a_configuration_error(tmp_path):
@@ -150,3 +171,23 @@ def test_a_sweep_goes_on_past_a_job_with_a_configuration_error(tmp_path):
     assert bad["status"] == "failed" and "slo.tpot_ms must be a positive number" in bad["error"]
     assert good["status"] == "completed" and good["completed"] == 6
     assert "| failed |" in (sweep / "comparison.md").read_text() and "1 run(s) failed" in done.stderr
+
+
+@pytest.mark.parametrize("before, status, after", [
+    (None, "interrupted", "interrupted"),      # Ctrl-C while the engine was built
+    ("running", "interrupted", "interrupted"),
+    ("completed", "interrupted", "completed"),  # a second Ctrl-C while the plots were drawn
+    ("interrupted", "failed", "failed"),
+    ("completed", "failed", "failed"),          # e.g. the logger failed after the summary was written
+])
+def test_the_summary_says_how_the_run_ended(tmp_path, before, status, after):
+    from framework.run import _mark
+
+    if before is not None:
+        (tmp_path / "summary.json").write_text(json.dumps({"status": before, "completed": 3}))
+    _mark(tmp_path, status, RuntimeError("boom") if status == "failed" else None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == after
+    assert summary.get("interrupted", False) is (after == "interrupted")
+    assert summary.get("completed") == (3 if before is not None else None)  # nothing measured is lost
+    assert ("boom" in summary.get("error", "")) is (after == "failed")
