@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 from array import array
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
@@ -187,6 +189,15 @@ def itl_gaps(records: Sequence[RequestRecord]) -> np.ndarray:
     return gaps[keep]
 
 
+def failure_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """How many of ``records`` failed for each reason, most common first: the scheduler's message
+    with the prompt's own length left out (``prompt of N tokens is longer than ...``), else the
+    status (``abort``, ``unfinished``)."""
+    reasons = Counter(re.sub(r"^prompt of \d+ tokens", "prompt of N tokens", r.message) if r.message else r.status
+                      for r in records)
+    return dict(reasons.most_common())
+
+
 def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None = None,
               steps: StepTotals | None = None, prefix_cache_hit_rate: float | None = None) -> dict[str, Any]:
     """Run-level metrics over ``duration`` seconds. Latencies and throughputs count completed
@@ -210,6 +221,9 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None
     }
     for name in LATENCIES:
         summary.update(latency_stats(name, latencies(done, name)))
+    failed = [r for r in records if not r.completed]
+    if failed:
+        summary["failure_reasons"] = failure_reasons(failed)
     summary["num_preemptions"] = sum(r.num_preemptions for r in records)
     summary["num_swaps"] = sum(r.num_swaps for r in records)
     summary["prefix_cache_hit_rate"] = prefix_cache_hit_rate

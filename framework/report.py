@@ -23,6 +23,8 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     row("Status:", "status", "{}")
     row("Successful requests:", "completed", "{}")
     row("Failed requests:", "failed", "{}")
+    for reason, count in (summary.get("failure_reasons") or {}).items():
+        lines.append(f"  {count} x {reason}")
     row("Benchmark duration (s):", "duration_s")
     row("Total input tokens:", "total_input_tokens", "{}")
     row("Total generated tokens:", "total_output_tokens", "{}")

@@ -5,6 +5,7 @@ import pytest
 
 from framework.metrics import SLO, RequestRecord, StepTotals, itl_gaps, latency_stats, summarize
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from framework.report import format_summary
 
 
 def output(rid, arrival, scheduled, token_times, prompt_len=10, priority=0, reason="length", message=None,
@@ -120,3 +121,20 @@ def test_empty_statistics_and_bad_slo():
     assert latency_stats("ttft", []) == {k: None for k in latency_stats("ttft", [1.0])}
     with pytest.raises(ValueError, match="slo.ttft_ms"):
         SLO(ttft_ms=-1)
+
+
+def test_failed_requests_are_counted_by_reason():
+    failed = [
+        RequestRecord("x", "ignored", prompt_len=612, message="prompt of 612 tokens is longer than max_model_len=512"),
+        RequestRecord("y", "ignored", prompt_len=900, message="prompt of 900 tokens is longer than max_model_len=512"),
+        RequestRecord("z", "ignored", prompt_len=40, message="prompt of 40 tokens needs 3 KV blocks but the cache has 2"),
+        RequestRecord("w", "abort"),
+    ]
+    s = summarize([*records(), *failed], duration=2.0)
+    assert s["failed"] == 4
+    assert s["failure_reasons"] == {"prompt of N tokens is longer than max_model_len=512": 2,
+                                    "prompt of N tokens needs 3 KV blocks but the cache has 2": 1, "abort": 1}
+    assert list(s["failure_reasons"].values()) == [2, 1, 1]  # most common first
+    assert "failure_reasons" not in summarize(records(), duration=2.0)
+    report = format_summary(s)
+    assert "  2 x prompt of N tokens is longer than max_model_len=512" in report and "  1 x abort" in report
