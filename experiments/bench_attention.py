@@ -38,6 +38,7 @@ from backends.flash_attn import missing_requirements  # noqa: E402
 from framework.attention import BACKENDS, AttentionMetadata  # noqa: E402
 from framework.config import DTYPE_ALIASES  # noqa: E402
 from framework.executors.model import resolve_device, resolve_dtype  # noqa: E402
+from framework.registry import UnknownNameError  # noqa: E402
 
 
 @dataclass
@@ -160,6 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     iters = args.iters or (50 if gpu else 30)
     if args.backends:
         names = args.backends.split(",")
+        for backend_name in names:  # before any case runs: an unknown or unrunnable name is an error
+            try:
+                BACKENDS.get(backend_name)
+            except UnknownNameError as exc:
+                sys.exit(f"error: {exc}")
+        if "flash_attn" in names:
+            problems = missing_requirements(256, dtype, device, head_dim)
+            if problems:
+                hints = "; ".join(problems).replace("set engine.dtype=", "use --dtype ")
+                sys.exit(f"error: flash_attn cannot run here: {hints}")
     else:
         names = ["naive", "torch_paged"] + (["triton"] if gpu else [])
         if gpu:

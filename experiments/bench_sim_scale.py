@@ -9,7 +9,7 @@ written (config.yaml, workload.jsonl, requests.csv, steps.csv, summary.json; the
     python experiments/bench_sim_scale.py --no-workload        # without workload.jsonl
     python experiments/bench_sim_scale.py -- executor.fast_forward=false   # any further override
 
-It is ``python -m framework.run +executor=sim workload=chat model.name=llama-3-8b
+It is ``python -m framework.run executor=sim workload=chat model.name=llama-3-8b
 workload.num_requests=10000 progress=false plots=false ...`` with the phases timed: imports, composing
 the config, the run (building the engines, generating the workload, simulating and writing), and
 the whole process (interpreter start to files written), plus the peak resident memory.
@@ -35,12 +35,16 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
-    out = ["+executor=sim", f"+hardware={args.hardware}", f"model.name={args.model}",
+    out = ["executor=sim", f"+hardware={args.hardware}", f"model.name={args.model}",
            f"executor.tensor_parallel_size={args.tp}", "workload=chat", f"workload.num_requests={args.requests}",
            f"workload.rate={args.rate}", f"workload.seed={args.seed}", "progress=false", f"plots={args.plots}", f"save_workload={not args.no_workload}"]
     if args.replicas > 1:
         out += [f"+cluster={args.router}", f"cluster.num_replicas={args.replicas}"]
     return out + args.overrides
+
+
+def _mtimes(folder: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()} if folder.is_dir() else {}
 
 
 def main() -> None:
@@ -63,6 +67,7 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="config", overrides=overrides(args))
     t_run = time.perf_counter()
+    before = _mtimes(Path(args.out))
     summary = run_experiment(cfg, args.out, run_name="bench_sim_scale")
     t_end = time.perf_counter()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -73,7 +78,9 @@ def main() -> None:
     print(f"wall: total {t_end - _T0:.2f}s (imports {t_compose - _T0:.2f}s, compose {t_run - t_compose:.2f}s, "
           f"run {t_end - t_run:.2f}s of which serving {summary['wall_time_s']:.2f}s); cpu {time.process_time():.2f}s; "
           f"peak RSS {peak_mb:.0f} MB; torch loaded: {'torch' in sys.modules}")
-    print("files: " + ", ".join(f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in sorted(out.iterdir()) if p.is_file()))
+    # Only what this run wrote: an earlier run's files (its plots, its workload.jsonl) may be there too.
+    written = [p for p, mtime in sorted(_mtimes(out).items()) if before.get(p) != mtime]
+    print("files: " + ", ".join(f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in written))
     print(json.dumps({"ttft_p50_ms": summary["median_ttft_ms"], "ttft_p99_ms": summary["p99_ttft_ms"],
                       "tpot_p50_ms": summary["median_tpot_ms"], "tpot_p99_ms": summary["p99_tpot_ms"]}))
     sys.stdout.flush()
