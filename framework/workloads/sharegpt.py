@@ -38,6 +38,7 @@ class ShareGPTWorkload(Workload):
                  max_prompt_len: int | None = None, min_len: int = 4, seed: int = 0) -> None:
         check_positive_int("num_requests", num_requests)
         check_rate(rate, burstiness)
+        resolve_path(path)  # a missing file fails with the configuration, before an engine is built
         for name, v in (("output_len", output_len), ("max_output_len", max_output_len), ("max_prompt_len", max_prompt_len)):
             check_positive_int(name, v, optional=True)
         self.path, self.num_requests, self.rate, self.burstiness = path, num_requests, rate, burstiness

@@ -46,7 +46,8 @@ def resolve_path(path: str | Path) -> Path:
     alt = PROJECT_ROOT / p
     if alt.exists():
         return alt
-    raise ValueError(f"workload file {str(path)!r} not found (looked in {Path.cwd()} and {PROJECT_ROOT})")
+    places = " and ".join(dict.fromkeys(map(str, (Path.cwd(), PROJECT_ROOT))))  # once when they are the same
+    raise ValueError(f"workload file {str(path)!r} not found (looked in {places})")
 
 
 def read_entries(path: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -160,6 +161,7 @@ class TraceWorkload(Workload):
     def __init__(self, path: str, rate: float | None = None, max_requests: int | None = None, seed: int = 0) -> None:
         check_rate(rate)
         check_positive_int("max_requests", max_requests, optional=True)
+        resolve_path(path)  # a missing file fails with the configuration, before an engine is built
         self.path, self.rate, self.max_requests, self.seed = path, rate, max_requests, seed
 
     def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:

@@ -108,3 +108,15 @@ def test_file_level_errors(tmp_path):
 def test_the_shipped_sample_trace_loads():
     reqs = create_workload({"name": "trace", "path": "experiments/traces/sample.jsonl"})[0].generate(CTX)
     assert len(reqs) == 24 and {r.priority for r in reqs} == {0, 1}
+
+
+@pytest.mark.parametrize("name", ["trace", "sharegpt"])
+def test_a_missing_file_fails_when_the_workload_is_configured(tmp_path, monkeypatch, name):
+    from framework.workloads.trace import PROJECT_ROOT
+
+    monkeypatch.chdir(PROJECT_ROOT)  # the two places looked in are one: named once
+    with pytest.raises(ValueError, match=rf"'no/such/file.jsonl' not found \(looked in {PROJECT_ROOT}\)$"):
+        create_workload({"name": name, "path": "no/such/file.jsonl"})
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"looked in {tmp_path} and {PROJECT_ROOT}\)$"):
+        create_workload({"name": name, "path": "no/such/file.jsonl"})
