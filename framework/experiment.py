@@ -53,7 +53,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     kwargs: dict[str, Any] = {}
     for part, default in PARTS.items():
         if part == "executor" and cfg.get(part) is None:
-            continue  # no executor group: the engine's default (or engine.executor) applies
+            continue  # executor: null (the default): the engine's default, the real forward pass
         name, options = _split(cfg.get(part), default)
         kwargs[part], kwargs[f"{part}_options"] = name, options
     if kwargs.get("executor") == "sim":  # the simulated device and cost model are groups of their own

@@ -39,8 +39,8 @@ def user_tuned_malloc() -> bool:
 def keep_freed_memory() -> bool:
     """Turn off heap trimming and raise the mmap threshold to its maximum for this process, on
     Linux with glibc unless the user tuned malloc (``MALLOC_ENV``, ``GLIBC_TUNABLES``). Returns
-    whether malloc is now set so (also when an earlier call set it); otherwise changes nothing.
-    The process then keeps its peak heap size: freed memory is reused, not returned."""
+    whether malloc is now set so (also when an earlier call set it). The process then keeps its
+    peak heap size: freed memory is reused, not returned."""
     global _kept
     if _kept:
         return True

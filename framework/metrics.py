@@ -189,12 +189,14 @@ def itl_gaps(records: Sequence[RequestRecord]) -> np.ndarray:
     return gaps[keep]
 
 
+_SIZES = re.compile(r"\b(prompt of|needs) \d+ (tokens|KV blocks)\b")
+
+
 def failure_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:
     """How many of ``records`` failed for each reason, most common first: the scheduler's message
-    with the prompt's own length left out (``prompt of N tokens is longer than ...``), else the
-    status (``abort``, ``unfinished``)."""
-    reasons = Counter(re.sub(r"^prompt of \d+ tokens", "prompt of N tokens", r.message) if r.message else r.status
-                      for r in records)
+    with the request's own sizes left out (``prompt of N tokens needs N KV blocks but ...``),
+    else the status (``abort``, ``unfinished``)."""
+    reasons = Counter(_SIZES.sub(r"\1 N \2", r.message) if r.message else r.status for r in records)
     return dict(reasons.most_common())
 
 

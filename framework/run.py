@@ -43,7 +43,12 @@ def _run_name(hc: object) -> str | None:
     return name or None
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+#: conf/ by its absolute path: Hydra resolves a relative one against the calling module's package
+#: when run as a console script (``servelab-run``), and conf/ is not a package.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -86,19 +91,28 @@ def _mark(run_dir: Path, status: str, exc: Exception | None = None) -> None:
     if status == "failed" or summary.get("status") in (None, "running"):
         run_dir.mkdir(parents=True, exist_ok=True)
         error = {"error": f"{type(exc).__name__}: {exc}"} if exc is not None else {}
-        write_summary(run_dir, {**summary, "status": status, "interrupted": status == "interrupted", **error})
+        # A failure after an interrupt (drawing plots, logging) still covers only part of the run.
+        interrupted = status == "interrupted" or bool(summary.get("interrupted"))
+        write_summary(run_dir, {**summary, "status": status, "interrupted": interrupted, **error})
 
 
 def _legacy_overrides(argv: list[str]) -> list[str]:
-    """``+executor=NAME`` (from before executor had a default) as ``executor=NAME``, which is what
-    it means now; Hydra would refuse it as a second value for the group."""
+    """``+executor=NAME`` (from before executor had a default) as ``executor=NAME``; Hydra would
+    refuse it as a second value for the group. One difference from then: an ``+experiment``
+    file's engine settings now win over the executor's whatever the order on the command line
+    (the executor is composed first, from the defaults list)."""
     return [a[1:] if a.startswith("+executor=") else a for a in argv]
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``python -m framework.run`` and the ``servelab-run`` script."""
     sys.argv = _legacy_overrides(sys.argv)
     try:
         main()
-    except KeyboardInterrupt:  # before Hydra had composed the config: nothing ran yet
-        print("interrupted before the run started", file=sys.stderr)
+    except KeyboardInterrupt:  # outside a run (composing the config, between sweep jobs, comparing)
+        print("interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":
+    cli()

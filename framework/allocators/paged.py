@@ -197,9 +197,9 @@ class PagedBlockAllocator(BlockAllocator):
         in_use = self.num_used_blocks
         used: list[int] = []
         done = 0
-        # A long run has one event per request per block_size steps, so the two common events
-        # are inlined: taking one free block (_pop_free_blocks(1)) and sealing the block right
-        # after the last one hashed (_seal's loop for one new block).
+        # A long run has two events per request per block_size steps, both inlined here: taking
+        # one free block (_pop_free_blocks(1)) and sealing the block right after the last one
+        # hashed (_seal's loop for one new block).
         popitem, blocks, index, stats = self._free.popitem, self._blocks, self._hash_to_block, self.stats
         for j in steps:
             if track:

@@ -15,9 +15,14 @@ pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and hasatt
 # In a fresh process (mallopt is process-wide): what glibc does with 8 MiB of 64 KiB blocks, then
 # with a 24 MiB block (second: freeing a mapped block raises glibc's default thresholds), read
 # from mallinfo2 (heap bytes from sbrk, bytes in mapped blocks).
+# host_memory.py is loaded by its path, not through `import framework`: that imports numpy and
+# some 270 modules, and one freeing a big mapped block would raise glibc's thresholds first.
 MALLOC_PROBE = textwrap.dedent("""
-    import ctypes, json, sys
-    from framework.host_memory import keep_freed_memory
+    import ctypes, importlib.util, json, sys
+    spec = importlib.util.spec_from_file_location("host_memory", HOST_MEMORY_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    keep_freed_memory = module.keep_freed_memory
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                                                          "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -40,7 +45,7 @@ MALLOC_PROBE = textwrap.dedent("""
     libc.free(big)
     out["big_freed"] = info()
     print(json.dumps(out))
-""")
+""").replace("HOST_MEMORY_PY", repr(host_memory.__file__))
 MiB = 1 << 20
 
 

@@ -128,13 +128,14 @@ def test_failed_requests_are_counted_by_reason():
         RequestRecord("x", "ignored", prompt_len=612, message="prompt of 612 tokens is longer than max_model_len=512"),
         RequestRecord("y", "ignored", prompt_len=900, message="prompt of 900 tokens is longer than max_model_len=512"),
         RequestRecord("z", "ignored", prompt_len=40, message="prompt of 40 tokens needs 3 KV blocks but the cache has 2"),
+        RequestRecord("v", "ignored", prompt_len=70, message="prompt of 70 tokens needs 5 KV blocks but the cache has 2"),
         RequestRecord("w", "abort"),
     ]
     s = summarize([*records(), *failed], duration=2.0)
-    assert s["failed"] == 4
+    assert s["failed"] == 5
     assert s["failure_reasons"] == {"prompt of N tokens is longer than max_model_len=512": 2,
-                                    "prompt of N tokens needs 3 KV blocks but the cache has 2": 1, "abort": 1}
-    assert list(s["failure_reasons"].values()) == [2, 1, 1]  # most common first
+                                    "prompt of N tokens needs N KV blocks but the cache has 2": 2, "abort": 1}
+    assert list(s["failure_reasons"].values()) == [2, 2, 1]  # most common first
     assert "failure_reasons" not in summarize(records(), duration=2.0)
     report = format_summary(s)
     assert "  2 x prompt of N tokens is longer than max_model_len=512" in report and "  1 x abort" in report

@@ -141,3 +141,13 @@ def test_the_cli_runs_a_simulated_cluster(tmp_path, select):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["num_replicas"] == 2 and summary["completed"] == 24
     assert {"requests.csv", "steps.csv", "workload.jsonl", "config.yaml"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_the_console_script_finds_conf_from_any_folder(tmp_path):
+    # servelab-run calls framework.run.cli from an installed module, not as __main__.
+    done = subprocess.run([sys.executable, "-c", "from framework.run import cli; cli()", "executor=sim",
+                           "model.name=llama-3-8b", "plots=false", *SMALL, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"

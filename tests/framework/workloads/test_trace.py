@@ -1,5 +1,6 @@
 """Trace replay: round trips, the entry forms, rescaling, and errors that name the line."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -114,9 +115,10 @@ def test_the_shipped_sample_trace_loads():
 def test_a_missing_file_fails_when_the_workload_is_configured(tmp_path, monkeypatch, name):
     from framework.workloads.trace import PROJECT_ROOT
 
+    root, here = re.escape(str(PROJECT_ROOT)), re.escape(str(tmp_path))
     monkeypatch.chdir(PROJECT_ROOT)  # the two places looked in are one: named once
-    with pytest.raises(ValueError, match=rf"'no/such/file.jsonl' not found \(looked in {PROJECT_ROOT}\)$"):
+    with pytest.raises(ValueError, match=rf"'no/such/file.jsonl' not found \(looked in {root}\)$"):
         create_workload({"name": name, "path": "no/such/file.jsonl"})
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=rf"looked in {tmp_path} and {PROJECT_ROOT}\)$"):
+    with pytest.raises(ValueError, match=rf"looked in {here} and {root}\)$"):
         create_workload({"name": name, "path": "no/such/file.jsonl"})
