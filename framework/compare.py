@@ -9,8 +9,9 @@ DIR given, else ``./comparison``):
   (default ``workload.rate``), one line per configuration.
 
 A configuration is labelled by the config keys whose values differ between the runs (other
-than ``--x``), e.g. ``policy=chunked`` or ``enable_prefix_caching=False``; ``--label`` picks
-the keys instead. A multirun writes its own comparison at the end (``CompareCallback``).
+than ``--x``), e.g. ``policy=chunked`` or ``enable_prefix_caching=False``; a group whose
+config file differs but not its part's name is labelled by the file (``workload=chat``, not
+its prompt and output options); ``--label`` picks the keys instead. A multirun writes its own comparison at the end (``CompareCallback``).
 """
 from __future__ import annotations
 
@@ -79,13 +80,29 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     for part in PART_NAMES:
         if summary.get(part) is not None:
             flat[f"{part}.name"] = summary[part]
+    for group, choice in _choices(run_dir).items():
+        flat[f"{group}{PRESET}"] = choice
     return summary, flat
+
+
+#: Key suffix of the config file a Hydra run chose for a group (``workload.preset`` = ``chat``).
+PRESET = ".preset"
+
+
+def _choices(run_dir: Path) -> dict[str, str]:
+    """The files Hydra chose for the run's top-level groups (``.hydra/hydra.yaml``; none for a
+    run made through the Python API), leaving out Hydra's own and unset ones."""
+    path = run_dir / ".hydra" / "hydra.yaml"
+    if not path.is_file():
+        return {}
+    choices = ((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("runtime", {}).get("choices") or {}
+    return {g: str(c) for g, c in choices.items() if c is not None and "/" not in g and g != "hydra"}
 
 
 def short_names(keys: Sequence[str]) -> dict[str, str]:
     """``policy.name`` -> ``policy``, ``engine.enable_prefix_caching`` -> ``enable_prefix_caching``;
     the full key where two short names would clash."""
-    short = {k: (k.split(".")[-2] if k.endswith(".name") and "." in k else k.split(".")[-1]) for k in keys}
+    short = {k: (k.split(".")[-2] if k.endswith((".name", PRESET)) else k.split(".")[-1]) for k in keys}
     return {k: s if list(short.values()).count(s) == 1 else k for k, s in short.items()}
 
 
@@ -94,9 +111,13 @@ def label_keys(flats: Sequence[dict[str, Any]], x: str) -> list[str]:
     keys = sorted({k for f in flats for k in f})
     varying = [k for k in keys if k != x and not k.startswith(IGNORED_PREFIXES)
                and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
-    # A part's options follow its name; the name alone tells the parts apart.
+    # A part's options follow its name; the name alone tells the parts apart. Where the name is
+    # the same but the group's config file differs (workload=chat against workload=poisson, both
+    # synthetic), the file's name stands for the options it set.
     names = {k[: -len(".name")] for k in varying if k.endswith(".name")}
-    return [k for k in varying if k.endswith(".name") or k.split(".")[0] not in names]
+    presets = {k[: -len(PRESET)] for k in varying if k.endswith(PRESET)} - names
+    return [k for k in varying if k.endswith(".name") or (k.endswith(PRESET) and k[: -len(PRESET)] in presets)
+            or (not k.endswith(PRESET) and k.split(".")[0] not in names | presets)]
 
 
 def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",

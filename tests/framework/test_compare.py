@@ -130,3 +130,21 @@ def test_multirun_callback_compares_and_fails_the_sweep_if_a_run_failed(sweep, c
         CompareCallback().on_multirun_end(config)
     assert exc.value.code == 1 and "1 run(s) failed" in capsys.readouterr().err
     assert "| failed |" in (sweep / "comparison.md").read_text()
+
+
+def test_a_groups_config_file_labels_runs_where_its_options_differ(tmp_path):
+    # workload=chat against workload=poisson: both 'synthetic', with different options.
+    for i, (preset, mean) in enumerate([("chat", 256), ("poisson", None)]):
+        fake_run(tmp_path / str(i), "a", 2, 1.0, 1.0)
+        config = yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())
+        config["workload"]["prompt_len"] = {"mean": mean}
+        (tmp_path / str(i) / "config.yaml").write_text(yaml.safe_dump(config))
+        (tmp_path / str(i) / ".hydra").mkdir()
+        (tmp_path / str(i) / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump(
+            {"hydra": {"runtime": {"choices": {"workload": preset, "model": "tiny-llama", "executor": None,
+                                               "hydra/launcher": "basic"}}}}))
+    assert [r["label"] for r in comparison_rows([tmp_path])] == ["workload=chat", "workload=poisson"]
+    # A part whose name differs is still labelled by the name, its config file aside.
+    flats = [{"policy.name": "a", "policy.preset": "x", "policy.budget": 1, "workload.rate": 2},
+             {"policy.name": "b", "policy.preset": "y", "policy.budget": 2, "workload.rate": 2}]
+    assert label_keys(flats, "workload.rate") == ["policy.name"]
