@@ -38,7 +38,7 @@ from backends.flash_attn import missing_requirements  # noqa: E402
 from framework.attention import BACKENDS, AttentionMetadata  # noqa: E402
 from framework.config import DTYPE_ALIASES  # noqa: E402
 from framework.executors.model import resolve_device, resolve_dtype  # noqa: E402
-from framework.registry import UnknownNameError  # noqa: E402
+from framework.registry import UnavailableError, UnknownNameError  # noqa: E402
 
 
 @dataclass
@@ -192,7 +192,10 @@ def main(argv: list[str] | None = None) -> None:
         kv_bytes = 2 * case.batch * seq * kv_heads * head_dim * esize
         pairs = case.batch * (case.q_len * case.context + case.q_len * (case.q_len + 1) // 2)
         flops = 4 * heads * head_dim * pairs
-        calls = [make_call(name, case, heads, kv_heads, head_dim, args.block_size, dtype, device) for name in names]
+        try:
+            calls = [make_call(name, case, heads, kv_heads, head_dim, args.block_size, dtype, device) for name in names]
+        except UnavailableError as exc:  # triton without its package; flash_attn was checked above
+            sys.exit(f"error: {exc}")
         with torch.inference_mode():
             for call in calls:
                 call()  # warm-up (and, for triton, compilation)
