@@ -58,8 +58,9 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         # Ctrl-C outside the serving loop (which handles its own): while the engine was built,
         # or a second one while the plots were drawn. What was measured is written already.
-        _mark(run_dir, "interrupted")
-        print(f"interrupted: what was measured is in {run_dir}", file=sys.stderr)
+        measured = _mark(run_dir, "interrupted")
+        print(f"interrupted: {'what was measured is' if measured else 'nothing was measured yet; the run is'} "
+              f"in {run_dir}", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:
         _mark(run_dir, "failed", exc)
@@ -81,11 +82,12 @@ def main(cfg: DictConfig) -> None:
         sys.exit(EXIT_INTERRUPTED)
 
 
-def _mark(run_dir: Path, status: str, exc: Exception | None = None) -> None:
+def _mark(run_dir: Path, status: str, exc: Exception | None = None) -> bool:
     """Make the run's summary.json say ``status`` (``failed`` or ``interrupted``), also when the
     run stopped before writing one (a configuration error, building the engine, warming up). An
     interrupt keeps a summary that already says how the run ended (a Ctrl-C while the plots of a
-    finished run were drawn); a failure overrides it with its error."""
+    finished run were drawn); a failure overrides it with its error. Returns whether the summary
+    holds measurements (requests served)."""
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.is_file() else {}
     if status == "failed" or summary.get("status") in (None, "running"):
@@ -94,6 +96,7 @@ def _mark(run_dir: Path, status: str, exc: Exception | None = None) -> None:
         # A failure after an interrupt (drawing plots, logging) still covers only part of the run.
         interrupted = status == "interrupted" or bool(summary.get("interrupted"))
         write_summary(run_dir, {**summary, "status": status, "interrupted": interrupted, **error})
+    return summary.get("completed") is not None
 
 
 def _legacy_overrides(argv: list[str]) -> list[str]:

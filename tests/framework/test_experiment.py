@@ -185,7 +185,8 @@ def test_the_summary_says_how_the_run_ended(tmp_path, before, status, after):
 
     if before is not None:
         (tmp_path / "summary.json").write_text(json.dumps({"status": before, "completed": 3}))
-    _mark(tmp_path, status, RuntimeError("boom") if status == "failed" else None)
+    measured = _mark(tmp_path, status, RuntimeError("boom") if status == "failed" else None)
+    assert measured is (before is not None)  # what the message after a Ctrl-C says
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == after
     assert summary.get("interrupted", False) is (after == "interrupted")
