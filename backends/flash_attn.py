@@ -17,6 +17,7 @@ from backends.naive import write_kv
 from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
 from framework.registry import UnavailableError
 
+
 @dataclass
 class FlashAttnMetadata:
     common: AttentionMetadata

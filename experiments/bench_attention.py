@@ -159,26 +159,21 @@ def main(argv: list[str] | None = None) -> None:
     args.prefill_batches = args.prefill_batches or ([1, 8] if gpu else [1, 8])
     args.prefill_lens = args.prefill_lens or ([1024, 4096] if gpu else [128, 512])
     iters = args.iters or (50 if gpu else 30)
-    if args.backends:
-        names = args.backends.split(",")
-        for backend_name in names:  # before any case runs: an unknown or unrunnable name is an error
-            try:
-                BACKENDS.get(backend_name)
-            except UnknownNameError as exc:
-                sys.exit(f"error: {exc}")
-        if "flash_attn" in names:
-            problems = missing_requirements(256, dtype, device, head_dim)
-            if problems:
-                hints = "; ".join(problems).replace("set engine.dtype=", "use --dtype ")
-                sys.exit(f"error: flash_attn cannot run here: {hints}")
-    else:
-        names = ["naive", "torch_paged"] + (["triton"] if gpu else [])
-        if gpu:
-            problems = missing_requirements(256, dtype, device, head_dim)
-            if problems:
-                print(f"(flash_attn left out: {'; '.join(problems)})")
-            else:
-                names.append("flash_attn")
+    # Asked-for names are checked before any case runs: an unknown or unrunnable one is an error.
+    # By default flash_attn is tried on CUDA and left out, with the reason, where it cannot run.
+    names = args.backends.split(",") if args.backends else ["naive", "torch_paged"] + (
+        ["triton", "flash_attn"] if gpu else [])
+    for backend_name in names:
+        try:
+            BACKENDS.get(backend_name)
+        except UnknownNameError as exc:
+            sys.exit(f"error: {exc}")
+    problems = missing_requirements(256, dtype, device, head_dim) if "flash_attn" in names else []
+    if problems and args.backends:
+        sys.exit("error: flash_attn cannot run here: " + "; ".join(problems).replace("set engine.dtype=", "use --dtype "))
+    if problems:
+        print(f"(flash_attn left out: {'; '.join(problems)})")
+        names.remove("flash_attn")
 
     esize = dtype.itemsize
     bandwidth = copy_bandwidth(device, 1024 if gpu else 256)

@@ -11,7 +11,8 @@ DIR given, else ``./comparison``):
 A configuration is labelled by the config keys whose values differ between the runs (other
 than ``--x``), e.g. ``policy=chunked`` or ``enable_prefix_caching=False``; a group whose
 config file differs but not its part's name is labelled by the file (``workload=chat``, not
-its prompt and output options); ``--label`` picks the keys instead. A multirun writes its own comparison at the end (``CompareCallback``).
+its prompt and output options); ``--label`` picks the keys instead. A multirun writes its own
+comparison at the end (``CompareCallback``).
 """
 from __future__ import annotations
 
@@ -116,8 +117,15 @@ def label_keys(flats: Sequence[dict[str, Any]], x: str) -> list[str]:
     # synthetic), the file's name stands for the options it set.
     names = {k[: -len(".name")] for k in varying if k.endswith(".name")}
     presets = {k[: -len(PRESET)] for k in varying if k.endswith(PRESET)} - names
-    return [k for k in varying if k.endswith(".name") or (k.endswith(PRESET) and k[: -len(PRESET)] in presets)
-            or (not k.endswith(PRESET) and k.split(".")[0] not in names | presets)]
+
+    def labels(k: str) -> bool:
+        if k.endswith(".name"):
+            return True
+        if k.endswith(PRESET):
+            return k[: -len(PRESET)] in presets
+        return k.split(".")[0] not in names | presets
+
+    return [k for k in varying if labels(k)]
 
 
 def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",

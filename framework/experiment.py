@@ -57,14 +57,13 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         name, options = _split(cfg.get(part), default)
         kwargs[part], kwargs[f"{part}_options"] = name, options
     if kwargs.get("executor") == "sim":  # the simulated device and cost model are groups of their own
-        for key in ("hardware", "cost_model"):
-            if cfg.get(key) is not None:
-                kwargs["executor_options"][key] = OmegaConf.to_container(cfg[key], resolve=True)
-        # A null cost-model option is the model's default: so the roofline's `calibration: null`
-        # in conf/executor/sim.yaml does not reach a cost model without one (cost_model.name=replay).
-        if isinstance(kwargs["executor_options"].get("cost_model"), dict):
+        if cfg.get("hardware") is not None:
+            kwargs["executor_options"]["hardware"] = OmegaConf.to_container(cfg.hardware, resolve=True)
+        if cfg.get("cost_model") is not None:
+            # A null option is the cost model's default: so the roofline's `calibration: null` in
+            # conf/executor/sim.yaml does not reach a cost model without one (cost_model.name=replay).
             kwargs["executor_options"]["cost_model"] = {
-                k: v for k, v in kwargs["executor_options"]["cost_model"].items() if v is not None}
+                k: v for k, v in OmegaConf.to_container(cfg.cost_model, resolve=True).items() if v is not None}
     model, model_options = _split(cfg.get("model"), "tiny-llama")
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     unknown = sorted(set(engine) - ENGINE_KEYS)

@@ -223,9 +223,8 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None
     }
     for name in LATENCIES:
         summary.update(latency_stats(name, latencies(done, name)))
-    failed = [r for r in records if not r.completed]
-    if failed:
-        summary["failure_reasons"] = failure_reasons(failed)
+    if len(done) < len(records):  # a second pass over the records only when some failed
+        summary["failure_reasons"] = failure_reasons([r for r in records if not r.completed])
     summary["num_preemptions"] = sum(r.num_preemptions for r in records)
     summary["num_swaps"] = sum(r.num_swaps for r in records)
     summary["prefix_cache_hit_rate"] = prefix_cache_hit_rate

@@ -200,7 +200,7 @@ class PagedBlockAllocator(BlockAllocator):
         # A long run has two events per request per block_size steps, both inlined here: taking
         # one free block (_pop_free_blocks(1)) and sealing the block right after the last one
         # hashed (_seal's loop for one new block).
-        popitem, blocks, index, stats = self._free.popitem, self._blocks, self._hash_to_block, self.stats
+        popitem, blocks, index = self._free.popitem, self._blocks, self._hash_to_block
         for j in steps:
             if track:
                 used.extend([in_use] * (j - 1 - done))
@@ -209,10 +209,7 @@ class PagedBlockAllocator(BlockAllocator):
                     bid = popitem(last=False)[0]
                     block = blocks[bid]
                     if block.hash is not None:
-                        if index.get(block.hash) == bid:
-                            del index[block.hash]
-                        block.hash = block.token_ids = None
-                        stats.evictions += 1
+                        self._evict(block)
                     block.ref_count = 1
                     req.block_ids.append(bid)
                     in_use += 1
@@ -267,20 +264,23 @@ class PagedBlockAllocator(BlockAllocator):
     def _pop_free_blocks(self, num: int) -> list[int]:
         """Take the ``num`` least recently used free blocks, evicting what they cache (a prefill
         takes a block per block_size tokens, so the loop has its lookups hoisted)."""
-        free, blocks, index = self._free, self._blocks, self._hash_to_block
-        popitem = free.popitem
+        popitem, blocks = self._free.popitem, self._blocks
         taken = []
         for _ in range(num):
             bid = popitem(last=False)[0]
             block = blocks[bid]
             if block.hash is not None:
-                if index.get(block.hash) == bid:
-                    del index[block.hash]
-                block.hash = block.token_ids = None
-                self.stats.evictions += 1
+                self._evict(block)
             block.ref_count = 1
             taken.append(bid)
         return taken
+
+    def _evict(self, block: _Block) -> None:
+        """Forget what a free block caches, as it is taken for new tokens."""
+        if self._hash_to_block.get(block.hash) == block.block_id:
+            del self._hash_to_block[block.hash]
+        block.hash = block.token_ids = None
+        self.stats.evictions += 1
 
     def _pop_free(self) -> int:
         return self._pop_free_blocks(1)[0]
