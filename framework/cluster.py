@@ -80,7 +80,7 @@ class Cluster:
     def build(cls, config: EngineConfig, num_replicas: int = 1, router: Router | str = "round_robin",
               router_options: dict[str, Any] | None = None) -> Cluster:
         """``num_replicas`` identical engines of ``config``, each on its executor's default clock."""
-        check_num_replicas(num_replicas)
+        check_num_replicas(num_replicas, config.executor)
         engines = [LLMEngine(dataclasses.replace(config)) for _ in range(num_replicas)]
         return cls(engines, router, router_options)
 
@@ -251,8 +251,13 @@ def gc_paused(pause: bool = True) -> Iterator[None]:
         gc.enable()
 
 
-def check_num_replicas(num_replicas: Any) -> None:
+def check_num_replicas(num_replicas: Any, executor: str | None = None) -> None:
+    """A positive integer, and one when the replicas would run the model executor: it serves in
+    wall time, so the replicas would share this machine's cores. Checked before any replica is
+    built (the constructor's own check comes after every replica loaded its weights)."""
     check_positive_int("num_replicas", num_replicas)
+    if num_replicas > 1 and executor == "model":
+        raise ValueError(NEEDS_SIMULATED_TIME)
 
 
 def _abort(engine: LLMEngine, request_ids: list[str]) -> None:

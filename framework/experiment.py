@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.block_allocator import AllocatorStats
 from framework.clock import Clock, VirtualClock, WallClock
-from framework.cluster import NEEDS_SIMULATED_TIME, Cluster, check_num_replicas, gc_paused
+from framework.cluster import Cluster, check_num_replicas, gc_paused
 from framework.config import PART_NAMES, EngineConfig
 from framework.engine import LLMEngine, StepStats
 from framework.metrics import SLO, RequestRecord, summarize
@@ -129,9 +129,8 @@ def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = N
     num_replicas, router, router_options = spec or (1, "round_robin", {})
     if clock is not None and num_replicas > 1:
         raise ValueError("a given clock drives one replica; each of several replicas needs its own")
+    check_num_replicas(num_replicas, config.executor)
     router = ROUTERS.create(router, **router_options)  # a bad router fails before any engine is built
-    if num_replicas > 1 and config.executor == "model":  # as Cluster would, but before building them
-        raise ValueError(NEEDS_SIMULATED_TIME)
     engines = [LLMEngine(dataclasses.replace(config), clock=clock or make_clock(cfg.get("clock", "auto"), config.executor))
                for _ in range(num_replicas)]
     return Cluster(engines, router)

@@ -171,6 +171,8 @@ def test_bad_setups_are_refused():
         Cluster([sim, LLMEngine(CONFIG, clock=sim.clock)])
     with pytest.raises(ValueError, match="num_replicas must be a positive integer"):
         Cluster.build(CONFIG, num_replicas=0)
+    with pytest.raises(ValueError, match="several replicas .* simulated time"):  # before loading any weights
+        Cluster.build(EngineConfig(model="tiny-llama", max_model_len=128), num_replicas=2)
     with pytest.raises(ValueError, match="unknown router 'nope'.*least_outstanding, prefix_aware, round_robin"):
         Cluster.build(CONFIG, num_replicas=2, router="nope")
     with pytest.raises(ValueError, match="arrival order"):
