@@ -57,7 +57,6 @@ def measure(model: str, seconds: float, max_tokens: int = 400, seed: int = 0) ->
     (by their position in their request): what the machine did, not the context length."""
     from framework.clock import CPUClock
     from framework.config import EngineConfig
-    from framework.cost_model import BatchShape
     from framework.engine import LLMEngine
     from framework.sampling_params import SamplingParams
 
@@ -66,12 +65,9 @@ def measure(model: str, seconds: float, max_tokens: int = 400, seed: int = 0) ->
     probes = make_probes()
     times: dict[str, list[float]] = {"step": [], **{name: [] for name in probes}}
     decodes: list[float] = []  # the last step's duration, when it was a decode step
-
-    def on_step(stats, out) -> None:
-        if out.scheduled and BatchShape.from_scheduler_output(out).num_prefill_seqs == 0:
-            decodes.append(stats.duration)
-
-    engine.step_callbacks.append(on_step)
+    # One request at a time: a step of one token is a decode step, the prefill is PROMPT tokens.
+    engine.step_callbacks.append(
+        lambda stats, out: decodes.append(stats.duration) if out.total_num_scheduled_tokens == 1 else None)
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     positions: list[int] = []
