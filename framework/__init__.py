@@ -4,6 +4,7 @@ Four pluggable parts, each an abstract class with a registry: ``SchedulerPolicy`
 ``BlockAllocator`` (ALLOCATORS), ``AttentionBackend`` (BACKENDS) and ``InputPreparer``
 (PREPARERS); plus ``Executor`` (EXECUTORS) for real or simulated execution, and for simulated
 runs ``CostModel`` (COST_MODELS) and, across replicas of a ``Cluster``, ``Router`` (ROUTERS).
+Experiments draw requests from a ``Workload`` (WORKLOADS) and log through a ``RunLogger`` (LOGGERS).
 """
 import os as _os
 import sys as _sys
@@ -30,6 +31,8 @@ from framework.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulerP
 from framework.cost_model import COST_MODELS, BatchShape, CostModel  # noqa: E402
 from framework.router import ROUTERS, Router  # noqa: E402
 from framework.cluster import Cluster  # noqa: E402
+from framework.workload import WORKLOADS, Workload  # noqa: E402
+from framework.run_logger import LOGGERS, RunLogger  # noqa: E402
 
 # The attention and input-preparation interfaces are tensor code: they load torch (about 2 s and
 # 250 MB) on first use, so that simulated runs, which never touch a tensor, never pay for it.
@@ -50,7 +53,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ALLOCATORS", "BACKENDS", "COST_MODELS", "EXECUTORS", "LLM", "POLICIES", "PREPARERS", "ROUTERS",
+    "ALLOCATORS", "BACKENDS", "COST_MODELS", "EXECUTORS", "LLM", "LOGGERS", "POLICIES", "PREPARERS", "ROUTERS",
+    "WORKLOADS", "Workload", "RunLogger",
     "AttentionBackend", "BatchShape", "Cluster", "CostModel", "Router",
     "AttentionMetadata", "BlockAllocator", "CompletionOutput", "EngineConfig", "Executor", "InputPreparer",
     "LLMEngine", "ModelInput", "Registry", "Request", "RequestMetrics", "RequestOutput", "RequestStatus",

@@ -92,3 +92,22 @@ def test_create_from_a_config_node():
         LOGGERS.create_from({"project": "x"})
     with pytest.raises(BadOptionsError, match="logger 'none'"):
         LOGGERS.create_from({"name": "none", "colour": "blue"})
+
+
+def test_every_registry_in_the_package_is_exported_from_framework():
+    """The README lists the registries as importable from ``framework``: one defined in a module but
+    not exported there would fail a user's ``from framework import NAME``."""
+    import importlib
+    import pkgutil
+
+    import framework
+
+    found = {}
+    for info in pkgutil.iter_modules(framework.__path__, "framework."):
+        module = importlib.import_module(info.name)
+        found.update({id(v): (name, v) for name, v in vars(module).items() if isinstance(v, Registry)})
+    names = sorted(name for name, _ in found.values())
+    assert {"POLICIES", "ALLOCATORS", "BACKENDS", "PREPARERS", "WORKLOADS", "LOGGERS"} <= set(names)
+    for name, registry in found.values():
+        assert name in framework.__all__, f"{name} is not in framework.__all__"
+        assert getattr(framework, name) is registry, name
