@@ -53,11 +53,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ALLOCATORS", "BACKENDS", "COST_MODELS", "EXECUTORS", "LLM", "LOGGERS", "POLICIES", "PREPARERS", "ROUTERS",
-    "WORKLOADS", "Workload", "RunLogger",
-    "AttentionBackend", "BatchShape", "Cluster", "CostModel", "Router",
-    "AttentionMetadata", "BlockAllocator", "CompletionOutput", "EngineConfig", "Executor", "InputPreparer",
-    "LLMEngine", "ModelInput", "Registry", "Request", "RequestMetrics", "RequestOutput", "RequestStatus",
-    "SamplingParams", "Scheduler", "SchedulerOutput", "SchedulerPolicy", "StepStats", "UnavailableError",
-    "UnknownNameError",
+    "ALLOCATORS", "BACKENDS", "COST_MODELS", "EXECUTORS", "LLM", "LOGGERS", "POLICIES",
+    "PREPARERS", "ROUTERS", "WORKLOADS", "AttentionBackend", "AttentionMetadata", "BatchShape",
+    "BlockAllocator", "Cluster", "CompletionOutput", "CostModel", "EngineConfig", "Executor",
+    "InputPreparer", "LLMEngine", "ModelInput", "Registry", "Request", "RequestMetrics",
+    "RequestOutput", "RequestStatus", "Router", "RunLogger", "SamplingParams", "Scheduler",
+    "SchedulerOutput", "SchedulerPolicy", "StepStats", "UnavailableError", "UnknownNameError",
+    "Workload",
 ]
