@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -139,7 +140,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue one request; ValueError, with nothing queued, for a bad prompt or argument."""
         params = params or SamplingParams()
+        check_request_args(params, arrival_time, priority)
         ids, text = self.tokenize(prompt)
         if request_id in self._parents or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -172,7 +175,10 @@ class LLMEngine:
             self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = [request_id] if isinstance(request_id, str) else list(request_id) \
+            if isinstance(request_id, Iterable) else None
+        if ids is None or not all(isinstance(rid, str) for rid in ids):
+            raise ValueError(f"abort_request takes a request id (str) or an iterable of them, got {request_id!r}")
         for rid in ids:
             for req in self._parents.get(rid, []):
                 self.scheduler.abort_request(req.request_id)
@@ -335,6 +341,19 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority)
+
+
+def check_request_args(params: Any, arrival_time: Any = None, priority: Any = 0) -> None:
+    """ValueError naming the argument unless ``params`` is a ``SamplingParams``, ``arrival_time``
+    None or a finite number and ``priority`` a finite number. The scheduler compares priorities
+    and times mid-step, where a string or NaN would fail every later step too."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}: {params!r}")
+    for name, value in (("arrival_time", arrival_time), ("priority", priority)):
+        if value is None and name == "arrival_time":
+            continue
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def _token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from framework.config import EngineConfig
-from framework.engine import LLMEngine, Prompt
+from framework.engine import LLMEngine, Prompt, check_request_args
 from framework.outputs import RequestOutput
 from framework.sampling_params import SamplingParams
 
@@ -29,11 +29,17 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
                                                  and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts must be a prompt (text, token ids or a dict) or a list of them, "
+                             f"got {type(prompts).__name__}: {prompts!r}")
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             params = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, Sequence):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}: {sampling_params!r}")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -41,8 +47,9 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         # Tokenize and check everything before queueing anything, so bad input loses nothing.
-        for prompt in prompts:
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             self.engine.tokenize(prompt)
+            check_request_args(p, None, priority[i] if priority else 0)
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))

@@ -88,10 +88,41 @@ def test_bad_engine_config_fails_at_construction(kwargs, match):
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
     ({"n": 0}, "n must be"), ({"top_k": -5}, "top_k"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": "hot"}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+    ({"top_k": 2.5}, "top_k"), ({"top_k": None}, "top_k"),
+    ({"max_tokens": True}, "max_tokens"), ({"n": True}, "n must be"),
+    ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"stop_token_ids": None}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"stop_token_ids": "12"}, "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_numpy_numbers_are_good_sampling_params():
+    p = SamplingParams(top_k=np.int64(3), temperature=np.float32(0.5), seed=np.uint32(7), stop_token_ids=(np.int64(5),))
+    assert p.top_k == 3 and p.stop_token_ids == [5] and type(p.stop_token_ids[0]) is int
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda llm: llm.generate([[4, 5], [6, 7]], GREEDY, priority=[0, "high"]), "priority must be a finite number"),
+    (lambda llm: llm.generate([[4, 5], [6, 7]], GREEDY, priority=[0, float("nan")]), "priority"),
+    (lambda llm: llm.generate([[4, 5], [6, 7]], [GREEDY, {"max_tokens": 3}]), "must be a SamplingParams"),
+    (lambda llm: llm.generate([[4, 5]], {"max_tokens": 3}), "sampling_params must be"),
+    (lambda llm: llm.generate(5, GREEDY), "prompts must be"),
+    (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, arrival_time="now"), "arrival_time"),
+    (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, priority=None), "priority"),
+    (lambda llm: llm.engine.abort_request(5), "abort_request takes"),
+])
+def test_bad_request_arguments_raise_value_errors_and_queue_nothing(call, match):
+    """A priority the scheduler could not compare used to fail mid-step and jam every later step."""
+    llm = small_llm(policy="priority_swap")
+    with pytest.raises(ValueError, match=match):
+        call(llm)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate([[4, 5]], GREEDY, priority=[1])[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
 # -- prefix caching -----------------------------------------------------------------------------
