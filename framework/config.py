@@ -1,6 +1,9 @@
 """Engine configuration: one dataclass, keyword names as in vLLM's ``LLM(...)``."""
 from __future__ import annotations
 
+import math
+import numbers
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -62,19 +65,45 @@ class EngineConfig:
             check_positive_int(name, getattr(self, name))
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+        if self.num_gpu_blocks_override is not None and not (is_int(self.num_gpu_blocks_override)
+                                                             and self.num_gpu_blocks_override >= 2):
             raise ValueError(
-                f"num_gpu_blocks_override must be >= 2 (block 0 is the reserved null block), "
+                f"num_gpu_blocks_override must be an integer >= 2 (block 0 is the reserved null block), "
                 f"got {self.num_gpu_blocks_override!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if not is_finite_number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
+        kv_gb = self.kv_cache_memory_gb
+        if kv_gb is not None and not (is_finite_number(kv_gb) and kv_gb > 0):
+            raise ValueError(f"kv_cache_memory_gb must be a number > 0 (GiB) or null, got {self.kv_cache_memory_gb!r}")
+        if not is_finite_number(self.cpu_kv_cache_gb) or not self.cpu_kv_cache_gb > 0:
+            raise ValueError(f"cpu_kv_cache_gb must be a number > 0 (GiB), got {self.cpu_kv_cache_gb!r}")
+        if not is_finite_number(self.swap_space) or not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        for name in ("seed", "model_seed"):
+            value = getattr(self, name)
+            if not is_int(value) or not 0 <= value < 2**63:
+                raise ValueError(f"{name} must be an integer in [0, 2**63), got {value!r}")
+        check_positive_int("num_threads", self.num_threads, optional=True)
+        for name in ("enable_prefix_caching", "check_invariants"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of {sorted({'auto', *DTYPE_ALIASES})}, got {self.dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def is_int(value: Any) -> bool:
+    """An integer, numpy's included, but not a bool (``max_tokens=True`` is a mistake, not 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_finite_number(value: Any) -> bool:
+    """A finite number (a bool, NaN or infinity is none)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_positive_int(name: str, value: Any, optional: bool = False) -> None:

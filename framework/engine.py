@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import numpy as np
 
 from framework.block_allocator import ALLOCATORS
 from framework.clock import Clock
-from framework.config import EngineConfig
+from framework.config import EngineConfig, is_finite_number
 from framework.executor import EXECUTORS
 from framework.fast_forward import DecodePlan, commit_decode_run, plan_decode_run
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -352,7 +351,7 @@ def check_request_args(params: Any, arrival_time: Any = None, priority: Any = 0)
     for name, value in (("arrival_time", arrival_time), ("priority", priority)):
         if value is None and name == "arrival_time":
             continue
-        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        if not is_finite_number(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 

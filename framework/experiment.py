@@ -69,7 +69,10 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     unknown = sorted(set(engine) - ENGINE_KEYS)
     if unknown:
         raise ValueError(f"engine: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(ENGINE_KEYS))}")
-    engine["check_invariants"] = bool(OmegaConf.select(cfg, "scheduler.check_invariants", default=False))
+    check = OmegaConf.select(cfg, "scheduler.check_invariants", default=False)
+    if not isinstance(check, bool):
+        raise ValueError(f"scheduler.check_invariants must be true or false, got {check!r}")
+    engine["check_invariants"] = check
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), **kwargs, **engine)
 
 

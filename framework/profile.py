@@ -208,17 +208,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--repeats must be >= 1")
 
     from framework.engine import LLMEngine
+    from framework.registry import UnavailableError
 
-    cells = grid_cells(args.grid, args.lengths, args.counts)
-    engine = LLMEngine(profile_engine_config(cells, args.model, backend=args.backend, preparer=args.preparer,
-                                             device=args.device, dtype=args.dtype, block_size=args.block_size,
-                                             num_threads=args.threads, seed=args.seed))
-    if args.hardware is None:
+    # Everything a bad argument can break is built before the measurement starts, and reported as
+    # a usage error (status 2), not a traceback.
+    try:
+        COST_MODELS.get(args.cost_model)
+        hardware = load_hardware(args.hardware) if args.hardware is not None else None
+        cells = grid_cells(args.grid, args.lengths, args.counts)
+        engine = LLMEngine(profile_engine_config(cells, args.model, backend=args.backend, preparer=args.preparer,
+                                                 device=args.device, dtype=args.dtype, block_size=args.block_size,
+                                                 num_threads=args.threads, seed=args.seed))
+    except (ValueError, UnavailableError) as exc:
+        ap.error(str(exc))
+    if hardware is None:
         if engine.executor.device != "cpu":
             ap.error(f"measuring on {engine.executor.device}: name its hardware description with --hardware "
                      f"(presets: a100-80gb, h100-sxm, h200, l40s, or a YAML path)")
-        args.hardware = "cpu"
-    hardware = load_hardware(args.hardware)
+        hardware = load_hardware("cpu")
     dtype_bytes = engine.executor.dtype.itemsize
     started = time.perf_counter()
     samples = measure(engine, cells, args.repeats, args.seed,

@@ -1,10 +1,10 @@
 """Per-request sampling parameters, named and defaulted as in vLLM's offline API."""
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from framework.config import is_finite_number, is_int
 
 
 @dataclass
@@ -27,24 +27,27 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         # The seed feeds a 64-bit torch generator: a larger one would fail mid-step, not here.
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         ids = None if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable) \
             else list(self.stop_token_ids)
-        if ids is None or not all(_is_int(t) for t in ids):
+        if ids is None or not all(is_int(t) for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in ids]
+        for name in ("ignore_eos", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -52,11 +55,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-
-def _is_int(value: object) -> bool:
-    """An integer, numpy's included, but not a bool (``max_tokens=True`` is a mistake, not 1)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)

@@ -87,4 +87,8 @@ def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
     sampling options (``SAMPLING_KEYS``) split off from it."""
     options = dict(options)
     sampling = {k: options.pop(k) for k in SAMPLING_KEYS if k in options}
+    try:  # here, not at the first request: a bad value is a configuration error, found before serving
+        SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **sampling})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(str(exc).replace("SamplingParams.", "workload.", 1)) from None
     return WORKLOADS.create_from(options), sampling

@@ -46,7 +46,9 @@ class SimExecutor(Executor):
         model = source.config
         self.cost_model: CostModel = COST_MODELS.create_from(cost_model, model, self.hardware, self.dtype_bytes,
                                                              tensor_parallel_size, config.block_size, default="roofline")
-        self.fast_forward = bool(fast_forward)
+        if not isinstance(fast_forward, bool):
+            raise ValueError(f"executor.fast_forward must be true or false, got {fast_forward!r}")
+        self.fast_forward = fast_forward
         eos = set(model.eos_token_ids)
         if sampled_token is None:
             sampled_token = next(t for t in range(model.vocab_size - 1, -1, -1) if t not in eos)

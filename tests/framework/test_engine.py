@@ -79,6 +79,13 @@ def test_unknown_component_names_list_registered_ones(kwargs, match):
     ({"num_gpu_blocks_override": 4}, "less than one request of max_model_len=256"),
     ({"max_model_len": 100_000}, "exceeds the model's max_position_embeddings"),
     ({"policy_options": {"bogus": 1}}, "bogus"),
+    ({"num_gpu_blocks_override": 2.5}, "num_gpu_blocks_override must be an integer"),
+    ({"cpu_kv_cache_gb": 0}, "cpu_kv_cache_gb must be a number > 0"),
+    ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization"),
+    ({"model_seed": -1}, "model_seed must be an integer"),
+    ({"device": "cuda:x"}, "device must be"),
+    ({"num_threads": -1}, "num_threads"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be true or false"),
 ])
 def test_bad_engine_config_fails_at_construction(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -112,6 +112,16 @@ def cli(*args, cwd):
     (["logger.name=carrier_pigeon"], "unknown logger 'carrier_pigeon'"),
     (["slo.tpot_ms=0"], "slo.tpot_ms must be a positive number"),
     (["+engine.max_num_seq=32"], r"engine: unknown key\(s\) max_num_seq; valid: .*max_num_seqs"),
+    (["workload.temperature=-1"], "workload.temperature must be a finite number >= 0, got -1"),
+    (["+workload.top_p=5"], r"workload.top_p must be in \(0, 1\], got 5"),
+    (["workload.ignore_eos=maybe"], "workload.ignore_eos must be True or False"),
+    (["scheduler.check_invariants=maybe"], "scheduler.check_invariants must be true or false"),
+    (["executor=sim", "executor.fast_forward=maybe"], "executor.fast_forward must be true or false"),
+    (["engine.device=tpu"], "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    (["engine.seed=abc"], r"seed must be an integer in \[0, 2\*\*63\), got 'abc'"),
+    (["engine.num_threads=0"], "num_threads must be a positive integer or null, got 0"),
+    (["engine.kv_cache_memory_gb=-1"], "kv_cache_memory_gb must be a number > 0"),
+    (["engine.swap_space=nan"], "swap_space must be a number >= 0"),
 ])
 def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
     if overrides[0].startswith("policy."):

@@ -1,5 +1,6 @@
 """``python -m framework.profile`` on the quick grid: it measures the real executor, fits, and
 writes a calibration the simulated executor loads."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -43,3 +44,19 @@ def test_repeats_reduce_to_the_chosen_statistic():
         profiler.samples("mean")
     with pytest.raises(ValueError, match="unknown statistic 'p10'"):
         measure(SimpleNamespace(executor=SimpleNamespace(execute=lambda out: None)), [], 1, statistic="p10")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "bogus"], "unknown backend 'bogus'; registered backends: .*torch_paged"),
+    (["--cost-model", "bogus"], "unknown cost model 'bogus'; registered cost models: .*roofline"),
+    (["--model", "bogus"], "model 'bogus' is neither a preset"),
+    (["--hardware", "bogus"], "hardware 'bogus' is neither a preset"),
+    (["--counts", "-1"], "request counts must be >= 1"),
+    (["--block-size", "3"], "block_size must be a power of two"),
+])
+def test_bad_arguments_are_usage_errors_before_anything_is_measured(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--out", str(tmp_path / "c.yaml")])
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "c.yaml").exists()
