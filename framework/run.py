@@ -9,7 +9,9 @@ with ``-m``), writing its files to Hydra's run directory (``outputs/DATE/TIME`` 
 A configuration error (an unknown policy, a bad option value) or a part that cannot run on this
 machine (flash_attn without CUDA) prints one clear line and exits with status 2; any other
 failure keeps its traceback. Either way the run's ``summary.json`` says ``failed``, with the
-error. Ctrl-C stops the run, keeps what it measured and exits with status 130. In a sweep, a
+error. Errors Hydra reports itself (an unknown config group option such as ``+policy=NAME``, a
+key the config does not have) come before any run directory exists; a single run exits with
+status 2 for them too. Ctrl-C stops the run, keeps what it measured and exits with status 130. In a sweep, a
 job that fails (a configuration error included) is logged and marked ``failed`` in its
 summary; the other jobs run, the comparison is written, and the sweep exits with status 1.
 """
@@ -48,8 +50,14 @@ def _run_name(hc: object) -> str | None:
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
+#: Jobs this process has started; none when Hydra itself stopped the command (see ``cli``).
+_jobs_started = 0
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    global _jobs_started
+    _jobs_started += 1
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     try:
@@ -115,6 +123,15 @@ def cli() -> None:
     except KeyboardInterrupt:  # outside a run (composing the config, between sweep jobs, comparing)
         print("interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+    except SystemExit as exc:
+        # Hydra prints its own errors (an unknown config group option, a key not in the config, an
+        # override it cannot parse) and exits 1 before any job starts: configuration errors, so
+        # the status every other one gets. A sweep's jobs may run in other processes, so only a
+        # single run can tell.
+        multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+        if exc.code == 1 and _jobs_started == 0 and not multirun:
+            sys.exit(EXIT_CONFIG_ERROR)
+        raise
 
 
 if __name__ == "__main__":

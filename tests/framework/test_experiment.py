@@ -1,6 +1,7 @@
 """One run end to end: the files in the run directory, the summary, interrupts and config errors."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,16 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
                           timeout=300)
     assert done.returncode == 2, done.stderr
     assert "error: block_size must be a power of two" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+policy=bogus", r"Could not find 'policy/bogus'\n\nAvailable options in 'policy':\n.*chunked"),
+    ("engine.bogus=1", "Key 'bogus' is not in struct"),
+])
+def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_status(tmp_path, override, message):
+    done = cli(override, f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert re.search(message, done.stderr, re.S) and "Traceback" not in done.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU path")
