@@ -29,7 +29,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from framework.config import PART_NAMES
+from framework.config import PART_NAMES, EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,15 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(summary, flat config)`` of one run; the parts' names come from the summary, since a
     config without ``+policy`` has no policy node."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    config_path = run_dir / "config.yaml"
-    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    # A run that failed on its configuration wrote no config.yaml; Hydra's copy says what it was.
+    config_path = next((p for p in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml") if p.is_file()), None)
+    config = yaml.safe_load(config_path.read_text()) if config_path is not None else {}
     flat = flatten(config or {})
     for part in PART_NAMES:
         if summary.get(part) is not None:
             flat[f"{part}.name"] = summary[part]
+        elif f"{part}.name" not in flat:  # a run that failed before saying: the group was left out
+            flat[f"{part}.name"] = getattr(EngineConfig, part)
     for group, choice in _choices(run_dir).items():
         flat[f"{group}{PRESET}"] = choice
     return summary, flat
@@ -136,7 +139,10 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
     if label:
         keys = [_resolve_key(k, flats) for k in label]
     else:
-        keys = label_keys(flats, x)
+        # A failed run lacks what only a run records (the parts' names in its summary): labelled
+        # from the runs that ran, the table tells the configurations apart, the failed one included.
+        ran = [f for s, f in loaded if s.get("status") != "failed"]
+        keys = label_keys(ran if ran else flats, x)
     names = short_names(keys)
     rows = []
     for run_dir, (summary, flat) in zip(runs, loaded):
@@ -230,7 +236,14 @@ class CompareCallback(Callback):
     """Hydra callback: at the end of a multirun, compare its runs at the sweep's root (a
     failure to compare only warns), then exit with status 1 if any run failed."""
 
+    #: The sweep under way in this process, for ``compare_stopped_sweep``.
+    sweep_dir: Path | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        CompareCallback.sweep_dir = Path(config.hydra.sweep.dir)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        CompareCallback.sweep_dir = None
         sweep_dir = Path(config.hydra.sweep.dir)
         rows: list[dict[str, Any]] = []
         try:
@@ -245,6 +258,20 @@ class CompareCallback(Callback):
         if failed:
             print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their summary.json and logs)", file=sys.stderr)
             sys.exit(1)
+
+
+def compare_stopped_sweep() -> Path | None:
+    """Compare the runs of a sweep that stopped before its end (Ctrl-C), as its end would have:
+    the table and plots at its root, over the runs that wrote a summary. Returns the table's path,
+    or None when no sweep was under way or nothing could be compared (a warning says why)."""
+    sweep_dir, CompareCallback.sweep_dir = CompareCallback.sweep_dir, None
+    if sweep_dir is None or not sweep_dir.is_dir():
+        return None
+    try:
+        return write_comparison([sweep_dir], sweep_dir)["markdown"]
+    except Exception as exc:
+        log.warning("could not compare the runs in %s: %s", sweep_dir, exc)
+        return None
 
 
 if __name__ == "__main__":

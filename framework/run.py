@@ -11,9 +11,10 @@ machine (flash_attn without CUDA) prints one clear line and exits with status 2;
 failure keeps its traceback. Either way the run's ``summary.json`` says ``failed``, with the
 error. Errors Hydra reports itself (an unknown config group option such as ``+policy=NAME``, a
 key the config does not have) come before any run directory exists; a single run exits with
-status 2 for them too. Ctrl-C stops the run, keeps what it measured and exits with status 130. In a sweep, a
-job that fails (a configuration error included) is logged and marked ``failed`` in its
-summary; the other jobs run, the comparison is written, and the sweep exits with status 1.
+status 2 for them too. Ctrl-C stops the run, keeps what it measured and exits with status 130;
+a sweep stopped so also gets the comparison of the runs it made. In a sweep, a job that fails
+(a configuration error included) is logged and marked ``failed`` in its summary; the other jobs
+run, the comparison is written, and the sweep exits with status 1.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from framework.compare import compare_stopped_sweep
 from framework.experiment import engine_config, run_experiment
 from framework.recorder import write_summary
 from framework.registry import UnavailableError
@@ -115,6 +117,13 @@ def _legacy_overrides(argv: list[str]) -> list[str]:
     return [a[1:] if a.startswith("+executor=") else a for a in argv]
 
 
+def _compare_stopped_sweep() -> None:
+    """A sweep stopped by Ctrl-C still gets the comparison of the runs it made."""
+    table = compare_stopped_sweep()
+    if table is not None:
+        print(f"comparison of the runs so far: {table}", file=sys.stderr)
+
+
 def cli() -> None:
     """``python -m framework.run`` and the ``servelab-run`` script."""
     sys.argv = _legacy_overrides(sys.argv)
@@ -122,8 +131,11 @@ def cli() -> None:
         main()
     except KeyboardInterrupt:  # outside a run (composing the config, between sweep jobs, comparing)
         print("interrupted", file=sys.stderr)
+        _compare_stopped_sweep()
         sys.exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
+        if exc.code == EXIT_INTERRUPTED:
+            _compare_stopped_sweep()
         # Hydra prints its own errors (an unknown config group option, a key not in the config, an
         # override it cannot parse) and exits 1 before any job starts: configuration errors, so
         # the status every other one gets. A sweep's jobs may run in other processes, so only a

@@ -148,3 +148,59 @@ def test_a_groups_config_file_labels_runs_where_its_options_differ(tmp_path):
     flats = [{"policy.name": "a", "policy.preset": "x", "policy.budget": 1, "workload.rate": 2},
              {"policy.name": "b", "policy.preset": "y", "policy.budget": 2, "workload.rate": 2}]
     assert label_keys(flats, "workload.rate") == ["policy.name"]
+
+
+def test_a_run_that_failed_on_its_configuration_is_labelled_like_the_others(sweep):
+    """It wrote no config.yaml and its summary names no parts: Hydra's copy of its config says what
+    it was, and the labels come from the runs that ran, so one failure does not turn every key
+    into a label."""
+    failed = sweep / "4"
+    (failed / ".hydra").mkdir(parents=True)
+    config = yaml.safe_load((sweep / "3" / "config.yaml").read_text())
+    config["workload"]["rate"] = -1
+    (failed / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (failed / "summary.json").write_text(json.dumps({"status": "failed", "error": "ValueError: rate"}))
+    rows = comparison_rows([sweep])
+    assert [(r["label"], r["x"], r["status"]) for r in rows] == [
+        ("policy=a", 2, "completed"), ("policy=a", 4, "completed"), ("policy=b", -1, "failed"),
+        ("policy=b", 2, "completed"), ("policy=b", 4, "completed")]
+
+
+def test_a_sweep_stopped_by_ctrl_c_compares_the_runs_it_made(sweep, capsys):
+    from omegaconf import OmegaConf
+
+    from framework.compare import CompareCallback, compare_stopped_sweep
+
+    assert compare_stopped_sweep() is None  # no sweep under way
+    CompareCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    summary = json.loads((sweep / "3" / "summary.json").read_text())
+    (sweep / "3" / "summary.json").write_text(json.dumps({**summary, "status": "interrupted", "completed": 2}))
+    table = compare_stopped_sweep()
+    assert table == sweep / "comparison.md"
+    assert table.read_text().count("| policy=") == 4 and "| interrupted |" in table.read_text()
+    assert compare_stopped_sweep() is None  # once
+
+
+def test_ctrl_c_in_a_sweep_through_the_cli_keeps_a_comparison(tmp_path):
+    """Ctrl-C (SIGINT to the process group) in the second job: status 130, both jobs' files kept,
+    and the table of both at the sweep's root."""
+    import signal
+    import time
+
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "framework.run", "-m", "workload.num_requests=2,5000", "progress=false", "plots=false",
+         f"hydra.sweep.dir={sweep_dir}"],
+        cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (sweep_dir / "1" / "steps.csv").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    statuses = [json.loads((sweep_dir / str(i) / "summary.json").read_text())["status"] for i in range(2)]
+    assert statuses == ["completed", "interrupted"]
+    table = (sweep_dir / "comparison.md").read_text()
+    assert "| completed |" in table and "| interrupted |" in table and "comparison of the runs so far" in err
