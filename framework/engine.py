@@ -70,7 +70,10 @@ class LLMEngine:
         # Resolve every name before loading anything, so a typo fails in milliseconds.
         POLICIES.get(config.policy)
         ALLOCATORS.get(config.allocator)
-        if config.executor == "model":
+        # A simulated run never uses the tensor parts, and their registries load torch (about 2 s):
+        # it checks their names only when they are not the defaults, so a typo is still caught.
+        defaults = EngineConfig.backend, EngineConfig.preparer
+        if config.executor == "model" or (config.backend, config.preparer) != defaults:
             from framework.attention import BACKENDS
             from framework.input_preparer import PREPARERS
 

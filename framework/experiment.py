@@ -62,8 +62,10 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         if cfg.get("cost_model") is not None:
             # A null option is the cost model's default: so the roofline's `calibration: null` in
             # conf/executor/sim.yaml does not reach a cost model without one (cost_model.name=replay).
+            # `cost_model=NAME` on the command line replaces the node with its name.
+            name, options = _split(cfg.cost_model, "roofline")
             kwargs["executor_options"]["cost_model"] = {
-                k: v for k, v in OmegaConf.to_container(cfg.cost_model, resolve=True).items() if v is not None}
+                "name": name, **{k: v for k, v in options.items() if v is not None}}
     model, model_options = _split(cfg.get("model"), "tiny-llama")
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     unknown = sorted(set(engine) - ENGINE_KEYS)

@@ -118,6 +118,7 @@ def cli(*args, cwd):
     (["workload.ignore_eos=maybe"], "workload.ignore_eos must be True or False"),
     (["scheduler.check_invariants=maybe"], "scheduler.check_invariants must be true or false"),
     (["executor=sim", "executor.fast_forward=maybe"], "executor.fast_forward must be true or false"),
+    (["executor=sim", "cost_model=bogus"], "unknown cost model 'bogus'; registered cost models: .*roofline"),
     (["engine.device=tpu"], "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     (["engine.seed=abc"], r"seed must be an integer in \[0, 2\*\*63\), got 'abc'"),
     (["engine.num_threads=0"], "num_threads must be a positive integer or null, got 0"),

@@ -93,6 +93,16 @@ def test_shape_only_presets_are_refused_by_the_model_executor():
         LLMEngine(EngineConfig(model="mistral-7b", executor="model"))
 
 
+@pytest.mark.parametrize("part", ["backend", "preparer"])
+def test_a_simulated_run_still_refuses_an_unknown_tensor_part(part):
+    """It never uses the attention backend or the input preparer, but a typo there would label the
+    run with a part that does not exist."""
+    from framework import UnknownNameError
+
+    with pytest.raises(UnknownNameError, match=f"unknown {part} 'bogus'; registered {part}s: "):
+        LLMEngine(EngineConfig(model="llama-3-8b", executor="sim", **{part: "bogus"}))
+
+
 def test_a_simulated_run_never_imports_torch():
     code = ("import sys; from framework import LLM, SamplingParams; "
             "llm = LLM(model='qwen2-7b', executor='sim', max_model_len=1024); "
