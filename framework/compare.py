@@ -76,8 +76,8 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     config without ``+policy`` has no policy node."""
     summary = json.loads((run_dir / "summary.json").read_text())
     # A run that failed on its configuration wrote no config.yaml; Hydra's copy says what it was.
-    config_path = next((p for p in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml") if p.is_file()), None)
-    config = yaml.safe_load(config_path.read_text()) if config_path is not None else {}
+    paths = [p for p in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml") if p.is_file()]
+    config = yaml.safe_load(paths[0].read_text()) if paths else {}
     flat = flatten(config or {})
     for part in PART_NAMES:
         if summary.get(part) is not None:

@@ -177,9 +177,8 @@ class LLMEngine:
             self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id) \
-            if isinstance(request_id, Iterable) else None
-        if ids is None or not all(isinstance(rid, str) for rid in ids):
+        ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, str) else [request_id]
+        if not all(isinstance(rid, str) for rid in ids):
             raise ValueError(f"abort_request takes a request id (str) or an iterable of them, got {request_id!r}")
         for rid in ids:
             for req in self._parents.get(rid, []):
@@ -351,11 +350,10 @@ def check_request_args(params: Any, arrival_time: Any = None, priority: Any = 0)
     and times mid-step, where a string or NaN would fail every later step too."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}: {params!r}")
-    for name, value in (("arrival_time", arrival_time), ("priority", priority)):
-        if value is None and name == "arrival_time":
-            continue
-        if not is_finite_number(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if arrival_time is not None and not is_finite_number(arrival_time):
+        raise ValueError(f"arrival_time must be a finite number or None, got {arrival_time!r}")
+    if not is_finite_number(priority):
+        raise ValueError(f"priority must be a finite number, got {priority!r}")
 
 
 def _token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:

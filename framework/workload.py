@@ -74,12 +74,13 @@ WORKLOADS: Registry[Workload] = Registry(
 
 #: Workload keys that shape sampling rather than the requests; every workload accepts them.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "ignore_eos")
+#: A workload's requests are greedy and run to their output length unless its config says otherwise.
+SAMPLING_DEFAULTS = {"temperature": 0.0, "ignore_eos": True}
 
 
 def sampling_params(request: WorkloadRequest, sampling: dict[str, Any]) -> SamplingParams:
     """Sampling for one request: exactly ``output_len`` tokens unless ``ignore_eos`` is false."""
-    options = {"temperature": 0.0, "ignore_eos": True, **sampling}
-    return SamplingParams(max_tokens=request.output_len, **options)
+    return SamplingParams(max_tokens=request.output_len, **{**SAMPLING_DEFAULTS, **sampling})
 
 
 def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
@@ -88,7 +89,7 @@ def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
     options = dict(options)
     sampling = {k: options.pop(k) for k in SAMPLING_KEYS if k in options}
     try:  # here, not at the first request: a bad value is a configuration error, found before serving
-        SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **sampling})
+        SamplingParams(**{**SAMPLING_DEFAULTS, **sampling})
     except (TypeError, ValueError) as exc:
         raise ValueError(str(exc).replace("SamplingParams.", "workload.", 1)) from None
     return WORKLOADS.create_from(options), sampling
