@@ -11,15 +11,17 @@ machine (flash_attn without CUDA) prints one clear line and exits with status 2;
 failure keeps its traceback. Either way the run's ``summary.json`` says ``failed``, with the
 error. Errors Hydra reports itself (an unknown config group option such as ``+policy=NAME``, a
 key the config does not have) come before any run directory exists; a single run exits with
-status 2 for them too. Ctrl-C stops the run, keeps what it measured and exits with status 130;
-a sweep stopped so also gets the comparison of the runs it made. In a sweep, a job that fails
-(a configuration error included) is logged and marked ``failed`` in its summary; the other jobs
+status 2 for them too. Ctrl-C stops the run, keeps what it measured and exits with status 130
+(SIGTERM, as a batch scheduler sends at its time limit, likewise, with status 143); a sweep
+stopped so also gets the comparison of the runs it made. In a sweep, a job that fails (a
+configuration error included) is logged and marked ``failed`` in its summary; the other jobs
 run, the comparison is written, and the sweep exits with status 1.
 """
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from framework.compare import compare_stopped_sweep
+from framework.compare import CompareCallback, compare_stopped_sweep
 from framework.experiment import engine_config, run_experiment
 from framework.recorder import write_summary
 from framework.registry import UnavailableError
@@ -38,7 +40,23 @@ __all__ = ["engine_config", "main"]
 log = logging.getLogger("framework.run")
 
 EXIT_CONFIG_ERROR = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a shell reports a command stopped by Ctrl-C
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+
+#: Set when SIGTERM stopped the run, for its exit status.
+_terminated = False
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM (a batch scheduler's time limit, ``kill``, a sweep launcher stopping its workers)
+    stops a run as Ctrl-C does, so it keeps what it measured, instead of dying mid-write."""
+    global _terminated
+    _terminated = True
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _stopped() -> int:
+    return EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED
 
 
 def _run_name(hc: object) -> str | None:
@@ -63,6 +81,10 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread (a launcher running jobs in threads): leave it
+        previous = None
+    try:
         group = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
         summary = run_experiment(cfg, run_dir, run_name=_run_name(hc), group=group)
     except KeyboardInterrupt:
@@ -71,7 +93,7 @@ def main(cfg: DictConfig) -> None:
         measured = _mark(run_dir, "interrupted")
         print(f"interrupted: {'what was measured is' if measured else 'nothing was measured yet; the run is'} "
               f"in {run_dir}", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(_stopped())
     except Exception as exc:
         _mark(run_dir, "failed", exc)
         if hc.mode == RunMode.MULTIRUN:
@@ -87,9 +109,12 @@ def main(cfg: DictConfig) -> None:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if summary.get("interrupted"):
         print(f"interrupted: what was measured is in {run_dir}", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(_stopped())
 
 
 def _mark(run_dir: Path, status: str, exc: Exception | None = None) -> bool:
@@ -118,7 +143,18 @@ def _legacy_overrides(argv: list[str]) -> list[str]:
 
 
 def _compare_stopped_sweep() -> None:
-    """A sweep stopped by Ctrl-C still gets the comparison of the runs it made."""
+    """A sweep stopped by Ctrl-C still gets the comparison of the runs it made. A job whose summary
+    still says ``running`` was killed where no handler runs (joblib's launcher SIGKILLs its workers
+    when only the parent is interrupted, and waits for them to die): it is marked ``interrupted``."""
+    sweep_dir = CompareCallback.sweep_dir
+    if sweep_dir is not None:
+        for path in sorted(sweep_dir.glob("*/summary.json")):
+            try:
+                running = json.loads(path.read_text()).get("status") == "running"
+            except (OSError, ValueError):
+                continue
+            if running:
+                _mark(path.parent, "interrupted")
     table = compare_stopped_sweep()
     if table is not None:
         print(f"comparison of the runs so far: {table}", file=sys.stderr)
@@ -134,7 +170,7 @@ def cli() -> None:
         _compare_stopped_sweep()
         sys.exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
-        if exc.code == EXIT_INTERRUPTED:
+        if exc.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
             _compare_stopped_sweep()
         # Hydra prints its own errors (an unknown config group option, a key not in the config, an
         # override it cannot parse) and exits 1 before any job starts: configuration errors, so

@@ -214,3 +214,27 @@ def test_the_summary_says_how_the_run_ended(tmp_path, before, status, after):
     assert summary.get("interrupted", False) is (after == "interrupted")
     assert summary.get("completed") == (3 if before is not None else None)  # nothing measured is lost
     assert ("boom" in summary.get("error", "")) is (after == "failed")
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """A batch scheduler's time limit (or ``kill``) sends SIGTERM: the run keeps what it measured,
+    its summary says ``interrupted`` and counts the rows written, and the status is 143."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "framework.run", "workload.num_requests=5000", "progress=false",
+                             "plots=false", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    def rows_written():
+        path = tmp_path / "requests.csv"
+        return len(read_csv(path)) if path.exists() else 0
+
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and rows_written() < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 5 <= summary["completed"] == len(read_csv(tmp_path / "requests.csv"))
