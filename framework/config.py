@@ -87,8 +87,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer in [0, 2**63), got {value!r}")
         check_positive_int("num_threads", self.num_threads, optional=True)
         for name in ("enable_prefix_caching", "check_invariants"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of {sorted({'auto', *DTYPE_ALIASES})}, got {self.dtype!r}")
 
@@ -114,8 +113,15 @@ def check_positive_int(name: str, value: Any, optional: bool = False) -> None:
     ``optional``."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer{' or null' if optional else ''}, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is a bool: ``bool("no")`` would read a config's
+    string as true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 #: Every dtype name the configs accept, and the one it means.

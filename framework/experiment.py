@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.block_allocator import AllocatorStats
 from framework.clock import Clock, VirtualClock, WallClock
 from framework.cluster import Cluster, check_num_replicas, gc_paused
-from framework.config import PART_NAMES, EngineConfig
+from framework.config import PART_NAMES, EngineConfig, check_bool
 from framework.engine import LLMEngine, StepStats
 from framework.metrics import SLO, RequestRecord, summarize
 from framework.outputs import RequestOutput
@@ -71,10 +71,8 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     unknown = sorted(set(engine) - ENGINE_KEYS)
     if unknown:
         raise ValueError(f"engine: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(ENGINE_KEYS))}")
-    check = OmegaConf.select(cfg, "scheduler.check_invariants", default=False)
-    if not isinstance(check, bool):
-        raise ValueError(f"scheduler.check_invariants must be true or false, got {check!r}")
-    engine["check_invariants"] = check
+    engine["check_invariants"] = OmegaConf.select(cfg, "scheduler.check_invariants", default=False)
+    check_bool("scheduler.check_invariants", engine["check_invariants"])
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), **kwargs, **engine)
 
 

@@ -149,12 +149,7 @@ def _compare_stopped_sweep() -> None:
     sweep_dir = CompareCallback.sweep_dir
     if sweep_dir is not None:
         for path in sorted(sweep_dir.glob("*/summary.json")):
-            try:
-                running = json.loads(path.read_text()).get("status") == "running"
-            except (OSError, ValueError):
-                continue
-            if running:
-                _mark(path.parent, "interrupted")
+            _mark(path.parent, "interrupted")  # leaves a summary that says how its run ended
     table = compare_stopped_sweep()
     if table is not None:
         print(f"comparison of the runs so far: {table}", file=sys.stderr)

@@ -40,9 +40,9 @@ class SamplingParams:
         # The seed feeds a 64-bit torch generator: a larger one would fail mid-step, not here.
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
-        ids = None if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable) \
-            else list(self.stop_token_ids)
-        if ids is None or not all(is_int(t) for t in ids):
+        listed = isinstance(self.stop_token_ids, Iterable) and not isinstance(self.stop_token_ids, (str, bytes))
+        ids = list(self.stop_token_ids) if listed else []
+        if not listed or not all(is_int(t) for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in ids]
         for name in ("ignore_eos", "detokenize"):
@@ -54,4 +54,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-

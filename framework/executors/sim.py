@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from framework.clock import Clock, VirtualClock
-from framework.config import DTYPE_BYTES, EngineConfig, resolve_dtype_name
+from framework.config import DTYPE_BYTES, EngineConfig, check_bool, resolve_dtype_name
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
 from framework.hardware import Hardware, load_hardware
@@ -46,8 +46,7 @@ class SimExecutor(Executor):
         model = source.config
         self.cost_model: CostModel = COST_MODELS.create_from(cost_model, model, self.hardware, self.dtype_bytes,
                                                              tensor_parallel_size, config.block_size, default="roofline")
-        if not isinstance(fast_forward, bool):
-            raise ValueError(f"executor.fast_forward must be true or false, got {fast_forward!r}")
+        check_bool("executor.fast_forward", fast_forward)
         self.fast_forward = fast_forward
         eos = set(model.eos_token_ids)
         if sampled_token is None:
