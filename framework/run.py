@@ -10,12 +10,12 @@ A configuration error (an unknown policy, a bad option value) or a part that can
 machine (flash_attn without CUDA) prints one clear line and exits with status 2; any other
 failure keeps its traceback. Either way the run's ``summary.json`` says ``failed``, with the
 error. Errors Hydra reports itself (an unknown config group option such as ``+policy=NAME``, a
-key the config does not have) come before any run directory exists; a single run exits with
-status 2 for them too. Ctrl-C stops the run, keeps what it measured and exits with status 130
+key the config does not have, an override it cannot parse) come before any run directory exists;
+they exit with status 2 too, in a sweep as in a single run. Ctrl-C stops the run, keeps what it measured and exits with status 130
 (SIGTERM, as a batch scheduler sends at its time limit, likewise, with status 143); a sweep
-stopped so also gets the comparison of the runs it made. In a sweep, a job that fails (a
-configuration error included) is logged and marked ``failed`` in its summary; the other jobs
-run, the comparison is written, and the sweep exits with status 1.
+stopped so also gets the comparison of the runs it made. In a sweep, a job that fails is logged
+(a configuration error in one line, anything else with its traceback) and marked ``failed`` in
+its summary; the other jobs run, the comparison is written, and the sweep exits with status 1.
 """
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.compare import CompareCallback, compare_stopped_sweep
 from framework.experiment import engine_config, run_experiment
@@ -96,15 +98,20 @@ def main(cfg: DictConfig) -> None:
         sys.exit(_stopped())
     except Exception as exc:
         _mark(run_dir, "failed", exc)
+        # run_experiment raises ValueError only for configuration errors; UnavailableError is a
+        # part that cannot run on this machine. Neither needs a traceback to be understood.
+        config_error = isinstance(exc, (ValueError, UnavailableError))
         if hc.mode == RunMode.MULTIRUN:
             # One failed job must not cost the sweep its other runs and its comparison (Hydra stops
             # a sweep at the first exception, SystemExit included): the job's summary.json says
             # "failed", and the sweep exits non-zero at the end (CompareCallback).
-            log.exception("run failed (%s); the sweep goes on", run_dir)
+            if config_error:
+                log.debug("configuration error", exc_info=True)
+                log.error("run failed (%s): error: %s; the sweep goes on", run_dir, exc)
+            else:
+                log.exception("run failed (%s); the sweep goes on", run_dir)
             return
-        # run_experiment raises ValueError only for configuration errors; UnavailableError is a
-        # part that cannot run on this machine. Neither needs a traceback to be understood.
-        if isinstance(exc, (ValueError, UnavailableError)):
+        if config_error:
             log.debug("configuration error", exc_info=True)
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)
@@ -155,9 +162,40 @@ def _compare_stopped_sweep() -> None:
         print(f"comparison of the runs so far: {table}", file=sys.stderr)
 
 
+def _null_group_override(argv: list[str]) -> str | None:
+    """The error for ``GROUP=null`` (``workload=null``), or None. Hydra fails on it with a
+    traceback from its own internals ("Config group override must be a string or a list"); a
+    group always needs one of its options (or ``~GROUP`` to drop an optional one)."""
+    conf = Path(CONF_DIR)
+    for arg in argv:
+        group, sep, value = arg.lstrip("+").partition("=")
+        # Hydra's own groups (hydra/launcher=...) have options outside conf/: left to Hydra.
+        if sep and value == "null" and "/" not in group and (conf / group).is_dir():
+            options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
+            return f"{arg}: the config group '{group}' needs one of its options: {', '.join(options)}"
+    return None
+
+
+def _hydra_config_error(exc: SystemExit) -> bool:
+    """Whether Hydra's exit 1 was a configuration error it reported itself. Hydra exits inside
+    the ``except`` that caught the error, so the exit's context is that error: a composition or
+    override error (an unknown option, a key not in the config, an unparsable override), in a
+    sweep as in a single run (a sweep's jobs may run in other processes, but their configs are
+    composed where Hydra reports them). Any other error before a single run's job started is one
+    too (a Hydra internal such as a malformed defaults entry)."""
+    if isinstance(exc.__context__, (CompactHydraException, OmegaConfBaseException)):
+        return True
+    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+    return _jobs_started == 0 and not multirun
+
+
 def cli() -> None:
     """``python -m framework.run`` and the ``servelab-run`` script."""
     sys.argv = _legacy_overrides(sys.argv)
+    error = _null_group_override(sys.argv[1:])
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     try:
         main()
     except KeyboardInterrupt:  # outside a run (composing the config, between sweep jobs, comparing)
@@ -167,12 +205,9 @@ def cli() -> None:
     except SystemExit as exc:
         if exc.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
             _compare_stopped_sweep()
-        # Hydra prints its own errors (an unknown config group option, a key not in the config, an
-        # override it cannot parse) and exits 1 before any job starts: configuration errors, so
-        # the status every other one gets. A sweep's jobs may run in other processes, so only a
-        # single run can tell.
-        multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
-        if exc.code == 1 and _jobs_started == 0 and not multirun:
+        # Hydra prints its own errors and exits 1: configuration errors get the status every
+        # other one gets.
+        if exc.code == 1 and _hydra_config_error(exc):
             sys.exit(EXIT_CONFIG_ERROR)
         raise
 

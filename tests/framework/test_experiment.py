@@ -141,12 +141,19 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
     assert "error: block_size must be a power of two" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("override, message", [
-    ("+policy=bogus", r"Could not find 'policy/bogus'\n\nAvailable options in 'policy':\n.*chunked"),
-    ("engine.bogus=1", "Key 'bogus' is not in struct"),
+@pytest.mark.parametrize("overrides, message", [
+    (["+policy=bogus"], r"Could not find 'policy/bogus'\n\nAvailable options in 'policy':\n.*chunked"),
+    (["engine.bogus=1"], "Key 'bogus' is not in struct"),
+    # In a sweep too, with the jobs in this process or in joblib's workers.
+    (["-m", "+policy=fcfs,bogus"], r"Could not find 'policy/bogus'"),
+    (["-m", "hydra/launcher=parallel", "engine.bogus=1,2"], "Key 'bogus' is not in struct"),
+    (["-m", "engine.max_num_seqs=1,["], "mismatched input"),
+    # Hydra's own message for this one is a traceback from its internals.
+    (["workload=null"], "error: workload=null: the config group 'workload' needs one of its options: .*chat"),
 ])
-def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_status(tmp_path, override, message):
-    done = cli(override, f"hydra.run.dir={tmp_path}", cwd=ROOT)
+def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_status(tmp_path, overrides, message):
+    done = cli(*overrides, "executor=sim", *BASE, *TINY, f"hydra.run.dir={tmp_path}", f"hydra.sweep.dir={tmp_path}",
+               cwd=ROOT)
     assert done.returncode == 2, done.stderr
     assert re.search(message, done.stderr, re.S) and "Traceback" not in done.stderr
 
@@ -193,6 +200,9 @@ def test_a_sweep_goes_on_past_a_job_with_a_configuration_error(tmp_path):
     assert bad["status"] == "failed" and "slo.tpot_ms must be a positive number" in bad["error"]
     assert good["status"] == "completed" and good["completed"] == 6
     assert "| failed |" in (sweep / "comparison.md").read_text() and "1 run(s) failed" in done.stderr
+    # One line names the error; a configuration error needs no traceback, in a sweep either.
+    log = done.stdout + done.stderr  # Hydra logs a job's records to stdout
+    assert "error: slo.tpot_ms must be a positive number" in log and "Traceback" not in log
 
 
 @pytest.mark.parametrize("before, status, after", [
