@@ -358,11 +358,10 @@ def check_request_args(params: Any, arrival_time: Any = None, priority: Any = 0)
 
 def _token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:
     """``ids`` (a list, a 1-D integer numpy array or any iterable of ints) as a non-empty list of
-    ints in ``[0, vocab_size)``; ValueError otherwise (floats, and float, bool or object arrays,
-    included). Big simulated workloads send millions of ids, so the checks avoid a Python step
-    per token where they can: an array is checked in numpy, and a list whose ``sum`` is an
-    ``int`` holds only ints or bools (``sum`` turns float, Decimal or numpy on meeting one, and
-    fails on anything else) and is kept as is."""
+    ints in ``[0, vocab_size)``; ValueError otherwise (floats and bools, and float, bool or object
+    arrays, included). Big simulated workloads send millions of ids, so the checks avoid a Python
+    step per token where they can: an array is checked in numpy, and a list of plain ints (the
+    set of its element types, built in C) is kept as is."""
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise ValueError(f"prompt token ids must be a 1-D integer array, got shape {ids.shape} of {ids.dtype}")
@@ -370,9 +369,13 @@ def _token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:
             _out_of_vocabulary(ids.tolist(), vocab_size)
         ids = ids.tolist()
     else:
-        if type(ids) is not list or not _all_ints(ids):
+        if type(ids) is not list or not set(map(type, ids)) <= {int}:
             try:
-                ids = list(map(operator.index, ids))  # ints and numpy ints; a float is no token id
+                ids = list(ids)
+                # operator.index takes numpy ints and refuses floats, but takes bools as 0 and 1.
+                if any(type(t) is bool for t in ids):
+                    raise TypeError("a bool is not a token id")
+                ids = list(map(operator.index, ids))
             except TypeError as exc:
                 raise ValueError(f"prompt token ids must be integers: {exc}") from None
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -380,13 +383,6 @@ def _token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:
     if not ids:
         raise ValueError("prompt is empty: a request needs at least one prompt token")
     return ids
-
-
-def _all_ints(ids: list[Any]) -> bool:
-    try:
-        return type(sum(ids)) is int
-    except TypeError:
-        return False
 
 
 def _out_of_vocabulary(ids: list[int], vocab_size: int) -> None:
