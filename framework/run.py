@@ -11,11 +11,12 @@ machine (flash_attn without CUDA) prints one clear line and exits with status 2;
 failure keeps its traceback. Either way the run's ``summary.json`` says ``failed``, with the
 error. Errors Hydra reports itself (an unknown config group option such as ``+policy=NAME``, a
 key the config does not have, an override it cannot parse) come before any run directory exists;
-they exit with status 2 too, in a sweep as in a single run. Ctrl-C stops the run, keeps what it measured and exits with status 130
-(SIGTERM, as a batch scheduler sends at its time limit, likewise, with status 143); a sweep
-stopped so also gets the comparison of the runs it made. In a sweep, a job that fails is logged
-(a configuration error in one line, anything else with its traceback) and marked ``failed`` in
-its summary; the other jobs run, the comparison is written, and the sweep exits with status 1.
+they exit with status 2 too, in a sweep as in a single run. Ctrl-C stops the run, keeps what it
+measured and exits with status 130 (SIGTERM, as a batch scheduler sends at its time limit,
+likewise, with status 143); a sweep stopped so also gets the comparison of the runs it made. In
+a sweep, a job that fails is logged (a configuration error in one line, anything else with its
+traceback) and marked ``failed`` in its summary; the other jobs run, the comparison is written,
+and the sweep exits with status 1.
 """
 from __future__ import annotations
 
