@@ -6,17 +6,17 @@ with ``-m``), writing its files to Hydra's run directory (``outputs/DATE/TIME`` 
 ``requests.csv``, ``steps.csv`` and the plots. A multirun also gets a comparison of its runs
 (``comparison.md``/``.csv`` and plots) at its root.
 
-A configuration error (an unknown policy, a bad option value) or a part that cannot run on this
-machine (flash_attn without CUDA) prints one clear line and exits with status 2; any other
-failure keeps its traceback. Either way the run's ``summary.json`` says ``failed``, with the
-error. Errors Hydra reports itself (an unknown config group option such as ``+policy=NAME``, a
-key the config does not have, an override it cannot parse) come before any run directory exists;
-they exit with status 2 too, in a sweep as in a single run. Ctrl-C stops the run, keeps what it
-measured and exits with status 130 (SIGTERM, as a batch scheduler sends at its time limit,
-likewise, with status 143); a sweep stopped so also gets the comparison of the runs it made. In
-a sweep, a job that fails is logged (a configuration error in one line, anything else with its
-traceback) and marked ``failed`` in its summary; the other jobs run, the comparison is written,
-and the sweep exits with status 1.
+A configuration error (an unknown policy, a bad option value, a config the run cannot read) or a
+part that cannot run on this machine (flash_attn without CUDA) prints one clear line and exits
+with status 2; any other failure keeps its traceback. Either way the run's ``summary.json`` says
+``failed``, with the error. Errors Hydra reports itself (an unknown config group option such as
+``+policy=NAME``, a key the config does not have, an override it cannot parse) come before any
+run directory exists; they exit with status 2 too, in a sweep as in a single run. Ctrl-C stops
+the run, keeps what it measured and exits with status 130 (SIGTERM, as a batch scheduler sends
+at its time limit, likewise, with status 143); a sweep stopped so also gets the comparison of
+the runs it made. In a sweep, a job that fails is logged (a configuration error in one line,
+anything else with its traceback) and marked ``failed`` in its summary; the other jobs run, the
+comparison is written, and the sweep exits with status 1.
 """
 from __future__ import annotations
 
@@ -100,8 +100,10 @@ def main(cfg: DictConfig) -> None:
     except Exception as exc:
         _mark(run_dir, "failed", exc)
         # run_experiment raises ValueError only for configuration errors; UnavailableError is a
-        # part that cannot run on this machine. Neither needs a traceback to be understood.
-        config_error = isinstance(exc, (ValueError, UnavailableError))
+        # part that cannot run on this machine; an OmegaConf error is a config it cannot read (a
+        # group dropped with ~workload, an interpolation that does not resolve). None needs a
+        # traceback to be understood.
+        config_error = isinstance(exc, (ValueError, UnavailableError, OmegaConfBaseException))
         if hc.mode == RunMode.MULTIRUN:
             # One failed job must not cost the sweep its other runs and its comparison (Hydra stops
             # a sweep at the first exception, SystemExit included): the job's summary.json says

@@ -158,6 +158,14 @@ def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_statu
     assert re.search(message, done.stderr, re.S) and "Traceback" not in done.stderr
 
 
+def test_cli_reports_a_config_the_run_cannot_read_in_one_line(tmp_path):
+    # Hydra composes a config without the workload group; the run then finds none to read.
+    done = cli("~workload", "executor=sim", *BASE, f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "error: Key 'workload' is not in struct" in done.stderr and "Traceback" not in done.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU path")
 def test_cli_reports_a_backend_that_cannot_run_here_cleanly(tmp_path):
     done = cli("backend=flash_attn", f"hydra.run.dir={tmp_path}", cwd=ROOT)
