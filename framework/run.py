@@ -104,18 +104,18 @@ def main(cfg: DictConfig) -> None:
         # group dropped with ~workload, an interpolation that does not resolve). None needs a
         # traceback to be understood.
         config_error = isinstance(exc, (ValueError, UnavailableError, OmegaConfBaseException))
+        if config_error:
+            log.debug("configuration error", exc_info=True)
         if hc.mode == RunMode.MULTIRUN:
             # One failed job must not cost the sweep its other runs and its comparison (Hydra stops
             # a sweep at the first exception, SystemExit included): the job's summary.json says
             # "failed", and the sweep exits non-zero at the end (CompareCallback).
             if config_error:
-                log.debug("configuration error", exc_info=True)
                 log.error("run failed (%s): error: %s; the sweep goes on", run_dir, exc)
             else:
                 log.exception("run failed (%s); the sweep goes on", run_dir)
             return
         if config_error:
-            log.debug("configuration error", exc_info=True)
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)
         raise
