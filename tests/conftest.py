@@ -9,9 +9,23 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 import framework  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch spins up threads)
 from framework.engine import LLMEngine  # noqa: E402
+
+# The property tests' example counts: "ci" (the default) keeps the suite to a few minutes;
+# `pytest --hypothesis-profile=long` runs them at length (3,000 examples per property test,
+# about ten minutes for tests/policies/test_properties.py on two cores).
+_PROPERTY = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=40, **_PROPERTY)
+settings.register_profile("long", max_examples=3000, **_PROPERTY)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before collection, so the tests' @settings take the profile's example count.
+    if not config.getoption("hypothesis_profile", None):
+        settings.load_profile("ci")
 
 TINY_HF = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

@@ -7,7 +7,7 @@ own promises, step by step."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from framework import POLICIES, RequestStatus, SamplingParams
@@ -154,7 +154,6 @@ CASES = [(policy, "") for policy in sorted(POLICY_CHECKS)] + [("fcfs", "swap"), 
 
 
 @pytest.mark.parametrize("policy, mode", CASES)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(), arrivals=workloads())
 def test_random_workloads_keep_every_invariant(policy, mode, setup, arrivals):
     if not mode:
@@ -164,7 +163,6 @@ def test_random_workloads_keep_every_invariant(policy, mode, setup, arrivals):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(max_blocks=24), arrivals=workloads(later_is_more_urgent=True))
 def test_priority_swap_under_constant_preemption(mode, setup, arrivals):
     run = run_workload("priority_swap", setup, arrivals, [priority_checks], preemption_mode=mode)

@@ -76,7 +76,7 @@ def allocate(reqs, counts, block_size):
             next_block += 1
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=2 * settings().max_examples)  # twice the profile's: cheap examples
 @given(specs=request_specs, block_size=st.sampled_from([1, 2, 4, 16]), seed=st.integers(0, 2**16),
        keep=st.lists(st.booleans(), min_size=12, max_size=12), runner_records=st.booleans())
 def test_random_steps_give_equivalent_inputs(specs, block_size, seed, keep, runner_records):
