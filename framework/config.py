@@ -59,11 +59,11 @@ class EngineConfig:
     def validate(self) -> None:
         """Checks that need no model; model-dependent limits are checked when the engine is built."""
         bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+        if not is_int(bs) or bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...), got {bs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, getattr(self, name))
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
         if self.num_gpu_blocks_override is not None and not (is_int(self.num_gpu_blocks_override)
                                                              and self.num_gpu_blocks_override >= 2):

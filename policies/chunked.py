@@ -1,6 +1,7 @@
 """Chunked prefill under one token budget (vLLM v1's scheduler, Sarathi-Serve's stall-free batches)."""
 from __future__ import annotations
 
+from framework.config import is_int
 from framework.request import Request, RequestStatus
 from framework.scheduler import POLICIES, RECOMPUTE, Scheduler, SchedulerPolicy, Step
 
@@ -27,7 +28,7 @@ class ChunkedPolicy(SchedulerPolicy):
 
     def __init__(self, preemption_mode: str = RECOMPUTE, long_prefill_token_threshold: int = 0) -> None:
         super().__init__(preemption_mode)
-        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
+        if not is_int(long_prefill_token_threshold) or long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0 = no cap), "
                              f"got {long_prefill_token_threshold!r}")
         self.long_prefill_token_threshold = long_prefill_token_threshold

@@ -7,14 +7,18 @@ are burstier (same mean rate, larger variance), larger values more regular.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
+from framework.config import is_finite_number
+
 
 def check_rate(rate: float | None, burstiness: float = 1.0, what: str = "rate") -> None:
-    if rate is not None and not (isinstance(rate, (int, float)) and rate > 0):
+    # An infinite rate is all at once too; a bool is no rate.
+    if rate is not None and not (isinstance(rate, numbers.Real) and not isinstance(rate, bool) and rate > 0):
         raise ValueError(f"{what} must be a positive number of requests per second, or null for all at once; got {rate!r}")
-    if not (isinstance(burstiness, (int, float)) and burstiness > 0):
+    if not (is_finite_number(burstiness) and burstiness > 0):
         raise ValueError(f"burstiness must be > 0 (1 = Poisson, < 1 burstier, > 1 more regular); got {burstiness!r}")
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from framework.config import is_finite_number, is_int
+
 DISTRIBUTIONS = ("fixed", "uniform", "normal", "lognormal", "zipf")
 #: Required and optional keys of each distribution's dict form.
 _KEYS = {"fixed": ({"value"}, set()), "uniform": ({"min", "max"}, set()),
@@ -71,8 +73,12 @@ class LengthDist:
         d = cls(**kw)
         for name in ("min", "max", "value"):
             v = getattr(d, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            # min always has a value ([null, 16] is no range); max and value only where the dist uses them.
+            if (v is not None or name == "min") and not is_int(v):
                 raise ValueError(f"{what}: {name} must be an integer, got {v!r}")
+        for name in ("mean", "std", "a"):
+            if not is_finite_number(getattr(d, name)):
+                raise ValueError(f"{what}: {name} must be a number, got {getattr(d, name)!r}")
         if d.min < 1:
             raise ValueError(f"{what}: lengths must be >= 1, got min={d.min}")
         if d.max is not None and d.max < d.min:

@@ -29,7 +29,8 @@ class ShareGPTWorkload(Workload):
 
     ``output_len`` fixes every output length (null: the completion's length, capped at
     ``max_output_len`` when set). Pairs whose prompt exceeds ``max_prompt_len`` or whose prompt
-    and output exceed the engine's ``max_model_len`` are skipped. Arrivals as for synthetic
+    and output exceed the engine's ``max_model_len`` are skipped, and so are those whose prompt,
+    or completion when ``output_len`` is null, has fewer than ``min_len`` tokens. Arrivals as for synthetic
     workloads (``rate``, ``burstiness``).
     """
 
@@ -73,11 +74,15 @@ class ShareGPTWorkload(Workload):
                 continue
             prompt = turns[0]["value"]
             ids = tokenize(prompt, ctx)
-            out_len = self.output_len or len(tokenize(turns[1]["value"], ctx))
-            if len(ids) < self.min_len or out_len < self.min_len:
+            if len(ids) < self.min_len:
                 continue
-            if self.max_output_len is not None:
-                out_len = min(out_len, self.max_output_len)
+            out_len = self.output_len
+            if out_len is None:  # the completion's length; min_len and the cap apply to it alone
+                out_len = len(tokenize(turns[1]["value"], ctx))
+                if out_len < self.min_len:
+                    continue
+                if self.max_output_len is not None:
+                    out_len = min(out_len, self.max_output_len)
             if self.max_prompt_len is not None and len(ids) > self.max_prompt_len:
                 continue
             if ctx.max_model_len is not None and len(ids) + out_len > ctx.max_model_len:

@@ -90,6 +90,8 @@ def test_unknown_component_names_list_registered_ones(kwargs, match):
     ({"device": "cuda:x"}, "device must be"),
     ({"num_threads": -1}, "num_threads"),
     ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be true or false"),
+    ({"block_size": True}, "block_size must be a power of two"),  # a bool is not 1
+    ({"max_model_len": True}, "max_model_len must be an integer"),
 ])
 def test_bad_engine_config_fails_at_construction(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -70,6 +70,7 @@ def test_max_num_seqs_and_admission_order():
     assert admitted == ["0", "1", "2", "3"]
 
 
-def test_bad_threshold_is_rejected():
+@pytest.mark.parametrize("threshold", [-1, True, 2.5])
+def test_bad_threshold_is_rejected(threshold):
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
-        engine(policy_options={"long_prefill_token_threshold": -1})
+        engine(policy_options={"long_prefill_token_threshold": threshold})

@@ -44,7 +44,8 @@ def test_same_seed_same_times_and_rate_only_rescales():
 
 
 @pytest.mark.parametrize("rate, burstiness, match", [(0, 1.0, "rate"), (-2, 1.0, "rate"), ("fast", 1.0, "rate"),
-                                                    (4.0, 0, "burstiness")])
+                                                    (True, 1.0, "rate"), (float("nan"), 1.0, "rate"),
+                                                    (4.0, 0, "burstiness"), (4.0, float("inf"), "burstiness")])
 def test_bad_arguments(rate, burstiness, match):
     with pytest.raises(ValueError, match=match):
         arrival_times(3, rate, burstiness, np.random.default_rng(0))

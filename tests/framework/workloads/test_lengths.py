@@ -63,6 +63,10 @@ def test_same_seed_same_lengths():
     ({"dist": "fixed"}, "needs 'value'"),
     (3.5, "expected an int"),
     ([1.5, 4], "min must be an integer"),
+    ([None, 16], "min must be an integer"),
+    ([True, 16], "min must be an integer"),
+    ({"dist": "lognormal", "mean": "abc", "std": 3}, "mean must be a number"),
+    ({"dist": "zipf", "a": None, "max": 10}, "a must be a number"),
 ])
 def test_bad_specs_name_the_problem(spec, match):
     with pytest.raises(ValueError, match=f"prompt_len: .*{match}" if not match.startswith("prompt") else match):

@@ -52,6 +52,14 @@ def test_without_tokenizer_one_id_per_word_and_deterministic(sharegpt_file):
     assert {r.output_len for r in generate(sharegpt_file, ctx, num_requests=5, output_len=9)} == {9}
 
 
+def test_a_fixed_output_len_is_taken_as_given(sharegpt_file):
+    # min_len and max_output_len bound the completions' own lengths, as in vLLM's benchmark;
+    # a fixed length is the experimenter's choice, below min_len or above the cap.
+    ctx = WorkloadContext(vocab_size=1024)
+    assert {r.output_len for r in generate(sharegpt_file, ctx, num_requests=4, output_len=2)} == {2}
+    assert {r.output_len for r in generate(sharegpt_file, ctx, num_requests=4, output_len=20, max_output_len=5)} == {20}
+
+
 def test_filters_and_errors(sharegpt_file, tmp_path):
     ctx = WorkloadContext(vocab_size=1024, max_model_len=24)
     reqs = generate(sharegpt_file, ctx, num_requests=3)
