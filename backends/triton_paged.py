@@ -28,7 +28,7 @@ INTERPRETER_NOTICE = ("servelab: no CUDA device for the triton attention backend
 def load_kernels(device: torch.device) -> ModuleType:
     """Import the kernel module, first switching Triton to its interpreter when ``device`` is
     not a CUDA device. Raises UnavailableError without triton, or when the kernels were already
-    decorated for the other mode in this process."""
+    compiled for CUDA in this process and ``device`` is not a CUDA device."""
     interpret = device.type != "cuda"
     module = sys.modules.get(_KERNELS)
     if module is None and interpret and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):

@@ -7,7 +7,7 @@ per step, and every layer's ``forward`` reuses that.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,7 +45,6 @@ class AttentionMetadata:
     num_prefills: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,

@@ -76,7 +76,8 @@ def size_kv_cache(config: EngineConfig, bytes_per_block: int, device_budget: Cal
     Device blocks: ``num_gpu_blocks_override``, else ``kv_cache_memory_gb``, else what
     ``device_budget()`` bytes hold. Swap blocks: ``swap_space`` GiB. Both are capped at what
     ``max_num_seqs`` requests of ``max_model_len`` tokens can use (more would only feed the
-    prefix cache, and reserve memory a laptop run never touches).
+    prefix cache, and reserve memory a laptop run never touches), except an override, which is
+    taken as given.
     """
     assert config.max_model_len is not None
     useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1

@@ -110,7 +110,8 @@ def timeline(steps: Mapping[str, Any], path: str | Path, max_points: int = MAX_P
     return _save(fig, path)
 
 
-def binned_timeline(col: Mapping[str, np.ndarray], replicas: np.ndarray, bins: int) -> tuple[np.ndarray, ...]:
+def binned_timeline(col: Mapping[str, np.ndarray], replicas: np.ndarray, bins: int,
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]:
     """``(edges, prefill, decode, queues, kv)`` of the steps cut into ``bins`` equal time bins
     from 0 to the last step: prefill and decode tokens per second of each bin, the queue lengths
     summed over replicas (each replica's last value in the bin, carried over bins where it took

@@ -150,7 +150,7 @@ def profile_engine_config(cells: list[tuple[int, int, int]], model: str = "tiny-
 
 
 def calibration_record(cost_model: str, model: str, hardware: Any, dtype_bytes: int, block_size: int,
-                       params: dict[str, float], fit: dict[str, float], samples: list[tuple[BatchShape, float]],
+                       params: dict[str, Any], fit: dict[str, float], samples: list[tuple[BatchShape, float]],
                        measured: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a calibration YAML holds (``cost_model.calibration`` loads its ``params``)."""
     return {"cost_model": cost_model, "model": model, "hardware": hardware.to_dict(), "dtype_bytes": dtype_bytes,
@@ -168,8 +168,9 @@ def relative_errors(model: Any, samples: list[tuple[BatchShape, float]]) -> list
 
 
 def calibrate(samples: list[tuple[BatchShape, float]], model_config: Any, hardware: Any, dtype_bytes: int,
-              cost_model: str = "roofline", block_size: int = 16) -> tuple[dict[str, float], dict[str, float]]:
-    """Fitted parameters and the fit's relative errors on ``samples``."""
+              cost_model: str = "roofline", block_size: int = 16) -> tuple[dict[str, Any], dict[str, float]]:
+    """Fitted parameters (numbers, and the roofline's ``extra_weight_passes`` curve, a dict) and
+    the fit's relative errors on ``samples``."""
     cls = COST_MODELS.get(cost_model)
     params = cls.calibrate(samples, model_config, hardware, dtype_bytes, 1, block_size)
     fitted = cls(model_config, hardware, dtype_bytes, 1, block_size, **params)

@@ -8,7 +8,7 @@ Register with a decorator, list the names, create by name::
     class MyPolicy(FCFSPolicy): ...
 
     POLICIES.list()                 # ['chunked', 'fcfs', 'my_policy', ...]
-    POLICIES.create("my_policy", scheduler_config, **options)
+    POLICIES.create("my_policy", **options)
 
 Implementations that ship with the framework are found by importing the registry's ``builtin``
 package on first use (so ``import framework`` stays light and never imports triton or

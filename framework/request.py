@@ -46,7 +46,8 @@ class Request:
     ``token_ids`` holds prompt then output tokens. ``num_computed_tokens`` counts the tokens whose
     K/V sit in the cache; after a recompute preemption it drops to 0 and the whole of ``token_ids``
     is prefilled again. ``block_ids`` (device) and ``cpu_block_ids`` (swap space) are written only
-    by the block allocator; everyone else reads them.
+    by the block allocator; everyone else reads them. ``extra`` is a researcher's own per-request
+    state (a policy's predicted length, say): the class has slots, so it is the place for it.
     """
 
     __slots__ = (

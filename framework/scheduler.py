@@ -60,10 +60,6 @@ class SchedulerOutput:
     def num_reqs(self) -> int:
         return len(self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Step:
     """The step being built: what is scheduled so far and the token budget left."""
@@ -233,16 +229,13 @@ class Scheduler:
         return request
 
     def take_finished_outside_step(self) -> list[Request]:
-        """Requests finished by ``add_request`` (ignored) or ``abort_request`` since the last call."""
+        """Requests finished outside a step's progress since the last call: ignored (by ``add_request``,
+        or by a policy through ``ignore``) or aborted (``abort_request``)."""
         done, self._finished_outside_step = self._finished_outside_step, []
         return done
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -316,15 +316,6 @@ class PagedBlockAllocator(BlockAllocator):
         copies, self._copies = self._copies, []
         return copies
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request holds (e.g. between benchmark runs)."""
-        for bid in self._free:
-            block = self._blocks[bid]
-            if block.hash is not None:
-                self._hash_to_block.pop(block.hash, None)
-                block.hash = None
-                block.token_ids = None
-
     # -- swap ------------------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         if len(request.block_ids) > len(self._cpu_free):

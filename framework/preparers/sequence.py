@@ -54,9 +54,6 @@ class SequenceData:
     def get_len(self) -> int:
         return len(self._token_ids)
 
-    def get_prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
     def get_output_len(self) -> int:
         return len(self.output_token_ids)
 

@@ -7,8 +7,9 @@ default 0), ``priority`` (default 0) and ``request_id`` (default: the entry's po
 
 A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
 skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Every run
-saves the requests it sent as ``workload.jsonl`` in this format, so any workload can be
-replayed exactly.
+saves the requests it sent as ``workload.jsonl`` in this format (their token ids, arrival times,
+priorities and output lengths; not a text prompt's text), so any workload can be replayed
+exactly.
 """
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[Wo
 
 
 def save_trace(path: str | Path, requests: list[WorkloadRequest]) -> None:
-    """Write ``requests`` as JSONL that ``load_trace`` reads back to the same requests. (orjson:
+    """Write ``requests`` as JSONL that ``load_trace`` reads back to the same requests, less the
+    text of text prompts (their token ids are kept). (orjson:
     a simulated run's workload holds millions of token ids, which the json module writes 5x slower.)"""
     with open(path, "wb") as f:
         for r in requests:
