@@ -17,11 +17,12 @@ class EngineConfig:
     """Everything that shapes one engine instance.
 
     The pluggable parts are picked by registry name (``policy``, ``allocator``, ``backend``,
-    ``preparer``, ``executor``) and receive their ``*_options`` as keyword arguments. ``max_model_len=None``
-    takes the model's ``max_position_embeddings`` (capped at 8192 so the persistent batch stays
-    small on a laptop). The KV block count comes from ``num_gpu_blocks_override`` when set, else
-    from ``kv_cache_memory_gb``, else (CUDA) from ``gpu_memory_utilization`` of the card, else
-    (CPU) from ``cpu_kv_cache_gb``. ``swap_space`` is the CPU swap space in GiB, as in vLLM.
+    ``preparer``, ``executor``) and receive their ``*_options`` as keyword arguments.
+    ``max_model_len=None`` takes the model's ``max_position_embeddings`` (capped at 8192 so the
+    persistent batch stays small on a laptop). The KV block count comes from
+    ``num_gpu_blocks_override`` when set, else from ``kv_cache_memory_gb``, else (CUDA) from
+    ``gpu_memory_utilization`` of the card, else (CPU) from ``cpu_kv_cache_gb``. ``swap_space``
+    is the CPU swap space in GiB, as in vLLM.
     ``seed`` drives sampling; ``model_seed`` the random weights of a preset model.
     """
 

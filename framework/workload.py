@@ -2,8 +2,8 @@
 
 A workload turns its options (the Hydra ``workload`` group's keys) into a list of
 ``WorkloadRequest``: prompt tokens, output length, priority and an arrival time in seconds after
-the run starts. The cluster driver (``framework/cluster.py``) feeds them to the engine when their time
-comes. Generation is deterministic: the same options and seed give the same requests.
+the run starts. The cluster driver (``framework/cluster.py``) feeds them to the engine when
+their time comes. Generation is deterministic: the same options and seed give the same requests.
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class WorkloadContext:
     vocab_size: int
     tokenizer: Any | None = None
     max_model_len: int | None = None
-    #: Lowest token id random prompts use; ids below it are special tokens in the tiny and small presets.
+    #: Lowest token id random prompts use; ids below it are special tokens in the tiny and small
+    #: presets.
     first_token_id: int = 3
 
 

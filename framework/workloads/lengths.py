@@ -73,7 +73,7 @@ class LengthDist:
         d = cls(**kw)
         for name in ("min", "max", "value"):
             v = getattr(d, name)
-            # min always has a value ([null, 16] is no range); max and value only where the dist uses them.
+            # min always needs one ([null, 16] is no range); max and value only where the dist uses them.
             if (v is not None or name == "min") and not is_int(v):
                 raise ValueError(f"{what}: {name} must be an integer, got {v!r}")
         for name in ("mean", "std", "a"):

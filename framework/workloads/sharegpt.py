@@ -30,8 +30,8 @@ class ShareGPTWorkload(Workload):
     ``output_len`` fixes every output length (null: the completion's length, capped at
     ``max_output_len`` when set). Pairs whose prompt exceeds ``max_prompt_len`` or whose prompt
     and output exceed the engine's ``max_model_len`` are skipped, and so are those whose prompt,
-    or completion when ``output_len`` is null, has fewer than ``min_len`` tokens. Arrivals as for synthetic
-    workloads (``rate``, ``burstiness``).
+    or completion when ``output_len`` is null, has fewer than ``min_len`` tokens. Arrivals as
+    for synthetic workloads (``rate``, ``burstiness``).
     """
 
     def __init__(self, path: str, num_requests: int = 32, rate: float | None = None, burstiness: float = 1.0,
