@@ -232,7 +232,8 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None
     summary["cached_prompt_fraction"] = cached / in_tokens if in_tokens else None
     if steps is not None and steps.num_steps:
         summary.update(steps.summary())
-    priorities = sorted({r.priority for r in done})
+    # Every class that was sent, so one whose requests all failed still shows (with 0 completed).
+    priorities = sorted({r.priority for r in records})
     if len(priorities) > 1:
         for p in priorities:
             group = [r for r in done if r.priority == p]

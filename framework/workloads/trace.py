@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from framework.config import check_positive_int
+from framework.config import check_positive_int, is_finite_number
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import check_rate
 from framework.workloads.text import tokenize
@@ -89,7 +89,7 @@ def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
     if not _is_int(output_len) or output_len < 1:
         raise TraceError(f"{where}: output_len must be an integer >= 1, got {output_len!r}")
     arrival = entry.get("arrival_time", 0.0)
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or arrival < 0:
+    if not is_finite_number(arrival) or arrival < 0:  # NaN would never arrive
         raise TraceError(f"{where}: arrival_time must be a number >= 0 (seconds), got {arrival!r}")
     priority = entry.get("priority", 0)
     if not _is_int(priority):

@@ -108,6 +108,10 @@ def test_per_priority_breakdown_and_step_statistics():
         (32, 30, 3, 3)
     assert s["prefix_cache_hit_rate"] == 0.5
     assert "prio0_completed" not in summarize(records()[:1], 1.0)
+    # A class whose every request failed still has its line: 0 completed, no latencies.
+    ignored = RequestRecord.from_output(output("d", 101.0, None, [], priority=2, message="prompt too long"), 100.0)
+    s = summarize([*records(), ignored], 2.0)
+    assert (s["prio2_completed"], s["prio2_mean_ttft_ms"], s["prio1_completed"]) == (0, None, 1)
     assert "num_steps" not in summarize(records(), 2.0, steps=StepTotals())
 
 

@@ -71,6 +71,8 @@ def test_json_array_form_and_rescaling(tmp_path):
     ({"prompt_len": 4, "prompt": "hi", "output_len": 2}, "exactly one of"),
     ({"output_len": 2}, "exactly one of"),
     ({"prompt_len": 4, "output_len": 2, "arrival_time": -1}, "arrival_time must be a number >= 0"),
+    ('{"prompt_len": 4, "output_len": 2, "arrival_time": NaN}', "arrival_time must be a number >= 0"),
+    ({"prompt_len": 4, "output_len": 2, "arrival_time": True}, "arrival_time must be a number >= 0"),
     ({"prompt_token_ids": [1, 5000], "output_len": 2}, r"ids in \[0, 1024\)"),
     ({"prompt_len": 4, "output_len": 2, "colour": "red"}, "unknown key"),
     ({"prompt_len": 4, "output_len": 2, "priority": "high"}, "priority must be an integer"),
