@@ -128,7 +128,18 @@ def label_keys(flats: Sequence[dict[str, Any]], x: str) -> list[str]:
             return k[: -len(PRESET)] in presets
         return k.split(".")[0] not in names | presets
 
-    return [k for k in varying if labels(k)]
+    chosen = [k for k in varying if labels(k)]
+    # An option swept beside its part's name (workload=poisson,chat x workload.num_requests=20,40)
+    # is not implied by the name: it comes back where runs with the same label would differ in it.
+    for k in varying:
+        if k not in chosen:
+            seen: dict[str, set[str]] = {}
+            for f in flats:
+                same_label = json.dumps([f.get(c) for c in (*chosen, x)], sort_keys=True, default=str)
+                seen.setdefault(same_label, set()).add(json.dumps(f.get(k), sort_keys=True, default=str))
+            if any(len(values) > 1 for values in seen.values()):
+                chosen.append(k)
+    return [k for k in varying if k in chosen]
 
 
 def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",

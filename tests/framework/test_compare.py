@@ -150,6 +150,13 @@ def test_a_groups_config_file_labels_runs_where_its_options_differ(tmp_path):
     assert label_keys(flats, "workload.rate") == ["policy.name"]
 
 
+def test_an_option_swept_beside_its_parts_name_labels_the_runs_it_tells_apart():
+    # workload=poisson,chat x workload.num_requests=20,40: four configurations, four labels.
+    flats = [{"workload.preset": w, "workload.num_requests": n, "workload.prompt_len": w, "workload.rate": 8}
+             for w in ("chat", "poisson") for n in (20, 40)]
+    assert label_keys(flats, "workload.rate") == ["workload.num_requests", "workload.preset"]
+
+
 def test_a_run_that_failed_on_its_configuration_is_labelled_like_the_others(sweep):
     """It wrote no config.yaml and its summary names no parts: Hydra's copy of its config says what
     it was, and the labels come from the runs that ran, so one failure does not turn every key
