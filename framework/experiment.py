@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +142,31 @@ def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = N
     return Cluster(engines, router)
 
 
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends, then act as they would have: the summary of a
+    run whose serving has ended is computed from every record and written whole, however long
+    that takes for millions of requests. (Python runs signal handlers in the main thread, so only
+    there can they be held; masking the signals would not do, another thread would take them.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            handler = previous[pending[0]]
+            if callable(handler):
+                handler(pending[0], None)  # Python's Ctrl-C handler, or run.py's SIGTERM: KeyboardInterrupt
+            elif handler != signal.SIG_IGN:
+                signal.raise_signal(pending[0])
+
+
 def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
                    run_name: str | None = None, group: str | None = None,
                    on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
@@ -232,13 +260,15 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
             engine.step_callbacks.remove(callback)
         if progress is not None:
             progress.close()
-    recorder.close()
     wall_time = time.perf_counter() - wall_start
-    summary = {"status": "interrupted" if result.interrupted else "completed", "interrupted": result.interrupted,
-               **meta, "num_sent": result.num_sent, "num_unfinished": len(result.unfinished), "wall_time_s": wall_time,
-               **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
-                           _hit_rate([e.allocator.stats for e in engines], hits0))}
-    recorder.write_summary(summary)
+    with _interrupts_held():  # the run is measured: its summary is written before a Ctrl-C goes on
+        recorder.close()
+        summary = {"status": "interrupted" if result.interrupted else "completed", "interrupted": result.interrupted,
+                   **meta, "num_sent": result.num_sent, "num_unfinished": len(result.unfinished),
+                   "wall_time_s": wall_time,
+                   **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
+                               _hit_rate([e.allocator.stats for e in engines], hits0))}
+        recorder.write_summary(summary)
     plots = _plots(records, recorder.timeline(), run_dir) if plots_wanted else {}
     run_logger.log_summary(summary)
     if run_logger.implements("log_requests"):

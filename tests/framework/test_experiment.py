@@ -158,6 +158,25 @@ def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_statu
     assert re.search(message, done.stderr, re.S) and "Traceback" not in done.stderr
 
 
+def test_a_ctrl_c_while_the_summary_is_computed_waits_for_it(tmp_path, monkeypatch):
+    # The serving has ended; the Ctrl-C lands in summarize (millions of records take a while).
+    import signal
+
+    from framework import experiment
+
+    def interrupted_summarize(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return summarize(*args, **kwargs)
+
+    summarize = experiment.summarize
+    monkeypatch.setattr(experiment, "summarize", interrupted_summarize)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(config("executor=sim", "plots=false"), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["completed"] == 6
+    assert summary["completed"] == len(read_csv(tmp_path / "requests.csv"))
+
+
 def test_cli_reports_a_config_the_run_cannot_read_in_one_line(tmp_path):
     # Hydra composes a config without the workload group; the run then finds none to read.
     done = cli("~workload", "executor=sim", *BASE, f"hydra.run.dir={tmp_path}", cwd=ROOT)
