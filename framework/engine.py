@@ -321,7 +321,9 @@ class LLMEngine:
             if self.tokenizer is not None and req.sampling_params.detokenize and ids:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
             completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
-        token_times = first.token_times if len(children) == 1 else sorted(t for r in children for t in r.token_times)
+        # n > 1: one time per step that gave any sequence a token, as a streaming client receives
+        # them, so TPOT and the ITLs are a sequence's pace, not the pace of all tokens together.
+        token_times = first.token_times if len(children) == 1 else sorted({t for r in children for t in r.token_times})
         finished = all(r.is_finished for r in children)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,

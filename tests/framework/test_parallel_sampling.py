@@ -26,6 +26,16 @@ def token_lists(out):
     return [o.token_ids for o in out.outputs]
 
 
+def test_tpot_and_itl_of_n_samples_are_a_sequences_pace():
+    # Simulated, so every step of the same batch shape takes the same time.
+    engine = LLM(model="qwen2-7b", executor="sim")
+    params = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
+    one = engine.generate(prompt(10), SamplingParams(**params))[0].metrics
+    two = engine.generate(prompt(10, start=50), SamplingParams(n=2, **params))[0].metrics
+    assert two.num_generated_tokens == 10 and len(two.token_times) == 5 and min(two.itl) > 0
+    assert two.tpot == pytest.approx(one.tpot, rel=0.1)  # two decodes a step cost about what one does
+
+
 @pytest.mark.parametrize("preparer", PREPARERS.list())
 def test_n_samples_are_distinct_when_sampling_and_identical_when_greedy(preparer):
     engine = llm(preparer)
