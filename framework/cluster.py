@@ -143,12 +143,18 @@ class Cluster:
         busy = [False] * n
         # (finish time, replica), applied at routing: only routers read Replica.num_finished.
         finishes: list[tuple[float, int]] = []
+        # Requests ignored on arrival: counted finished at once, though a lazy plan may put off
+        # their outputs (they come with the replica's next step) past later arrivals.
+        counted: set[str] = set()
 
         def emit_all(i: int, outputs: list[RequestOutput]) -> None:
             for out in outputs:
                 emit(i, out)
                 if n > 1:
-                    heapq.heappush(finishes, (out.metrics.finished_time, i))
+                    if out.request_id in counted:
+                        counted.discard(out.request_id)
+                    else:
+                        heapq.heappush(finishes, (out.metrics.finished_time, i))
 
         def settle(i: int, t: float) -> None:
             """Apply replica i's planned steps that start before t, and drop the rest of the plan."""
@@ -200,6 +206,9 @@ class Cluster:
                 in_flight.add(nxt.request_id)
                 result.num_sent += 1
                 replicas[i].num_routed += 1
+                if n > 1 and engine.is_finished(nxt.request_id):
+                    replicas[i].num_finished += 1
+                    counted.add(nxt.request_id)
                 if not busy[i]:
                     busy[i] = True
                     heapq.heappush(events, (engine.clock.now(), 1, i, version[i]))

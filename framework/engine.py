@@ -187,6 +187,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
+    def is_finished(self, request_id: str) -> bool:
+        """Whether every sequence of ``request_id`` has finished, its output perhaps not yet made
+        (a request ignored on arrival finishes in ``add_request``; its output comes with the next
+        step). An unknown id, or one whose final output was made, counts as finished."""
+        return all(r.is_finished for r in self._parents.get(request_id, ()))
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 

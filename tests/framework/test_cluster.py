@@ -180,17 +180,21 @@ def test_bad_setups_are_refused():
 
 
 @pytest.mark.parametrize("router", ["least_outstanding", "prefix_aware"])
-def test_lazy_decode_runs_route_and_serve_exactly_like_stepping(router):
+@pytest.mark.parametrize("max_model_len", [2048, 512])  # 512: 42 of the 150 prompts are ignored on arrival
+def test_lazy_decode_runs_route_and_serve_exactly_like_stepping(router, max_model_len):
     requests = chat_requests(150, rate=30.0, seed=4)
     results = []
     for fast in (True, False):
         config = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=32, max_num_batched_tokens=4096,
-                              num_gpu_blocks_override=400, max_model_len=2048, executor_options={"fast_forward": fast})
+                              num_gpu_blocks_override=400, max_model_len=max_model_len,
+                              executor_options={"fast_forward": fast})
         cluster = Cluster.build(config, num_replicas=3, router=router, router_options={})
         results.append(sorted((o.request_id, i, tuple(o.metrics.token_times), o.metrics.num_cached_tokens)
                               for i, o in cluster.run(requests).outputs))
     assert results[0] == results[1]
     assert len({r[1] for r in results[0]}) == 3 and any(r[3] for r in results[0])
+    ignored = sum(not r[2] for r in results[0])
+    assert (ignored > 20) if max_model_len == 512 else (ignored == 0)
 
 
 def test_gc_paused_restores_the_collector_and_keeps_cycles_collectable():
