@@ -1,7 +1,9 @@
 """The local files of one run, written as the run goes so an interrupted run keeps its data.
 
 In the run directory: ``config.yaml`` (the resolved config), ``workload.jsonl`` (the requests
-sent, replayable as a trace), ``requests.csv`` (a row per finished request, in finish order),
+sent, replayable as a trace), ``requests.csv`` (a row per finished request, as its output is
+made: in finish order, except that a simulated cluster's replicas deliver a decode run's outputs
+when the run is applied, so rows of different replicas may interleave out of time order),
 ``steps.csv`` (a row per engine step) and ``summary.json`` (written at the start with
 ``status: running`` and rewritten at the end with ``completed``, ``interrupted`` or ``failed``).
 A cluster run's ``requests.csv`` and ``steps.csv`` have a ``replica`` column (after
