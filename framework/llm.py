@@ -46,12 +46,15 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        # Tokenize and check everything before queueing anything, so bad input loses nothing.
+        # Tokenize and check everything before queueing anything, so bad input loses nothing; the
+        # requests then take the token ids, so no prompt is tokenized twice.
+        tokenized = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            self.engine.tokenize(prompt)
+            token_ids, text = self.engine.tokenize(prompt)
             check_request_args(p, None, priority[i] if priority else 0)
+            tokenized.append({"prompt_token_ids": token_ids, "prompt": text})
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p) in enumerate(zip(tokenized, params)):
             rid = str(next(self._ids))
             self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
             ids.append(rid)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from framework.config import check_positive_int, is_finite_number
+from framework.config import check_positive_int, is_finite_number, is_int
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import check_rate
 from framework.workloads.text import tokenize
@@ -86,18 +86,18 @@ def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
     if len(given) != 1:
         raise TraceError(f"{where}: give exactly one of prompt_token_ids, prompt, prompt_len (got {given or 'none'})")
     output_len = entry.get("output_len")
-    if not _is_int(output_len) or output_len < 1:
+    if not is_int(output_len) or output_len < 1:
         raise TraceError(f"{where}: output_len must be an integer >= 1, got {output_len!r}")
     arrival = entry.get("arrival_time", 0.0)
     if not is_finite_number(arrival) or arrival < 0:  # NaN would never arrive
         raise TraceError(f"{where}: arrival_time must be a number >= 0 (seconds), got {arrival!r}")
     priority = entry.get("priority", 0)
-    if not _is_int(priority):
+    if not is_int(priority):
         raise TraceError(f"{where}: priority must be an integer, got {priority!r}")
     text = None
     if "prompt_token_ids" in entry:
         ids = entry["prompt_token_ids"]
-        if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t < ctx.vocab_size for t in ids):
+        if not isinstance(ids, list) or not ids or not all(is_int(t) and 0 <= t < ctx.vocab_size for t in ids):
             raise TraceError(f"{where}: prompt_token_ids must be a non-empty list of ids in [0, {ctx.vocab_size})")
     elif "prompt" in entry:
         text = entry["prompt"]
@@ -108,15 +108,11 @@ def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
             raise TraceError(f"{where}: prompt tokenises to nothing")
     else:
         n = entry["prompt_len"]
-        if not _is_int(n) or n < 1:
+        if not is_int(n) or n < 1:
             raise TraceError(f"{where}: prompt_len must be an integer >= 1, got {n!r}")
         ids = rng.integers(ctx.first_token_id, ctx.vocab_size, size=n).tolist()
     rid = str(entry.get("request_id", index))
     return WorkloadRequest(rid, [int(t) for t in ids], int(output_len), float(arrival), int(priority), text)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[WorkloadRequest]:
