@@ -78,19 +78,22 @@ class RooflineCostModel(CostModel):
         if fitted_on is not None and fitted_on != hardware.name:
             logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
                            fitted_on, hardware.name)
-        self.params = {**PARAMS, **{k: float(v) for k, v in fitted.items() if k in PARAMS},
-                       **{k: float(v) for k, v in options.items() if k in PARAMS}}
-        self.structure = {**STRUCTURE, **{k: float(v) for k, v in options.items() if k in STRUCTURE}}
+        source = "calibration" if isinstance(calibration, dict) else f"calibration {str(calibration)!r}"
+        self.params = {**PARAMS, **{k: _number(k, v, source) for k, v in fitted.items() if k in PARAMS},
+                       **{k: _number(k, v) for k, v in options.items() if k in PARAMS}}
+        self.structure = {**STRUCTURE, **{k: _number(k, v) for k, v in options.items() if k in STRUCTURE}}
         for name in _EFFICIENCIES:
             if not self.params[name] > 0:
                 raise ValueError(f"roofline {name} must be > 0, got {self.params[name]!r}")
         for name in _OVERHEADS:
             if self.params[name] < 0:
                 raise ValueError(f"roofline {name} must be >= 0, got {self.params[name]!r}")
+        for name, value in self.structure.items():
+            if value < 0:
+                raise ValueError(f"roofline {name} must be >= 0, got {value!r}")
         if extra_weight_passes is not None:
             self.extra_weight_passes = _check_curve(extra_weight_passes)
         else:
-            source = "calibration" if isinstance(calibration, dict) else f"calibration {str(calibration)!r}"
             self.extra_weight_passes = _check_curve(fitted.get(CURVE), source)
         self._knots = np.array(list(self.extra_weight_passes), dtype=float)
         self._passes = np.array(list(self.extra_weight_passes.values()), dtype=float)
@@ -270,6 +273,21 @@ def load_calibration(spec: str | Path | dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"calibration {spec!r} has unknown parameter(s) {unknown}; known: {sorted(PARAMS) + [CURVE]}")
     return data
+
+
+def _number(name: str, value: Any, source: str | None = None) -> float:
+    """Parameter ``name``'s ``value`` as a float: a finite number (or a string of one, as a YAML
+    written by hand may give). ``source`` names where it came from, for the error. A NaN or an
+    infinity would pass the range checks and make every step time NaN or infinite, and with
+    them every latency of the run."""
+    try:
+        x = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x):
+        where = f" (from {source})" if source else ""
+        raise ValueError(f"roofline {name}{where} must be a finite number, got {value!r}")
+    return x
 
 
 def _check_curve(curve: Any, source: str | None = None) -> dict[int, float]:

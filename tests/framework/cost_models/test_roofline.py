@@ -189,3 +189,25 @@ def test_no_pcie_makes_swaps_infinitely_slow_but_nothing_else():
     m = RooflineCostModel(LLAMA3_8B, hw, 2, 1, 16, **IDEAL)
     assert math.isfinite(m.step_time(decode(2, 100)))
     assert m.step_time(BatchShape(**{**decode(2, 100).__dict__, "swap_in_blocks": 1})) == math.inf
+
+
+@pytest.mark.parametrize("option, value", [
+    ("step_overhead_us", math.nan), ("seq_overhead_us", math.inf), ("matmul_efficiency", math.inf),
+    ("matmul_efficiency", "abc"), ("kv_efficiency", None), ("token_overhead_us", True), ("kernels_per_layer", math.nan)])
+def test_parameters_must_be_finite_numbers(option, value):
+    # A NaN overhead passed the >= 0 check and made every step time, and every latency, NaN.
+    with pytest.raises(ValueError, match=f"roofline {option} must be a finite number, got"):
+        model(**{option: value})
+
+
+def test_structure_must_not_be_negative():
+    with pytest.raises(ValueError, match="roofline kernels_per_layer must be >= 0, got -5.0"):
+        model(kernels_per_layer=-5)
+
+
+@pytest.mark.parametrize("value", [".nan", "abc", "null"])
+def test_calibration_parameters_must_be_finite_numbers(tmp_path, value):
+    path = tmp_path / "cal.yaml"
+    path.write_text(f"params:\n  step_overhead_us: {value}\n")
+    with pytest.raises(ValueError, match=f"step_overhead_us \\(from calibration '{path}'\\) must be a finite number"):
+        RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
