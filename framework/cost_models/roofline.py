@@ -266,9 +266,18 @@ def load_calibration(spec: str | Path | dict[str, Any]) -> dict[str, Any]:
         import yaml
 
         with open(path) as f:
-            data = yaml.safe_load(f)
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as exc:
+                raise ValueError(f"calibration file {str(spec)!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
         raise ValueError(f"calibration {spec!r} has no 'params' mapping; was it written by python -m framework.profile?")
+    # The provenance is optional, but the hardware the fit was made on is read (to warn when it
+    # is applied to another): a mapping with a name, as framework.profile writes it.
+    hardware = data.get("hardware")
+    if hardware is not None and not isinstance(hardware, dict):
+        raise ValueError(f"calibration {spec!r}: 'hardware' must be the device description the fit was made on "
+                         f"(a mapping with a 'name'), got {hardware!r}")
     unknown = sorted(set(data["params"]) - set(PARAMS) - {CURVE})
     if unknown:
         raise ValueError(f"calibration {spec!r} has unknown parameter(s) {unknown}; known: {sorted(PARAMS) + [CURVE]}")

@@ -211,3 +211,13 @@ def test_calibration_parameters_must_be_finite_numbers(tmp_path, value):
     path.write_text(f"params:\n  step_overhead_us: {value}\n")
     with pytest.raises(ValueError, match=f"step_overhead_us \\(from calibration '{path}'\\) must be a finite number"):
         RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
+
+
+@pytest.mark.parametrize("text, message", [
+    (": : :\n  - [\n", "is not valid YAML"), ("params: {}\nhardware: cpu\n", "'hardware' must be the device description")])
+def test_malformed_calibration_files_are_reported(tmp_path, text, message):
+    # Both used to escape as tracebacks (yaml's ParserError; AttributeError: 'str' object has no attribute 'get').
+    path = tmp_path / "cal.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
