@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from framework.config import DTYPE_ALIASES
+from framework.config import DTYPE_ALIASES, is_finite_number
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 GiB = 1 << 30
@@ -41,13 +41,17 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
         if self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"hardware {self.name!r}: dtype must be one of {sorted(DTYPE_ALIASES)}, got {self.dtype!r}")
+        # Finite numbers only: a NaN passes both range checks below and makes every step time (or
+        # the KV cache size) NaN; a string fails them with a TypeError naming no field.
         for name in ("peak_tflops", "memory_bandwidth_gb_s", "memory_gib"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"hardware {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (is_finite_number(value) and value > 0):
+                raise ValueError(f"hardware {self.name!r}: {name} must be a finite number > 0, got {value!r}")
         for name in ("launch_overhead_us", "interconnect_gb_s", "interconnect_latency_us", "pcie_gb_s",
                      "runtime_reserved_gib"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (is_finite_number(value) and value >= 0):
+                raise ValueError(f"hardware {self.name!r}: {name} must be a finite number >= 0, got {value!r}")
 
     # -- SI units --------------------------------------------------------------------------------
     @property

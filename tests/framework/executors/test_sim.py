@@ -1,5 +1,6 @@
 """The simulated executor: vLLM's KV sizing from the model and device description, virtual time
 from the cost model, and outputs whose lengths are the requests' own."""
+import math
 import subprocess
 import sys
 
@@ -120,5 +121,19 @@ def test_hardware_presets_and_errors():
         load_hardware("tpu-v9")
     with pytest.raises(ValueError, match="unknown hardware field"):
         load_hardware({"name": "x", "peak_tflops": 1, "memory_bandwidth_gb_s": 1, "memory_gib": 1, "tflops": 2})
-    with pytest.raises(ValueError, match="peak_tflops must be > 0"):
+    with pytest.raises(ValueError, match="peak_tflops must be a finite number > 0"):
         load_hardware({"name": "x", "peak_tflops": 0, "memory_bandwidth_gb_s": 1, "memory_gib": 1})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("launch_overhead_us", math.nan, "launch_overhead_us must be a finite number >= 0, got nan"),
+    ("runtime_reserved_gib", math.nan, "runtime_reserved_gib must be a finite number >= 0"),
+    ("memory_gib", math.inf, "memory_gib must be a finite number > 0, got inf"),
+    ("peak_tflops", "abc", "peak_tflops must be a finite number > 0, got 'abc'"),
+    ("pcie_gb_s", "25", "pcie_gb_s must be a finite number >= 0")])
+def test_hardware_figures_must_be_finite_numbers(field, value, message):
+    # A NaN launch overhead made every simulated step time NaN (a "completed" run with no latencies);
+    # a NaN or infinite memory figure failed with "cannot convert float NaN to integer", a string with a TypeError.
+    spec = {**load_hardware("a100-80gb").to_dict(), field: value}
+    with pytest.raises(ValueError, match=message):
+        load_hardware(spec)
