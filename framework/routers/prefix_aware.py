@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from framework.config import is_int
 from framework.request import Request
 from framework.router import ROUTERS, Replica, Router, least_loaded
 
@@ -17,8 +18,10 @@ from framework.router import ROUTERS, Replica, Router, least_loaded
 @ROUTERS.register("prefix_aware")
 class PrefixAwareRouter(Router):
     def __init__(self, max_imbalance: int | None = 16) -> None:
-        if max_imbalance is not None and max_imbalance < 0:
-            raise ValueError(f"max_imbalance must be >= 0 or None (no balancing), got {max_imbalance!r}")
+        # An integer: outstanding requests are counted. A NaN would compare false and silently
+        # mean no balancing, a bool would mean 0 or 1, and a string would fail with a TypeError.
+        if max_imbalance is not None and not (is_int(max_imbalance) and max_imbalance >= 0):
+            raise ValueError(f"max_imbalance must be an integer >= 0 or None (no balancing), got {max_imbalance!r}")
         self.max_imbalance = max_imbalance
 
     def route(self, request: Request, replicas: Sequence[Replica]) -> int:

@@ -42,7 +42,11 @@ def test_prefix_aware(replicas, max_imbalance, expected):
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError, match="max_imbalance must be >= 0"):
+    with pytest.raises(ValueError, match="max_imbalance must be an integer >= 0"):
         ROUTERS.create("prefix_aware", max_imbalance=-1)
+    # A string failed with TypeError: '<' not supported; NaN and True were taken (NaN: no balancing).
+    for bad in ("abc", float("nan"), True, 2.5):
+        with pytest.raises(ValueError, match=f"max_imbalance must be an integer >= 0 or None .*got {bad!r}"):
+            ROUTERS.create("prefix_aware", max_imbalance=bad)
     with pytest.raises(TypeError):
         ROUTERS.create("round_robin", bogus=1)
