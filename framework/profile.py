@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from framework.config import EngineConfig
-from framework.cost_model import COST_MODELS, BatchShape
+from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.hardware import load_hardware
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,23 @@ def calibration_record(cost_model: str, model: str, hardware: Any, dtype_bytes: 
                         "rows": [shape.to_list() + [t] for shape, t in samples]}}
 
 
+def calibratable(cls: type[CostModel]) -> bool:
+    """Whether cost model ``cls`` has parameters to fit: it overrides ``CostModel.calibrate``."""
+    return getattr(cls.calibrate, "__func__", None) is not CostModel.calibrate.__func__
+
+
+def calibratable_cost_models() -> list[str]:
+    """The registered cost models that ``calibratable`` (a plugin that fails to load is left out)."""
+    names = []
+    for name in COST_MODELS.list():
+        try:
+            if calibratable(COST_MODELS.get(name)):
+                names.append(name)
+        except ImportError:
+            pass
+    return names
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -214,7 +231,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Everything a bad argument can break is built before the measurement starts, and reported as
     # a usage error (status 2), not a traceback.
     try:
-        COST_MODELS.get(args.cost_model)
+        if not calibratable(COST_MODELS.get(args.cost_model)):  # else it would fail after the whole grid
+            raise ValueError(f"cost model {args.cost_model!r} has no parameters to calibrate; calibratable: "
+                             f"{', '.join(calibratable_cost_models())}")
         hardware = load_hardware(args.hardware) if args.hardware is not None else None
         cells = grid_cells(args.grid, args.lengths, args.counts)
         engine = LLMEngine(profile_engine_config(cells, args.model, backend=args.backend, preparer=args.preparer,

@@ -53,6 +53,9 @@ def test_repeats_reduce_to_the_chosen_statistic():
     (["--hardware", "bogus"], "hardware 'bogus' is neither a preset"),
     (["--counts", "-1"], "request counts must be >= 1"),
     (["--block-size", "3"], "block_size must be a power of two"),
+    # Used to measure the whole grid first, then fail with a NotImplementedError traceback.
+    (["--cost-model", "replay", "--grid", "quick", "--repeats", "1"],
+     "cost model 'replay' has no parameters to calibrate; calibratable: roofline"),
 ])
 def test_bad_arguments_are_usage_errors_before_anything_is_measured(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
