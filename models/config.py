@@ -5,6 +5,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+#: Shape keys every config must give (the others have defaults), each a positive integer.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+#: Optional shape keys: a positive integer when given (and not null).
+OPTIONAL_SHAPE_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass
@@ -35,10 +39,26 @@ class ModelConfig:
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """Parse a Hugging Face config dict (transformers 4.x ``rope_scaling`` or 5.x
         ``rope_parameters``). Raises ValueError for architectures this package does not run."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a model config must be a mapping of Hugging Face config keys, got {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        # Checked here, so that a bad config.json is named as such rather than failing later as a
+        # KeyError, a TypeError in some product of shapes, or a KV head count that splits no heads.
+        missing = [k for k in REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)} (every {model_type} config.json gives them)")
+        for key in REQUIRED_KEYS + OPTIONAL_SHAPE_KEYS:
+            value = d.get(key)
+            if (key in REQUIRED_KEYS or value is not None) and not (
+                    isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
         heads = d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"model config: num_attention_heads={heads} must be a multiple of "
+                             f"num_key_value_heads={kv_heads} (each KV head serves a group of query heads)")
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0

@@ -38,8 +38,11 @@ def resolve_model(name_or_path: str) -> ModelSource:
         raise ValueError(
             f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory "
             f"holding a Hugging Face config.json")
-    with open(path / "config.json") as f:
-        config = ModelConfig.from_hf(json.load(f))
+    try:
+        with open(path / "config.json") as f:
+            config = ModelConfig.from_hf(json.load(f))
+    except ValueError as exc:  # json's errors too: name the file, which neither message does
+        raise ValueError(f"{path / 'config.json'}: {exc}") from None
     gen = path / "generation_config.json"
     if gen.is_file():
         # transformers' generate stops on the generation config's EOS ids; so does this engine.

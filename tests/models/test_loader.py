@@ -66,3 +66,29 @@ def test_config_parses_old_and_new_rope_formats():
     assert old.rope_theta == new.rope_theta == 5e5
     assert old.rope_scaling == new.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}).rope_scaling is None
+
+
+SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+             num_attention_heads=4)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({k: v for k, v in SHAPE.items() if k != "hidden_size"}, "model config lacks hidden_size"),  # was KeyError
+    ({**SHAPE, "hidden_size": "8"}, "hidden_size must be a positive integer, got '8'"),       # was TypeError
+    ({**SHAPE, "num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
+    ({**SHAPE, "head_dim": 2.5}, "head_dim must be a positive integer, got 2.5"),
+    ({**SHAPE, "num_key_value_heads": 3}, "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),  # was taken
+    ([1, 2], "must be a mapping of Hugging Face config keys, got list"),                      # was AttributeError
+])
+def test_bad_configs_are_named(config, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(config)
+
+
+def test_a_bad_config_json_is_named_with_its_path(tmp_path):
+    (tmp_path / "config.json").write_text("{bad")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: .*not valid JSON|{tmp_path / 'config.json'}: Expecting"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in SHAPE.items() if k != "vocab_size"}))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: model config lacks vocab_size"):
+        resolve_model(str(tmp_path))
