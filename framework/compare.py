@@ -147,6 +147,9 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
     runs = find_runs(dirs)
     loaded = [load_run(r) for r in runs]
     flats = [f for _, f in loaded]
+    # As --label's keys: a misspelt key would otherwise put every run at x = None, silently.
+    if not any(x in f or x.split(".")[-1] in summary for summary, f in loaded):
+        raise ValueError(f"--x key {x!r} is not in the runs' configs (e.g. workload.rate, engine.max_num_seqs)")
     if label:
         keys = [_resolve_key(k, flats) for k in label]
     else:
