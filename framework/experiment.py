@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.block_allocator import AllocatorStats
 from framework.clock import Clock, VirtualClock, WallClock
 from framework.cluster import Cluster, check_num_replicas, gc_paused
-from framework.config import PART_NAMES, EngineConfig, check_bool
+from framework.config import PART_NAMES, EngineConfig, check_bool, is_int
 from framework.engine import LLMEngine, StepStats
 from framework.metrics import SLO, RequestRecord, summarize
 from framework.outputs import RequestOutput
@@ -77,6 +77,26 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     engine["check_invariants"] = OmegaConf.select(cfg, "scheduler.check_invariants", default=False)
     check_bool("scheduler.check_invariants", engine["check_invariants"])
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), **kwargs, **engine)
+
+
+#: Run-level switches of ``conf/config.yaml``: true or false.
+RUN_SWITCHES = ("plots", "progress", "save_workload")
+
+
+def check_run_options(cfg: DictConfig) -> None:
+    """ValueErrors naming the run-level keys that have bad values: ``warmup`` (an integer >= 0),
+    the ``RUN_SWITCHES`` (booleans: the string ``maybe`` or ``no`` would read as true) and the
+    ``slo`` node's keys (those of ``SLO``)."""
+    warmup = cfg.get("warmup", 1)
+    if not is_int(warmup) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0 (short requests run before the measured ones), got {warmup!r}")
+    for key in RUN_SWITCHES:
+        check_bool(key, cfg.get(key, True))
+    if cfg.get("slo"):
+        known = [f.name for f in dataclasses.fields(SLO)]
+        unknown = sorted(set(cfg.slo) - set(known))
+        if unknown:
+            raise ValueError(f"slo: unknown key(s) {', '.join(unknown)}; valid: {', '.join(known)}")
 
 
 def make_clock(name: str, executor: str) -> Clock:
@@ -183,6 +203,7 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     ``on_engine`` sees each engine once it is built (to add step callbacks, e.g. one that
     advances a ``VirtualClock``).
     """
+    check_run_options(cfg)
     config = engine_config(cfg)
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
     workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))

@@ -124,6 +124,14 @@ def cli(*args, cwd):
     (["engine.num_threads=0"], "num_threads must be a positive integer or null, got 0"),
     (["engine.kv_cache_memory_gb=-1"], "kv_cache_memory_gb must be a number > 0"),
     (["engine.swap_space=nan"], "swap_space must be a number >= 0"),
+    # These used to escape as TypeErrors (warmup=abc, +slo.foo=1) or be taken: warmup=-1 as no
+    # warm-up, plots=maybe as true.
+    (["warmup=abc"], "warmup must be an integer >= 0 .*got 'abc'"),
+    (["warmup=-1"], "warmup must be an integer >= 0 .*got -1"),
+    (["plots=maybe"], "plots must be true or false, got 'maybe'"),
+    (["progress=maybe"], "progress must be true or false, got 'maybe'"),
+    (["save_workload=no"], "save_workload must be true or false, got 'no'"),
+    (["+slo.ttft=100"], r"slo: unknown key\(s\) ttft; valid: ttft_ms, tpot_ms, e2el_ms"),
 ])
 def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
     if overrides[0].startswith("policy."):
