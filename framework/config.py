@@ -83,9 +83,7 @@ class EngineConfig:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("seed", "model_seed"):
-            value = getattr(self, name)
-            if not is_int(value) or not 0 <= value < 2**63:
-                raise ValueError(f"{name} must be an integer in [0, 2**63), got {value!r}")
+            check_seed(name, getattr(self, name))
         check_positive_int("num_threads", self.num_threads, optional=True)
         for name in ("enable_prefix_caching", "check_invariants"):
             check_bool(name, getattr(self, name))
@@ -116,6 +114,13 @@ def check_positive_int(name: str, value: Any, optional: bool = False) -> None:
         return
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer{' or null' if optional else ''}, got {value!r}")
+
+
+def check_seed(name: str, value: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is an integer in ``[0, 2**63)``, what numpy's
+    and torch's generators take (a string or a negative number fails there, naming nothing)."""
+    if not is_int(value) or not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be an integer in [0, 2**63), got {value!r}")
 
 
 def check_bool(name: str, value: Any) -> None:

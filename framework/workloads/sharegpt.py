@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from framework.config import check_positive_int
+from framework.config import check_positive_int, check_seed
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import arrival_times, check_rate
 from framework.workloads.text import tokenize
@@ -37,6 +37,7 @@ class ShareGPTWorkload(Workload):
     def __init__(self, path: str, num_requests: int = 32, rate: float | None = None, burstiness: float = 1.0,
                  output_len: int | None = None, max_output_len: int | None = None,
                  max_prompt_len: int | None = None, min_len: int = 4, seed: int = 0) -> None:
+        check_seed("workload.seed", seed)
         check_positive_int("num_requests", num_requests)
         check_rate(rate, burstiness)
         resolve_path(path)  # a missing file fails with the configuration, before an engine is built

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from framework.config import check_positive_int
+from framework.config import check_positive_int, check_seed
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import arrival_times, check_rate
 from framework.workloads.lengths import LengthDist
@@ -70,6 +70,7 @@ class SyntheticWorkload(Workload):
                  prompt_len: Any = (16, 128), output_len: Any = (16, 64),
                  shared_prefix: dict[str, Any] | None = None,
                  priority_classes: list[dict[str, Any]] | None = None, seed: int = 0) -> None:
+        check_seed("workload.seed", seed)
         check_positive_int("num_requests", num_requests)
         check_rate(rate, burstiness)
         self.num_requests = num_requests

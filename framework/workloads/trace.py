@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from framework.config import check_positive_int, is_finite_number, is_int
+from framework.config import check_positive_int, check_seed, is_finite_number, is_int
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import check_rate
 from framework.workloads.text import tokenize
@@ -158,6 +158,7 @@ class TraceWorkload(Workload):
 
     def __init__(self, path: str, rate: float | None = None, max_requests: int | None = None, seed: int = 0) -> None:
         check_rate(rate)
+        check_seed("workload.seed", seed)
         check_positive_int("max_requests", max_requests, optional=True)
         resolve_path(path)  # a missing file fails with the configuration, before an engine is built
         self.path, self.rate, self.max_requests, self.seed = path, rate, max_requests, seed

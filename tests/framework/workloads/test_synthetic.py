@@ -105,3 +105,14 @@ def test_sampling_keys_are_split_off():
     params = sampling_params(workload.generate(CTX)[0], sampling)
     assert params.temperature == 0.7 and not params.ignore_eos
     assert params.max_tokens == workload.generate(CTX)[0].output_len
+
+
+@pytest.mark.parametrize("options", [
+    {"name": "synthetic"}, {"name": "trace", "path": "experiments/traces/sample.jsonl"},
+    {"name": "sharegpt", "path": "experiments/data/sharegpt_sample.json"}])
+@pytest.mark.parametrize("seed", ["abc", -1, 1.5, True])
+def test_a_bad_seed_is_a_configuration_error(options, seed):
+    # It used to fail at generation, as numpy's TypeError ("SeedSequence expects int ...") or a
+    # ValueError naming no option, after the engine was built.
+    with pytest.raises(ValueError, match=rf"workload.seed must be an integer in \[0, 2\*\*63\), got {seed!r}"):
+        create_workload({**options, "seed": seed})
