@@ -68,6 +68,14 @@ class ModelConfig:
             scaling.setdefault("rope_type", scaling.pop("type", "default"))
             if scaling["rope_type"] == "default" and len(scaling) == 1:
                 scaling = None
+            elif scaling["rope_type"] in ("llama3", "yarn"):
+                # As transformers reads them: a top-level original_max_position_embeddings
+                # wins, and without one the pre-extension length is max_position_embeddings
+                # (config.json files written by transformers 4.x often leave it out).
+                top = d.get("original_max_position_embeddings")
+                if top is not None:
+                    scaling["original_max_position_embeddings"] = top
+                scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
         if model_type == "qwen2":
             window = d.get("sliding_window") if d.get("use_sliding_window") else None
         else:
