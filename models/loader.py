@@ -59,6 +59,10 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if index.is_file():
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        # As transformers does: other safetensors files beside it (Mistral's own-format
+        # consolidated.safetensors, a PEFT adapter) hold tensors under other names.
+        files = ["model.safetensors"]
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if files:

@@ -37,6 +37,19 @@ def test_sharded_safetensors_and_bin_checkpoints_load_identically(tmp_path):
         assert out.outputs[0].token_ids == expected, path.name
 
 
+def test_other_safetensors_files_beside_model_safetensors_are_ignored(tmp_path):
+    """A directory with model.safetensors and another *.safetensors file (Mistral's own-format
+    consolidated.safetensors, a PEFT adapter) loads model.safetensors alone, as transformers
+    does; reading every *.safetensors file failed with 'no place for: tok_embeddings.weight'."""
+    hf = make_hf_checkpoint(tmp_path, "llama", seed=3)
+    embed = hf.state_dict()["model.embed_tokens.weight"].contiguous()
+    save_file({"tok_embeddings.weight": embed}, str(tmp_path / "consolidated.safetensors"))
+    prompt = [5, 9, 33, 2, 7]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    out = LLM(model=str(tmp_path), max_model_len=64).generate({"prompt_token_ids": prompt}, params)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+
+
 def test_missing_tensor_is_named(tmp_path):
     hf = make_hf_checkpoint(tmp_path / "ok", "llama", seed=4)
     state = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
