@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 #: Shape keys every config must give (the others have defaults), each a positive integer.
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 #: Optional shape keys: a positive integer when given (and not null).
@@ -44,6 +45,12 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        # A supported model type with another head (sequence or token classification, ...)
+        # has no LM head to sample from; a bare base model ("LlamaModel") may tie one.
+        architectures = d.get("architectures") or []
+        if architectures and not any(a.endswith(("ForCausalLM", "Model")) for a in architectures):
+            raise ValueError(f"unsupported architecture {', '.join(architectures)}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         # Checked here, so that a bad config.json is named as such rather than failing later as a
         # KeyError, a TypeError in some product of shapes, or a KV head count that splits no heads.
         missing = [k for k in REQUIRED_KEYS if k not in d]

@@ -71,6 +71,18 @@ def test_unsupported_architecture_is_rejected():
         ModelConfig.from_hf({"model_type": "gpt2"})
 
 
+def test_architecture_without_an_lm_head_is_rejected(tmp_path):
+    """A supported model type with another head used to load as far as its weights and fail
+    on a tensor name ('no place for: score.weight'); the config now names the architecture."""
+    import transformers
+
+    from tests.conftest import TINY_HF
+
+    transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**TINY_HF)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="LlamaForSequenceClassification; supported: LlamaForCausalLM"):
+        resolve_model(str(tmp_path))
+
+
 def test_config_parses_old_and_new_rope_formats():
     base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                 num_attention_heads=2)
