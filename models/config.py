@@ -103,8 +103,10 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            # As transformers builds each family: Qwen2 always has q/k/v biases and no MLP bias,
+            # Mistral has none whatever its config says; Llama reads both switches.
+            attention_bias=model_type == "qwen2" or (model_type == "llama" and bool(d.get("attention_bias", False))),
+            mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
             hidden_act=d.get("hidden_act", "silu"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -125,9 +127,12 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     def num_params(self) -> int:
+        """Parameters of the model ``models/llama.py`` builds for this config, biases included."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        mlp = 3 * h * i
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size + (h if self.model_type != "qwen2" else 0)
+        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return self.num_hidden_layers * layer + v * h + head + h

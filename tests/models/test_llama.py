@@ -31,3 +31,23 @@ def test_llama_biases_match_transformers(tmp_path, bias):
     randomise_biases(hf)
     hf.save_pretrained(tmp_path / "ckpt")
     assert_greedy_matches(tmp_path / "ckpt", hf)
+
+
+def test_mistral_ignores_bias_switches_as_transformers_does(tmp_path):
+    # transformers' Mistral builds no biases whatever its config says; reading the switches as
+    # Llama's would look for bias tensors the checkpoint does not have.
+    hf = make_hf_checkpoint(tmp_path / "ckpt", "mistral", seed=6, attention_bias=True, mlp_bias=True)
+    assert not any(name.endswith(".bias") for name, _ in hf.named_parameters())
+    assert_greedy_matches(tmp_path / "ckpt", hf)
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True}),
+                                             ("llama", {"tie_word_embeddings": True}), ("qwen2", {}),
+                                             ("mistral", {"attention_bias": True})])
+def test_num_params_counts_what_transformers_builds(tmp_path, arch, overrides):
+    # The simulator sizes the weights (and so the KV budget) from num_params.
+    from models.loader import resolve_model
+
+    hf = make_hf_checkpoint(tmp_path / "ckpt", arch, **overrides)
+    config = resolve_model(str(tmp_path / "ckpt")).config
+    assert config.num_params() == sum(p.numel() for p in hf.parameters())
