@@ -128,14 +128,23 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameters of the model ``models/llama.py`` builds for this config, biases included."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        return self.num_params_per_device(1)
+
+    def num_params_per_device(self, tensor_parallel_size: int = 1) -> int:
+        """Parameters one device of a tensor-parallel group holds, split as vLLM splits them:
+        query heads, the MLP's intermediate width and the vocabulary are divided; KV heads are
+        divided, or replicated when there are fewer than devices; norms and the biases of the
+        row-parallel projections (o, down) are whole on every device."""
+        tp = tensor_parallel_size
+        h = self.hidden_size
+        qs, kvs = self.num_attention_heads // tp * self.head_dim, self.kv_size_per_device(tp)
+        i, v = self.intermediate_size // tp, -(-self.vocab_size // tp)
+        attn = h * (qs + 2 * kvs) + qs * h
         if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size + (h if self.model_type != "qwen2" else 0)
+            attn += qs + 2 * kvs + (h if self.model_type != "qwen2" else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
-        return self.num_hidden_layers * layer + v * h + head + h
+        return self.num_hidden_layers * (attn + mlp + 2 * h) + v * h + head + h
 
     def kv_size_per_device(self, tensor_parallel_size: int = 1) -> int:
         """K (or V) width one device of a tensor-parallel group keeps: KV heads are split across

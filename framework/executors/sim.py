@@ -68,8 +68,9 @@ class SimExecutor(Executor):
         return size_kv_cache(self.config, self.bytes_per_block, self._device_budget)
 
     def weight_bytes(self) -> float:
-        """One device's share of the weights."""
-        return self.source.config.num_params() * self.dtype_bytes / self.tp
+        """One device's share of the weights (KV projections replicated where there are fewer KV
+        heads than devices)."""
+        return self.source.config.num_params_per_device(self.tp) * self.dtype_bytes
 
     def _device_budget(self) -> float:
         """vLLM's sizing: ``gpu_memory_utilization`` of the device, less the runtime's own memory,

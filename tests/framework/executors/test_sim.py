@@ -42,6 +42,15 @@ def test_tensor_parallelism_shards_weights_and_kv_heads():
     assert two.allocator.num_blocks > 2 * one.allocator.num_blocks  # half the weights and half the KV per GPU
 
 
+def test_kv_projections_are_replicated_past_the_kv_head_count():
+    # 16 GPUs, 8 KV heads: each GPU holds one whole KV head (its K and V projections), twice its
+    # even share; the 161 norms (2 a layer and the final one) are whole on every GPU too.
+    sixteen = sim_engine(model="llama-3-70b", executor_options={"hardware": "h200", "tensor_parallel_size": 16})
+    config = sixteen.executor.source.config
+    extra = 80 * (2 * 8192 * 128 - 2 * 8192 * 1024 / 16) + 161 * 8192 * 15 / 16
+    assert sixteen.executor.weight_bytes() / 2 == pytest.approx(config.num_params() / 16 + extra, abs=1)
+
+
 def test_a_model_that_does_not_fit_is_a_clear_error():
     with pytest.raises(ValueError, match="does not fit on 'l40s'.*raise tensor_parallel_size"):
         sim_engine(model="llama-3-70b", executor_options={"hardware": "l40s"})
