@@ -7,8 +7,10 @@ clause does not hold, and a run that takes more steps than were recorded is an e
 from __future__ import annotations
 
 import csv
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.hardware import Hardware
@@ -29,9 +31,7 @@ class ReplayCostModel(CostModel):
         super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
         if (durations is None) == (file is None):
             raise ValueError("the replay cost model needs exactly one of durations=[...] or file=PATH")
-        self.durations = [float(d) for d in durations] if durations is not None else read_durations(file, replica)
-        if any(d < 0 for d in self.durations):
-            raise ValueError("replayed step durations must be >= 0 seconds")
+        self.durations = _durations(durations, "durations") if durations is not None else read_durations(file, replica)
         self.num_replayed = 0
 
     def step_time(self, batch: BatchShape) -> float:
@@ -48,7 +48,24 @@ class ReplayCostModel(CostModel):
         return self.durations[k]
 
 
+def _durations(values: Sequence[Any], source: str) -> list[float]:
+    """``values`` as seconds, each a finite number >= 0; ``source`` names them for the error. A
+    NaN would pass a ``>= 0`` test as false and make the clock, and every latency, NaN."""
+    out = []
+    for k, value in enumerate(values):
+        try:
+            d = math.nan if isinstance(value, bool) else float(value)
+        except (TypeError, ValueError):
+            d = math.nan
+        if not (math.isfinite(d) and d >= 0):
+            raise ValueError(f"replayed step durations must be finite numbers >= 0 seconds; {source} has {value!r} "
+                             f"at step {k + 1}")
+        out.append(d)
+    return out
+
+
 def read_durations(file: str | Path, replica: int | None = None) -> list[float]:
+    """The durations of ``file`` (see ``ReplayCostModel``), checked as ``_durations`` does."""
     path = Path(file).expanduser()
     if not path.is_file():
         raise ValueError(f"replay file {str(file)!r} does not exist")
@@ -56,7 +73,7 @@ def read_durations(file: str | Path, replica: int | None = None) -> list[float]:
         first = f.readline()
         f.seek(0)
         if "duration" not in first:
-            return [float(line) for line in f if line.strip()]
+            return _durations([line.strip() for line in f if line.strip()], str(path))
         rows = list(csv.DictReader(f))
     replicas = sorted({int(r["replica"]) for r in rows if r.get("replica") not in (None, "")})
     if replica is None and len(replicas) > 1:
@@ -66,4 +83,4 @@ def read_durations(file: str | Path, replica: int | None = None) -> list[float]:
             raise ValueError(f"{path} holds no steps of replica {replica} (replicas: {replicas or 'none'})")
         # A replica's rows come in its step order, interleaved in chunks with the others'.
         rows = sorted((r for r in rows if int(r["replica"]) == replica), key=lambda r: int(r["step"]))
-    return [float(r["duration"]) for r in rows]
+    return _durations([r["duration"] for r in rows], str(path))

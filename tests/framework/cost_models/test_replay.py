@@ -44,3 +44,19 @@ def test_reads_one_replica_of_a_cluster_runs_steps_csv(tmp_path):
 def test_bad_options(kw, match):
     with pytest.raises(ValueError, match=match):
         replay(**kw)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "abc", ""])
+def test_durations_must_be_finite_numbers(tmp_path, bad):
+    # A NaN duration would make the virtual clock, and every latency after it, NaN.
+    with pytest.raises(ValueError, match=r"finite numbers >= 0 seconds; durations has .* at step 2"):
+        replay(durations=[0.1, bad])
+    steps = tmp_path / "steps.csv"
+    steps.write_text(f"step,start_time,duration\n1,0.0,0.3\n2,0.3,{bad}\n")
+    with pytest.raises(ValueError, match=rf"{steps.name} has .* at step 2"):
+        replay(file=str(steps))
+    if bad:  # a blank line of a plain list is skipped
+        plain = tmp_path / "d.txt"
+        plain.write_text(f"0.1\n{bad}\n")
+        with pytest.raises(ValueError, match="d.txt has .* at step 2"):
+            replay(file=str(plain))
