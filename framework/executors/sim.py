@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from framework.clock import Clock, VirtualClock
-from framework.config import DTYPE_BYTES, EngineConfig, check_bool, resolve_dtype_name
+from framework.config import DTYPE_BYTES, EngineConfig, check_bool, is_int, resolve_dtype_name
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
 from framework.hardware import Hardware, load_hardware
@@ -51,7 +51,7 @@ class SimExecutor(Executor):
         eos = set(model.eos_token_ids)
         if sampled_token is None:
             sampled_token = next(t for t in range(model.vocab_size - 1, -1, -1) if t not in eos)
-        if not 0 <= sampled_token < model.vocab_size or sampled_token in eos:
+        if not (is_int(sampled_token) and 0 <= sampled_token < model.vocab_size) or sampled_token in eos:
             raise ValueError(f"sampled_token must be a non-EOS id in [0, {model.vocab_size}), got {sampled_token!r}")
         self.sampled_token = sampled_token
         self._eos = eos

@@ -98,6 +98,13 @@ def test_outputs_run_to_max_tokens_and_never_stop_on_the_sampled_token():
         LLM(model="tiny-llama", executor="sim", executor_options={"hardware": "cpu", "sampled_token": 2})
 
 
+@pytest.mark.parametrize("bad", ["abc", True, 1.5])
+def test_sampled_token_must_be_an_integer_id(bad):
+    # A string used to fail in a comparison (TypeError); True and 1.5 were taken as ids.
+    with pytest.raises(ValueError, match="sampled_token must be a non-EOS id"):
+        LLM(model="tiny-llama", executor="sim", executor_options={"hardware": "cpu", "sampled_token": bad})
+
+
 def test_shape_only_presets_are_refused_by_the_model_executor():
     with pytest.raises(ValueError, match="shape-only preset .* executor=sim"):
         LLMEngine(EngineConfig(model="mistral-7b", executor="model"))
