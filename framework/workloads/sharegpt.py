@@ -43,6 +43,7 @@ class ShareGPTWorkload(Workload):
         resolve_path(path)  # a missing file fails with the configuration, before an engine is built
         for name, v in (("output_len", output_len), ("max_output_len", max_output_len), ("max_prompt_len", max_prompt_len)):
             check_positive_int(name, v, optional=True)
+        check_positive_int("min_len", min_len)
         self.path, self.num_requests, self.rate, self.burstiness = path, num_requests, rate, burstiness
         self.output_len, self.max_output_len, self.max_prompt_len = output_len, max_output_len, max_prompt_len
         self.min_len, self.seed = min_len, seed

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from framework.config import check_positive_int, check_seed
+from framework.config import check_positive_int, check_seed, is_finite_number, is_int
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import arrival_times, check_rate
 from framework.workloads.lengths import LengthDist
@@ -91,12 +91,15 @@ class SyntheticWorkload(Workload):
                 raise ValueError(f"{what}: unknown key(s) {sorted(unknown)}; valid: priority, rate, share, prompt_len, output_len")
             if "priority" not in spec:
                 raise ValueError(f"{what}: needs a 'priority'")
-            rate, share = spec.get("rate"), spec.get("share", 1.0)
+            rate, share, priority = spec.get("rate"), spec.get("share", 1.0), spec["priority"]
             check_rate(rate, self.burstiness, f"{what}.rate")
-            if not share > 0:
-                raise ValueError(f"{what}.share must be > 0, got {share!r}")
+            # A string would fail in a comparison naming nothing; int() would truncate 1.5.
+            if not is_int(priority):
+                raise ValueError(f"{what}.priority must be an integer (lower is more urgent), got {priority!r}")
+            if not (is_finite_number(share) and share > 0):
+                raise ValueError(f"{what}.share must be a finite number > 0, got {share!r}")
             classes.append(PriorityClass(
-                int(spec["priority"]), rate, float(share),
+                int(priority), rate, float(share),
                 LengthDist.parse(spec["prompt_len"], f"{what}.prompt_len") if "prompt_len" in spec else self.prompt_len,
                 LengthDist.parse(spec["output_len"], f"{what}.output_len") if "output_len" in spec else self.output_len))
         explicit = [c.rate is not None for c in classes]

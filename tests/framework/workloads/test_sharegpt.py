@@ -72,6 +72,12 @@ def test_filters_and_errors(sharegpt_file, tmp_path):
         generate(bad, ctx)
 
 
+@pytest.mark.parametrize("min_len", [0, "abc", 2.5])
+def test_min_len_must_be_a_positive_integer(sharegpt_file, min_len):
+    with pytest.raises(ValueError, match="min_len must be a positive integer"):
+        generate(sharegpt_file, WorkloadContext(vocab_size=1024), min_len=min_len)
+
+
 def test_the_shipped_sample_loads():
     reqs = generate("experiments/data/sharegpt_sample.json", WorkloadContext(vocab_size=1024), num_requests=16)
     assert len(reqs) == 16

@@ -89,6 +89,10 @@ def test_explicit_class_rates_and_all_at_once_mix():
     ({"priority_classes": [{"priority": 0, "rate": 1.0}, {"priority": 1}]}, "every class a rate, or none"),
     ({"rate": 4.0, "priority_classes": [{"priority": 0, "rate": 1.0}]}, "set the workload's rate to null"),
     ({"colour": "red"}, "workload 'synthetic'.*colour"),
+    ({"priority_classes": [{"priority": "high"}]}, r"priority_classes\[0\]\.priority must be an integer"),
+    ({"priority_classes": [{"priority": 1.5}]}, r"priority_classes\[0\]\.priority must be an integer"),
+    ({"priority_classes": [{"priority": 0, "share": "abc"}]}, r"priority_classes\[0\]\.share must be a finite"),
+    ({"priority_classes": [{"priority": 0, "share": float("inf")}]}, r"\[0\]\.share must be a finite"),
 ])
 def test_bad_options_name_the_problem(options, match):
     with pytest.raises(ValueError, match=match):
