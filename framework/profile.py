@@ -177,7 +177,15 @@ def calibratable_cost_models() -> list[str]:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    """A comma-separated list of integers (argparse type): an empty one is an error, where it
+    would silently mean the grid's defaults."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,2,4; got {text!r}")
+    return values
 
 
 def relative_errors(model: Any, samples: list[tuple[BatchShape, float]]) -> list[float]:

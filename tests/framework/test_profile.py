@@ -52,6 +52,8 @@ def test_repeats_reduce_to_the_chosen_statistic():
     (["--model", "bogus"], "model 'bogus' is neither a preset"),
     (["--hardware", "bogus"], "hardware 'bogus' is neither a preset"),
     (["--counts", "-1"], "request counts must be >= 1"),
+    (["--lengths", ",,"], "--lengths: expected comma-separated integers, e.g. 1,2,4; got ',,'"),  # was: the defaults
+    (["--counts", "2,x"], "--counts: expected comma-separated integers"),
     (["--block-size", "3"], "block_size must be a power of two"),
     # Used to measure the whole grid first, then fail with a NotImplementedError traceback.
     (["--cost-model", "replay", "--grid", "quick", "--repeats", "1"],
