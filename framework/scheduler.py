@@ -33,7 +33,8 @@ class SchedulerOutput:
     order. Rows of ``new_requests`` (first run, forked sequences
     included) and ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
     requests extend their row with the tokens and blocks added since the last step. Rows of
-    ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped. Block lists
+    ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped; an output that
+    schedules nothing and moves no block is not run, so it lists none (the next one does). Block lists
     are applied before the forward pass: both swap lists read their sources before either
     writes (a block freed by one may be reused by the other in the same step), then copies run.
     No request is swapped both out and in within one step.
@@ -247,9 +248,13 @@ class Scheduler:
             self._announce_forks(out)
         for req in out.preempted + out.swapped_out:
             self._dropped_rows.add(req.request_id)
-        # A request preempted and re-admitted in the same step keeps its (rebuilt) row.
-        out.finished_req_ids = self._dropped_rows - set(out.num_scheduled_tokens)
-        self._dropped_rows = set()
+        # An output with nothing to run never reaches the runner (the engine skips it), so the
+        # rows to drop (say, of a request aborted or finished before an idle step) wait for the
+        # next output that runs; reporting them here would leave them in the runner's batch.
+        if out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            # A request preempted and re-admitted in the same step keeps its (rebuilt) row.
+            out.finished_req_ids = self._dropped_rows - set(out.num_scheduled_tokens)
+            self._dropped_rows = set()
         self.num_steps += 1
         if self.config.check_invariants:
             self.check_invariants(out)

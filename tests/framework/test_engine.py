@@ -187,6 +187,29 @@ def test_abort_frees_blocks_and_reports():
     assert finished["b"].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+def test_rows_of_requests_that_end_before_an_empty_step_are_dropped(preparer):
+    # An abort, or a finish followed by an idle step, leaves a step with nothing to run: the
+    # engine skips the executor then, so the rows to drop must reach it with a later step, or
+    # every such request keeps a persistent-batch row until the batch is full.
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, max_num_seqs=2, preparer=preparer,
+                                    check_invariants=True))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"abort{i}", [5, 6, 7], params)
+        engine.step()
+        engine.abort_request(f"abort{i}")
+        engine.step()  # reports the abort; nothing runs
+        engine.add_request(f"done{i}", [8, 9], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.step() == []  # idle
+    runner = engine.executor.runner
+    rows = runner.preparer.row_of if preparer == "v1" else runner.preparer.seqs
+    # Only the last request's row is left, to be dropped with the next step that runs.
+    assert set(rows) <= {"done3"}, f"rows of finished requests kept: {sorted(rows)}"
+
+
 def test_duplicate_request_id_is_rejected():
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128))
     engine.add_request("x", [5], GREEDY)
