@@ -148,14 +148,19 @@ class LLMEngine:
         ids, text = self.tokenize(prompt)
         if request_id in self._parents or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # Every sequence id is checked before anything is queued: a clash found half-way would
+        # leave the request listed but never finishing.
+        rids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for rid in rids:
+            if self._sequence_in_use(rid):
+                raise ValueError(f"request id {request_id!r} clashes with {rid!r}, a sequence already in use")
         arrival = self.clock.now() if arrival_time is None else arrival_time
         children = []
-        for i in range(params.n):
+        for i, rid in enumerate(rids):
             child_params = params
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + i
                 child_params = dataclasses.replace(params, n=1, seed=seed)
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, child_params, arrival, priority=priority, eos_token_ids=self._eos,
                           max_model_len=self.config.max_model_len, prompt=text,
                           parent_id=request_id if params.n > 1 else None, index=i)
@@ -175,6 +180,14 @@ class LLMEngine:
             return
         for req in children:
             self.scheduler.add_request(req)
+
+    def _sequence_in_use(self, rid: str) -> bool:
+        """Whether ``rid`` names an unfinished sequence: one the scheduler holds, or a parallel
+        sample ``ID#i`` of a request still to be forked from its leader (vLLM v0)."""
+        if rid in self.scheduler.requests:
+            return True
+        group, sep, _ = str(rid).rpartition("#")
+        return bool(sep) and any(r.request_id == rid and not r.is_finished for r in self._parents.get(group, ()))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, str) else [request_id]

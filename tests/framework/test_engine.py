@@ -219,6 +219,25 @@ def test_duplicate_request_id_is_rejected():
     engine.step()
 
 
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("first, second", [("a#1", "a"), ("a", "a#1")])
+def test_a_request_id_clashing_with_a_parallel_sample_is_rejected_with_nothing_queued(preparer, first, second):
+    # "a" with n=2 runs sequences "a#0" and "a#1" (v0 forks "a#1" only after the prompt).
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, preparer=preparer))
+    params = {"a": SamplingParams(n=2, max_tokens=3, temperature=0.0, ignore_eos=True), "a#1": GREEDY}
+    engine.add_request(first, [5, 6, 7], params[first])
+    with pytest.raises(ValueError, match="'a#1'"):
+        engine.add_request(second, [8, 9], params[second])
+    finished = {}
+    for _ in range(20):
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finished) == {first} and not engine.has_unfinished_requests()
+
+
 def test_metrics_on_a_virtual_clock():
     clock = VirtualClock()
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128), clock=clock)
