@@ -29,7 +29,9 @@ class PrioritySwapPolicy(ChunkedPolicy):
 
     Victims are swapped out to the CPU swap space; when it is full the mechanism falls back to
     recompute. ``preemption_mode="recompute"`` gives the same policy with recompute preemption.
-    The order is ``rank`` (default: ``priority``, then arrival).
+    The order is ``rank`` (default: ``priority``, then arrival), ties broken by request id: two
+    requests of equal rank (the ``n`` samples of one request share priority and arrival) would
+    each give way to the other, and could take turns preempting themselves forever.
     """
 
     def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:
@@ -40,17 +42,19 @@ class PrioritySwapPolicy(ChunkedPolicy):
         the visiting order, the waiting order and the choice of victims all follow."""
         return priority_key(request)
 
+    def _order(self, request: Request) -> tuple:
+        """``rank``, then the request id: a total order, so that of two requests one always wins."""
+        return self.rank(request), request.request_id
+
     def waiting_order(self, waiting):
-        return sorted(waiting, key=self.rank)
+        return sorted(waiting, key=self._order)
 
     def select_victim(self, candidates: list[Request], requester: Request) -> Request | None:
-        # reversed: among equal ranks the newest running request goes first.
-        lowest = max(reversed(candidates), key=self.rank, default=None)
-        return lowest if lowest is not None and self.rank(lowest) > self.rank(requester) else None
+        lowest = max(candidates, key=self._order, default=None)
+        return lowest if lowest is not None and self._order(lowest) > self._order(requester) else None
 
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
-        # Stable sort: at equal ranks running requests come before swapped, swapped before waiting.
-        queue = sorted([*scheduler.running, *scheduler.swapped, *scheduler.waiting], key=self.rank)
+        queue = sorted([*scheduler.running, *scheduler.swapped, *scheduler.waiting], key=self._order)
         blocked = False
         for req in queue:
             if step.token_budget == 0:
@@ -70,17 +74,17 @@ class PrioritySwapPolicy(ChunkedPolicy):
     def _ranks_below_a_victim(self, step: Step, req: Request) -> bool:
         # A request preempted in this step cannot come back before the next one; nothing of lower
         # priority may take its place meanwhile.
-        rank = self.rank(req)
-        return any(self.rank(v) < rank for v in step.out.preempted + step.out.swapped_out)
+        order = self._order(req)
+        return any(self._order(v) < order for v in step.out.preempted + step.out.swapped_out)
 
     def _admit(self, scheduler: Scheduler, step: Step, req: Request) -> bool:
         prefix = scheduler.find_prefix(req)
         n = self.num_new_tokens(req, step.token_budget, prefix.num_tokens)
         if scheduler.schedule_request(step, req, n, prefix):
             return True
-        rank = self.rank(req)
+        order = self._order(req)
         victims = [r for r in scheduler.running
-                   if self.rank(r) > rank and not step.is_scheduled(r) and not step.was_swapped_in(r)]
+                   if self._order(r) > order and not step.is_scheduled(r) and not step.was_swapped_in(r)]
         if (len(scheduler.running) - len(victims) >= scheduler.max_num_seqs
                 or not scheduler.allocator.fits_after(req, n, prefix, victims)):
             return False

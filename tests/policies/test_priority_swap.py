@@ -3,6 +3,7 @@ whose KV cache comes back bit for bit."""
 import torch
 
 from framework import EngineConfig, LLMEngine, SamplingParams
+from tests.policies.harness import Arrival, drive, reference_output, shadow_engine
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -104,3 +105,16 @@ def test_no_swap_when_the_victims_blocks_would_not_make_room():
     assert "new" not in steps[0].num_scheduled_tokens
     while e.has_unfinished_requests():
         e.step()
+
+
+def test_samples_of_one_request_tie_in_rank_yet_finish():
+    # The two samples share priority and arrival. Each needs the whole cache and is prefilled 3
+    # tokens a step, so each runs short of blocks while the other holds some: with equal ranks
+    # neither may preempt the other, and they took turns preempting themselves forever.
+    e = shadow_engine("priority_swap", num_blocks=7, policy_options={"preemption_mode": "recompute",
+                                                                     "long_prefill_token_threshold": 3},
+                      max_model_len=24, max_num_batched_tokens=64, enable_prefix_caching=False)
+    prompt = list(range(3, 25))
+    params = SamplingParams(n=2, max_tokens=1, temperature=0.0, ignore_eos=True)
+    run = drive(e, [Arrival("a", 0, prompt, params)], max_steps=60)
+    assert [c.token_ids for c in run.outputs["a"].outputs] == [reference_output(prompt, params, 24)] * 2
