@@ -111,7 +111,8 @@ class BlockAllocator(ABC):
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Give ``request`` blocks for its first ``num_computed_tokens + prefix + num_new_tokens``
         tokens, taking the ``prefix`` blocks first (only for a request holding no blocks).
-        All-or-nothing: on False nothing changed."""
+        All-or-nothing: on False nothing changed. A ``prefix`` holds only until the next
+        allocation evicts one of its blocks; taking it after that is a ValueError."""
 
     def fits_after(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None,
                    released: Sequence[Request]) -> bool:

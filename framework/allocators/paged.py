@@ -106,9 +106,17 @@ class PagedBlockAllocator(BlockAllocator):
                and self._blocks[request.block_ids[start // bs]].ref_count > 1)
         blocks = self._blocks
         reclaimed = 0
-        for bid in prefix_ids:
-            if blocks[bid].ref_count == 0:
-                reclaimed += 1
+        if prefix_ids:
+            # A prefix goes stale once an allocation since find_prefix evicted one of its blocks
+            # (a policy that looks up several prefixes, then admits): that block now holds other
+            # tokens, or none, and taking it would silently corrupt the KV cache.
+            hashes = self._request_hashes(request, len(prefix_ids))
+            for i, bid in enumerate(prefix_ids):
+                if blocks[bid].hash != hashes[i]:
+                    raise ValueError(f"{request.request_id}: prefix block {bid} was evicted since find_prefix; "
+                                     f"find the prefix again right before scheduling with it")
+                if blocks[bid].ref_count == 0:
+                    reclaimed += 1
         if num_new_blocks + cow + reclaimed > len(self._free):
             return False
         first_allocation = not request.block_ids and request.num_computed_tokens == 0

@@ -107,6 +107,27 @@ def test_lru_eviction_prefers_uncached_then_oldest():
     assert alloc.stats.evictions == 1
 
 
+@pytest.mark.parametrize("refill", [True, False])
+def test_a_prefix_whose_block_was_evicted_since_it_was_found_is_refused(refill):
+    # A policy that looks up several prefixes and then admits: the first admission evicts a
+    # block of the second one's hit. Taking it would share another request's (or no) KV.
+    alloc = PagedBlockAllocator(num_blocks=3, block_size=2)
+    a = req("a", [1, 2, 3])
+    compute(alloc, a, 3)
+    alloc.free(a)  # one cached block [1, 2], one free uncached block
+    b = req("b", [1, 2, 9])
+    hit = alloc.find_prefix(b)
+    assert hit.num_tokens == 2
+    c = req("c", [5, 6, 7, 8])
+    compute(alloc, c, 4)  # takes both free blocks, evicting b's hit
+    if not refill:
+        alloc.free(c)  # the evicted block is free again, with no tokens cached
+    with pytest.raises(ValueError, match="b: prefix block .* evicted since find_prefix"):
+        alloc.allocate_slots(b, 1, hit)
+    assert b.block_ids == []
+    alloc.check_invariants([c] if refill else [])
+
+
 def test_fork_and_copy_on_write():
     alloc = PagedBlockAllocator(num_blocks=10, block_size=4)
     parent = req("p", list(range(6)))
