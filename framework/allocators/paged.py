@@ -359,9 +359,13 @@ class PagedBlockAllocator(BlockAllocator):
             cpu_owners.update(req.cpu_block_ids)
             bs, computed = self.block_size, req.num_computed_tokens
             for i, bid in enumerate(req.block_ids):
-                if self._blocks[bid].ref_count > 1:
+                block = self._blocks[bid]
+                if block.ref_count > 1:
                     tokens = tuple(req.token_ids[i * bs:min((i + 1) * bs, computed)])
                     contents.setdefault(bid, set()).add((i, tokens))
+                    # A shared full prefix block holds the same tokens for every holder.
+                    assert block.hash is None or block.token_ids == tuple(req.token_ids[i * bs:(i + 1) * bs]), (
+                        f"{req.request_id} shares block {bid} at position {i}, which caches other tokens")
         for block in self._blocks[1:]:
             held = owners.get(block.block_id, 0)
             assert block.ref_count == held, (

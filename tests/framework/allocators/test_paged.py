@@ -195,6 +195,21 @@ def test_invariant_check_catches_a_wrong_owner():
     alloc.free(r)
 
 
+def test_invariant_check_catches_a_shared_prefix_block_with_other_tokens():
+    # What taking a stale prefix did: a request shares a full cached block of other tokens.
+    alloc = PagedBlockAllocator(num_blocks=6, block_size=2)
+    r = req("r", [1, 2, 3])
+    compute(alloc, r, 3)
+    thief = req("t", [7, 8, 9])
+    thief.block_ids = [r.block_ids[0]]
+    thief.num_computed_tokens = 2
+    alloc._blocks[r.block_ids[0]].ref_count += 1
+    with pytest.raises(AssertionError, match="t shares block .* other tokens"):
+        alloc.check_invariants([r, thief])
+    alloc.free(thief)
+    alloc.free(r)
+
+
 @pytest.mark.parametrize("released", [["b"], ["a"], ["a", "b"], ["c"], []])
 def test_fits_after_answers_what_allocating_after_the_release_does(released):
     """Shared prefix blocks come free only with their last holder, and a prefix hit on a free
