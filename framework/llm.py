@@ -44,6 +44,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and not isinstance(priority, Sequence):
+            raise ValueError(f"priority must be a list of numbers, one per prompt, got "
+                             f"{type(priority).__name__}: {priority!r}")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         # Tokenize and check everything before queueing anything, so bad input loses nothing; the

@@ -305,6 +305,15 @@ def test_generate_accepts_a_list_of_sampling_params_and_checks_its_length():
         llm.generate([[5], [6], [7]], [GREEDY, GREEDY])
 
 
+@pytest.mark.parametrize("priority, match", [(1, "priority must be a list of numbers, one per prompt, got int"),
+                                             ([0], "1 priorities for 2 prompts")])
+def test_generate_checks_priorities(priority, match):
+    llm = small_llm()
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5], [6]], GREEDY, priority=priority)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_scheduler_rejects_a_token_sampled_mid_prompt():
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128, max_num_batched_tokens=64,
                                     policy="fcfs"))
