@@ -34,7 +34,8 @@ class SchedulerOutput:
     included) and ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
     requests extend their row with the tokens and blocks added since the last step. Rows of
     ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped; an output that
-    schedules nothing and moves no block is not run, so it lists none (the next one does). Block lists
+    schedules nothing and moves no block is not run, so it lists no rows to drop and no forked
+    sequence (the next one does). Block lists
     are applied before the forward pass: both swap lists read their sources before either
     writes (a block freed by one may be reused by the other in the same step), then copies run.
     No request is swapped both out and in within one step.
@@ -244,14 +245,15 @@ class Scheduler:
         self.policy.schedule(self, step)
         out = step.out
         out.blocks_to_copy.extend(self.allocator.take_copies())
-        if self._forked:
+        # An output with nothing to run never reaches the runner (the engine skips it), so rows
+        # to build for forks and rows to drop (say, of a request aborted or finished before an
+        # idle step) wait for the next output that runs, or the runner's batch would miss them.
+        runs = bool(out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy)
+        if self._forked and runs:
             self._announce_forks(out)
         for req in out.preempted + out.swapped_out:
             self._dropped_rows.add(req.request_id)
-        # An output with nothing to run never reaches the runner (the engine skips it), so the
-        # rows to drop (say, of a request aborted or finished before an idle step) wait for the
-        # next output that runs; reporting them here would leave them in the runner's batch.
-        if out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+        if runs:
             # A request preempted and re-admitted in the same step keeps its (rebuilt) row.
             out.finished_req_ids = self._dropped_rows - set(out.num_scheduled_tokens)
             self._dropped_rows = set()

@@ -43,6 +43,22 @@ def test_fork_shares_blocks_and_announces_the_child_as_new():
     assert sched.schedule().new_requests == [], "announced once"
 
 
+def test_a_fork_is_announced_by_the_first_output_that_runs():
+    # A policy may idle a step; the engine skips an output with nothing to run, so announcing the
+    # child there left the runner without its row when it was scheduled (a KeyError in v0).
+    sched, alloc = setup()
+    prompt = list(range(3, 9))
+    leader, out = prefilled_leader(sched, prompt)
+    child = Request("p#1", prompt, PARAMS, 0.0)
+    sched.fork(leader, child, 77)
+    sched.update_from_output(out, {"p#0": 50})
+    sched.policy.schedule = lambda scheduler, step: None  # the policy idles this step
+    idle = sched.schedule()
+    del sched.policy.schedule
+    assert not idle.scheduled and idle.new_requests == []
+    assert child in sched.schedule().new_requests
+
+
 def test_a_child_without_a_seat_waits_and_one_finished_by_its_first_token_never_runs():
     sched, alloc = setup(max_num_seqs=1)
     prompt = list(range(3, 9))
