@@ -55,7 +55,7 @@ class Request:
         "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "cpu_block_ids",
         "block_hashes", "stop_reason", "status_message", "eos_token_ids", "max_model_len",
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
-        "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra",
+        "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra", "arrival_order",
     )
 
     def __init__(
@@ -103,6 +103,9 @@ class Request:
         #: parallel sampling, see ``InputPreparer.forks_parallel_samples``); empty otherwise.
         self.forks: list[Request] = []
         self.extra: dict[str, Any] = {}
+        #: Position in which the scheduler received the request (``Scheduler.add_request`` or a
+        #: fork), 0 before: it orders requests that tie in everything else, as a queue would.
+        self.arrival_order = 0
 
     # -- sizes -----------------------------------------------------------------------------------
     @property

@@ -180,6 +180,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._num_received = 0  # requests received so far: the last one's arrival_order
         self._dropped_rows: set[str] = set()
         self._finished_outside_step: list[Request] = []
         self._forked: list[Request] = []
@@ -198,8 +199,13 @@ class Scheduler:
             request.finished_time = self.clock.now()
             self._finished_outside_step.append(request)
             return
-        self.requests[request.request_id] = request
+        self._receive(request)
         self.waiting.append(request)
+
+    def _receive(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._num_received += 1
+        request.arrival_order = self._num_received
 
     def _never_fits(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
@@ -457,7 +463,7 @@ class Scheduler:
             child.status = status
             child.finished_time = now
             return
-        self.requests[child.request_id] = child
+        self._receive(child)
         if len(self.running) >= self.max_num_seqs:
             self.waiting.appendleft(child)
             return

@@ -29,9 +29,10 @@ class PrioritySwapPolicy(ChunkedPolicy):
 
     Victims are swapped out to the CPU swap space; when it is full the mechanism falls back to
     recompute. ``preemption_mode="recompute"`` gives the same policy with recompute preemption.
-    The order is ``rank`` (default: ``priority``, then arrival), ties broken by request id: two
-    requests of equal rank (the ``n`` samples of one request share priority and arrival) would
-    each give way to the other, and could take turns preempting themselves forever.
+    The order is ``rank`` (default: ``priority``, then arrival), ties broken by the order the
+    scheduler received the requests (``arrival_order``): two requests of equal rank (the ``n``
+    samples of one request share priority and arrival) would each give way to the other, and
+    could take turns preempting themselves forever.
     """
 
     def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:
@@ -43,8 +44,10 @@ class PrioritySwapPolicy(ChunkedPolicy):
         return priority_key(request)
 
     def _order(self, request: Request) -> tuple:
-        """``rank``, then the request id: a total order, so that of two requests one always wins."""
-        return self.rank(request), request.request_id
+        """``rank``, then ``arrival_order``: a total order, so that of two requests one always
+        wins, and among ties the first received, as in a queue (request ids would put "10"
+        before "9")."""
+        return self.rank(request), request.arrival_order
 
     def waiting_order(self, waiting):
         return sorted(waiting, key=self._order)

@@ -118,3 +118,18 @@ def test_samples_of_one_request_tie_in_rank_yet_finish():
     params = SamplingParams(n=2, max_tokens=1, temperature=0.0, ignore_eos=True)
     run = drive(e, [Arrival("a", 0, prompt, params)], max_steps=60)
     assert [c.token_ids for c in run.outputs["a"].outputs] == [reference_output(prompt, params, 24)] * 2
+
+
+def test_ties_in_rank_go_in_the_order_received():
+    # Equal priority and arrival (a workload with rate=null sends everything at t=0): the queue's
+    # order decides, not the ids' (as strings "10" sorts before "9").
+    e = engine(max_num_seqs=1)
+    for rid in ["9", "10", "11"]:
+        e.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                      arrival_time=0.0, priority=1)
+    first_run = []
+    e.step_callbacks.append(lambda stats, out: first_run.extend(
+        r for r in out.num_scheduled_tokens if r not in first_run))
+    while e.has_unfinished_requests():
+        e.step()
+    assert first_run == ["9", "10", "11"]
