@@ -51,7 +51,8 @@ class BlockAllocator(ABC):
     Contract:
     - Block ``NULL_BLOCK`` is reserved; ``num_blocks - 1`` blocks are usable.
     - ``allocate_slots`` either gives the request every block it needs, or changes nothing and
-      returns False. It writes ``request.block_ids`` and nothing else on the request.
+      returns False. It writes ``request.block_ids`` and nothing else on the request but
+      ``request.block_hashes``, a cache of its full blocks' hashes that any call may extend.
     - A block is held by as many requests as its reference count says; a block whose count drops
       to zero becomes free (and, if it holds a full cached block, stays findable until evicted).
     - Copies that keep shared blocks correct (copy-on-write) are queued and handed to the
@@ -99,7 +100,8 @@ class BlockAllocator(ABC):
     @abstractmethod
     def find_prefix(self, request: Request) -> PrefixHit:
         """Longest run of cached full blocks matching the request's first tokens, always leaving
-        at least the last token to compute. Changes nothing."""
+        at least the last token to compute. Changes no block and nothing on the request but
+        its hash cache (``block_hashes``)."""
 
     @property
     @abstractmethod

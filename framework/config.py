@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,10 +56,17 @@ class EngineConfig:
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
+        for part in PART_NAMES:  # None means no options, as an omitted argument does
+            if getattr(self, f"{part}_options") is None:
+                setattr(self, f"{part}_options", {})
         self.validate()
 
     def validate(self) -> None:
         """Checks that need no model; model-dependent limits are checked when the engine is built."""
+        for part in PART_NAMES:
+            options = getattr(self, f"{part}_options")
+            if not isinstance(options, Mapping):
+                raise ValueError(f"{part}_options must be a mapping of option names to values, got {options!r}")
         bs = self.block_size
         if not is_int(bs) or bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...), got {bs!r}")

@@ -24,3 +24,11 @@ def test_auto_takes_the_checkpoints_16_bit_dtype_on_a_gpu_only():
 def test_an_unknown_dtype_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"dtype must be one of \['auto', 'bf16', .*'half'.*got 'fp8'"):
         EngineConfig(dtype="fp8")
+
+
+@pytest.mark.parametrize("part", ["policy", "allocator", "backend", "preparer", "executor"])
+def test_part_options_are_a_mapping_or_none(part):
+    # They are passed as **options: None or a list used to fail there with a TypeError.
+    assert getattr(EngineConfig(**{f"{part}_options": None}), f"{part}_options") == {}
+    with pytest.raises(ValueError, match=f"{part}_options must be a mapping of option names to values, got"):
+        EngineConfig(**{f"{part}_options": ["preemption_mode", "swap"]})
