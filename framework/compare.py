@@ -84,6 +84,10 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             flat[f"{part}.name"] = summary[part]
         elif f"{part}.name" not in flat:  # a run that failed before saying: the group was left out
             flat[f"{part}.name"] = getattr(EngineConfig, part)
+    # A simulated run without +hardware ran on the executor's default device, which only the
+    # summary names.
+    if summary.get("hardware") is not None and "hardware.name" not in flat:
+        flat["hardware.name"] = summary["hardware"]
     for group, choice in _choices(run_dir).items():
         flat[f"{group}{PRESET}"] = choice
     return summary, flat

@@ -155,6 +155,20 @@ def test_a_groups_config_file_labels_runs_where_its_options_differ(tmp_path):
     assert label_keys(flats, "workload.rate") == ["policy.name"]
 
 
+def test_a_simulated_run_on_the_default_device_is_labelled_with_its_name(tmp_path):
+    # +hardware=h100-sxm against no +hardware (the sim's default, a100-80gb, named by the summary).
+    for i, hardware in enumerate(["h100-sxm", None]):
+        fake_run(tmp_path / str(i), "a", 2, 1.0, 1.0)
+        summary = json.loads((tmp_path / str(i) / "summary.json").read_text())
+        summary["hardware"] = hardware or "a100-80gb"
+        (tmp_path / str(i) / "summary.json").write_text(json.dumps(summary))
+        if hardware:
+            config = yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())
+            config["hardware"] = {"name": hardware, "peak_tflops": 989.0}
+            (tmp_path / str(i) / "config.yaml").write_text(yaml.safe_dump(config))
+    assert [r["label"] for r in comparison_rows([tmp_path])] == ["hardware=a100-80gb", "hardware=h100-sxm"]
+
+
 def test_an_option_swept_beside_its_parts_name_labels_the_runs_it_tells_apart():
     # workload=poisson,chat x workload.num_requests=20,40: four configurations, four labels.
     flats = [{"workload.preset": w, "workload.num_requests": n, "workload.prompt_len": w, "workload.rate": 8}
