@@ -39,6 +39,10 @@ class PagedBlockAllocator(BlockAllocator):
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._hash_to_block: dict[int, int] = {}
+        #: Further blocks caching a hash already indexed (requests that computed the same prefix
+        #: in one step, or a swapped-in one's): one of them takes the index when the indexed
+        #: block is evicted, or its hits would be lost while a copy still lives.
+        self._hash_copies: dict[int, list[int]] = {}
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self._copies: list[tuple[int, int]] = []
         self._forked = False  # whether fork() ever shared blocks (see decode_run_blocks)
@@ -229,7 +233,8 @@ class PagedBlockAllocator(BlockAllocator):
                     if block.hash is None:
                         block.hash = h
                         block.token_ids = toks
-                        index.setdefault(h, block.block_id)
+                        if index.setdefault(h, bid := block.block_id) != bid:
+                            self._hash_copies.setdefault(h, []).append(bid)
                 else:
                     self._seal(req, i, i + 1)
             if pauses and j in pauses:
@@ -267,7 +272,8 @@ class PagedBlockAllocator(BlockAllocator):
                     continue
             block.hash = h
             block.token_ids = toks
-            index.setdefault(h, block.block_id)
+            if index.setdefault(h, bid := block.block_id) != bid:
+                self._hash_copies.setdefault(h, []).append(bid)
 
     def _pop_free_blocks(self, num: int) -> list[int]:
         """Take the ``num`` least recently used free blocks, evicting what they cache (a prefill
@@ -285,8 +291,16 @@ class PagedBlockAllocator(BlockAllocator):
 
     def _evict(self, block: _Block) -> None:
         """Forget what a free block caches, as it is taken for new tokens."""
-        if self._hash_to_block.get(block.hash) == block.block_id:
-            del self._hash_to_block[block.hash]
+        h, bid = block.hash, block.block_id
+        copies = self._hash_copies.get(h)
+        if copies is not None and bid in copies:
+            copies.remove(bid)
+        elif copies is not None:  # the indexed block goes: a copy takes its place
+            self._hash_to_block[h] = copies.pop()
+        elif self._hash_to_block.get(h) == bid:
+            del self._hash_to_block[h]
+        if copies is not None and not copies:
+            del self._hash_copies[h]
         block.hash = block.token_ids = None
         self.stats.evictions += 1
 
@@ -382,6 +396,12 @@ class PagedBlockAllocator(BlockAllocator):
         assert NULL_BLOCK not in self._free, "the null block is in the free queue"
         for h, bid in self._hash_to_block.items():
             assert self._blocks[bid].hash == h, f"prefix index points block {bid} at a stale hash"
+        for h, copies in self._hash_copies.items():
+            assert copies and h in self._hash_to_block, f"copies of hash {h} without an indexed block"
+            assert all(self._blocks[b].hash == h for b in copies), f"a copy of hash {h} caches another hash"
+        hashed = sum(1 for b in self._blocks[1:] if b.hash is not None)
+        assert hashed == len(self._hash_to_block) + sum(map(len, self._hash_copies.values())), (
+            "a cached block is neither indexed nor a copy of an indexed one")
         assert all(n == 1 for n in cpu_owners.values()), "a swap block is held by two requests"
         assert len(set(self._cpu_free)) == len(self._cpu_free), "a swap block is free twice"
         assert not set(cpu_owners) & set(self._cpu_free), "a held swap block is also free"

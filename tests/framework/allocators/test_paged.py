@@ -128,6 +128,30 @@ def test_a_prefix_whose_block_was_evicted_since_it_was_found_is_refused(refill):
     alloc.check_invariants([c] if refill else [])
 
 
+def test_a_live_copy_of_an_evicted_cached_block_is_still_found():
+    # a and b computed the same prompt in one step: two copies of each full block, one indexed.
+    # Once a's copies are freed and evicted, b's (still running) must serve the next hit.
+    alloc = PagedBlockAllocator(num_blocks=8, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    a, b = req("a", prompt), req("b", prompt)
+    compute(alloc, a, 5)
+    compute(alloc, b, 5)
+    alloc.free(a)
+    other = req("c", [9] * 8)  # takes every free block: a's cached copies are evicted
+    compute(alloc, other, 8)
+    alloc.check_invariants([b, other])
+    assert alloc.find_prefix(req("d", prompt)).block_ids == b.block_ids[:2]
+    alloc.free(other)
+    alloc.free(b)
+    alloc.check_invariants([])
+    # b's copies are the cached ones now; evicting them leaves nothing indexed.
+    fill = req("e", [8] * 14)
+    compute(alloc, fill, 14)
+    alloc.check_invariants([fill])
+    assert alloc.find_prefix(req("f", prompt)).num_tokens == 0
+    alloc.free(fill)
+
+
 def test_fork_and_copy_on_write():
     alloc = PagedBlockAllocator(num_blocks=10, block_size=4)
     parent = req("p", list(range(6)))
