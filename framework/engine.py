@@ -216,7 +216,7 @@ class LLMEngine:
         then skips building a cumulative output per running request every step."""
         start = self.clock.now()
         out = self.scheduler.schedule()
-        sampled = self.executor.execute(out).sampled if (out.scheduled or _has_block_ops(out)) else {}
+        sampled = self.executor.execute(out).sampled if out.runs else {}
         if self._leaders:
             self._fork_leaders(sampled)
         progressed = self.scheduler.update_from_output(out, sampled)
@@ -290,7 +290,7 @@ class LLMEngine:
         return outputs
 
     def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
-        if out.scheduled or done or _has_block_ops(out) or not self.scheduler.has_unfinished_requests():
+        if out.runs or done or not self.scheduler.has_unfinished_requests():
             self._stalled_steps = 0
             return
         self._stalled_steps += 1
@@ -410,9 +410,6 @@ def _out_of_vocabulary(ids: list[int], vocab_size: int) -> None:
     bad = next(t for t in ids if not 0 <= t < vocab_size)
     raise ValueError(f"prompt token id {bad} is out of the vocabulary [0, {vocab_size})")
 
-
-def _has_block_ops(out: SchedulerOutput) -> bool:
-    return bool(out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy)
 
 
 def _min(values: Iterable[float | None]) -> float | None:

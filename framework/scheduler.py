@@ -62,6 +62,12 @@ class SchedulerOutput:
     def num_reqs(self) -> int:
         return len(self.scheduled)
 
+    @property
+    def runs(self) -> bool:
+        """Whether the executor has work: tokens to compute or blocks to move. The engine passes
+        only such outputs to the executor."""
+        return bool(self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
 
 class Step:
     """The step being built: what is scheduled so far and the token budget left."""
@@ -254,7 +260,7 @@ class Scheduler:
         # An output with nothing to run never reaches the runner (the engine skips it), so rows
         # to build for forks and rows to drop (say, of a request aborted or finished before an
         # idle step) wait for the next output that runs, or the runner's batch would miss them.
-        runs = bool(out.scheduled or out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy)
+        runs = out.runs
         if self._forked and runs:
             self._announce_forks(out)
         for req in out.preempted + out.swapped_out:
