@@ -44,11 +44,14 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's smallest set of most likely tokens whose probability reaches ``p``."""
+    """Keep each row's smallest set of most likely tokens whose probability reaches ``p``
+    (``p == 1``: keep all)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= p.unsqueeze(1)
+    # A float32 cumulative sum reaches 1 before the tail: without the p < 1 test a row with top-p
+    # off (batched with one using it) would lose its least likely tokens.
+    drop = (mass_before >= p.unsqueeze(1)) & (p < 1).unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

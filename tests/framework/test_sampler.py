@@ -32,3 +32,13 @@ def test_sampling_follows_the_distribution():
     # Top-k 1 is greedy whatever the noise.
     meta = SamplingMetadata(temperature=torch.ones(20000), top_k=torch.ones(20000, dtype=torch.long), all_greedy=False)
     assert (Sampler(torch.Generator().manual_seed(0))(logits, meta) == 0).all()
+
+
+def test_top_p_of_one_keeps_every_token():
+    """A row with top-p off keeps its whole vocabulary when another row of its batch uses top-p:
+    the float32 running sum of a 32k-token softmax reaches 1 before its least likely tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 32000) * 3
+    kept = torch.isfinite(apply_top_p(logits, torch.tensor([1.0] * 7 + [0.5])))
+    assert kept[:7].all()
+    assert kept[7].sum() < 32000
