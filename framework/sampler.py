@@ -21,7 +21,11 @@ class Sampler:
             return greedy
         temperature = meta.temperature
         is_greedy = temperature == 0
-        logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+        # Shifted by the row maximum first: a tiny temperature (below about 1e-37) would otherwise
+        # scale logits to +inf and the softmax to NaN, sampling token 0. The shift changes neither
+        # the softmax nor the top-k / top-p sets.
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        logits /= torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
         if meta.top_k is not None:
             logits = apply_top_k(logits, meta.top_k)
         if meta.top_p is not None:

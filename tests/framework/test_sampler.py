@@ -42,3 +42,14 @@ def test_top_p_of_one_keeps_every_token():
     kept = torch.isfinite(apply_top_p(logits, torch.tensor([1.0] * 7 + [0.5])))
     assert kept[:7].all()
     assert kept[7].sum() < 32000
+
+
+def test_tiny_temperature_samples_the_most_likely_token():
+    """A positive temperature far below 1 is as good as greedy, not an overflow to NaN: logits
+    divided by 1e-40 (a float32 subnormal) used to give inf - inf in the softmax and token 0."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100) * 3
+    for t in (1e-6, 1e-38, 1e-40):
+        meta = SamplingMetadata(temperature=torch.full((4,), t), all_greedy=False)
+        out = Sampler(torch.Generator().manual_seed(0))(logits, meta)
+        assert out.tolist() == logits.argmax(dim=-1).tolist(), t
