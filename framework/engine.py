@@ -134,6 +134,11 @@ class LLMEngine:
             text, ids = prompt, None
         else:
             ids = prompt
+        # None (bare, or as a dict's value) is no text to tokenize, and bytes are no token ids
+        # (they would pass as their byte values).
+        if (ids is None and not isinstance(text, str)) or isinstance(ids, (bytes, bytearray)):
+            raise ValueError(f"a prompt is text (str), token ids (a list of ints) or a dict with 'prompt_token_ids' "
+                             f"or 'prompt'; got {type(prompt).__name__}: {prompt!r}")
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text")

@@ -46,6 +46,13 @@ def test_prompt_longer_than_token_budget_is_ignored_by_fcfs():
     ({"prompt_token_ids": np.array([3.0, 4.0])}, "1-D integer array"),
     ({"prompt_token_ids": np.array([[3, 4]])}, "1-D integer array"),
     ({"prompt_token_ids": np.array([], dtype=np.int64)}, "empty"),
+    # These used to be tokenized as text ("has no tokenizer", or transformers' own error) or, bytes,
+    # taken as token ids.
+    (None, "a prompt is text"),
+    ({"prompt": None}, "a prompt is text"),
+    ({"prompt": 7}, "a prompt is text"),
+    ({"prompt_token_ids": None}, "a prompt is text"),
+    (b"\x05\x06", "a prompt is text"),
 ])
 def test_bad_prompts_raise_clear_errors_and_queue_nothing(prompt, match):
     llm = small_llm()
