@@ -164,7 +164,9 @@ class LLMEngine:
         for i, rid in enumerate(rids):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
+                # Sample i takes seed + i (as vLLM), wrapped into SamplingParams' [0, 2**63): a
+                # seed near the top is valid and must not fail for the samples after it.
+                seed = None if params.seed is None else (params.seed + i) % 2**63
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             req = Request(rid, ids, child_params, arrival, priority=priority, eos_token_ids=self._eos,
                           max_model_len=self.config.max_model_len, prompt=text,

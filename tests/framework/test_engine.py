@@ -301,6 +301,10 @@ def test_parallel_sampling_n():
                         SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len({tuple(c.token_ids) for c in cold.outputs}) == 1
     assert cold.metrics.num_generated_tokens == 24
+    # The largest valid seed used to fail for sample 1 (seed 2**63, out of range).
+    top = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
+                       SamplingParams(n=2, max_tokens=8, temperature=1.5, seed=2**63 - 1, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in top.outputs}) == 2
 
 
 def test_generate_accepts_a_list_of_sampling_params_and_checks_its_length():
