@@ -224,9 +224,12 @@ class LLMEngine:
         start = self.clock.now()
         out = self.scheduler.schedule()
         sampled = self.executor.execute(out).sampled if out.runs else {}
+        # One time for the step's tokens, forks' first tokens included: a streaming client gets
+        # them together, and RequestMetrics.token_times counts one entry per step.
+        now = self.clock.now()
         if self._leaders:
-            self._fork_leaders(sampled)
-        progressed = self.scheduler.update_from_output(out, sampled)
+            self._fork_leaders(sampled, now)
+        progressed = self.scheduler.update_from_output(out, sampled, now)
         done_elsewhere = self.scheduler.take_finished_outside_step()
         for req in done_elsewhere:
             if req.forks:
@@ -244,7 +247,7 @@ class LLMEngine:
                 callback(stats, out)
         return outputs
 
-    def _fork_leaders(self, sampled: dict[str, int]) -> None:
+    def _fork_leaders(self, sampled: dict[str, int], now: float) -> None:
         """Fork the other sequences of every leader that sampled its first token this step."""
         for rid in [rid for rid in self._leaders if rid in sampled]:
             leader = self._leaders.pop(rid)
@@ -253,7 +256,7 @@ class LLMEngine:
                 if token is None:
                     raise RuntimeError(f"preparer {self.config.preparer!r} sampled no first token for "
                                        f"{child.request_id}, a parallel sample of {rid}")
-                self.scheduler.fork(leader, child, token)
+                self.scheduler.fork(leader, child, token, now)
             leader.forks = []
 
     def _settle_forks(self, leader: Request) -> None:

@@ -274,10 +274,12 @@ class Scheduler:
             self.check_invariants(out)
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           now: float | None = None) -> list[Request]:
         """Advance every scheduled request by its tokens and append its sampled token (if it
-        reached the end of its known tokens). Returns the requests that got a token."""
-        now = self.clock.now()
+        reached the end of its known tokens), timed ``now`` (default: the clock's now). Returns
+        the requests that got a token."""
+        now = self.clock.now() if now is None else now
         progressed: list[Request] = []
         any_finished = False
         for req in out.scheduled:
@@ -442,7 +444,7 @@ class Scheduler:
         self._finished_outside_step.append(request)
 
     # -- parallel sampling (vLLM v0) -------------------------------------------------------------
-    def fork(self, parent: Request, child: Request, first_token: int) -> None:
+    def fork(self, parent: Request, child: Request, first_token: int, now: float | None = None) -> None:
         """vLLM v0's fork: ``parent`` computed the rest of its prompt in the step being finished,
         and ``child`` (a request with the same prompt, not yet known to the scheduler) sampled
         ``first_token`` from the same logits. Call it after the executor ran the step and before
@@ -453,14 +455,16 @@ class Scheduler:
         into the shared last block gets a private copy through ``blocks_to_copy``) and is listed in
         the next output's ``new_requests``. With ``max_num_seqs`` sequences already running it
         waits instead, to be prefilled on its own (the prefix cache still finds the prompt's full
-        blocks). A child that its first token finishes never runs."""
+        blocks). A child that its first token finishes never runs. ``now`` (default: the clock's
+        now) times the first token: pass the step's ``update_from_output`` time, so the samples of
+        one step share one time."""
         if parent.status != RequestStatus.RUNNING or parent.num_output_tokens:
             raise ValueError(f"cannot fork from {parent.request_id}: it must be running and still at its prompt")
         if (child.request_id in self.requests or child.status != RequestStatus.WAITING
                 or child.token_ids != parent.token_ids):
             raise ValueError(f"{child.request_id} cannot be forked from {parent.request_id}: it must be a new "
                              f"request with the same prompt")
-        now = self.clock.now()
+        now = self.clock.now() if now is None else now
         child.first_scheduled_time = parent.first_scheduled_time
         child.num_cached_tokens = parent.num_cached_tokens
         child.append_output_token(first_token, now)
