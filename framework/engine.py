@@ -17,7 +17,7 @@ from framework.config import EngineConfig, is_finite_number
 from framework.executor import EXECUTORS
 from framework.fast_forward import DecodePlan, commit_decode_run, plan_decode_run
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from framework.request import Request
+from framework.request import Request, RequestStatus
 from framework.sampling_params import SamplingParams
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput
 from models.loader import resolve_model
@@ -348,7 +348,9 @@ class LLMEngine:
             ids = req.output_token_ids
             text = ""
             if self.tokenizer is not None and req.sampling_params.detokenize and ids:
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                # The stop token's text is left out (a non-special EOS or stop id would show).
+                shown = ids[:-1] if req.status == RequestStatus.FINISHED_STOPPED else ids
+                text = self.tokenizer.decode(shown, skip_special_tokens=True)
             completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
         # n > 1: one time per step that gave any sequence a token, as a streaming client receives
         # them, so TPOT and the ITLs are a sequence's pace, not the pace of all tokens together.

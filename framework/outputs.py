@@ -6,6 +6,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompletionOutput:
+    """One sequence's output. ``token_ids`` are every sampled token, a stop token (EOS, or one of
+    ``stop_token_ids``) included; ``text`` is their decoded text without the stop token's, as
+    vLLM gives it (empty without a tokenizer or with ``detokenize=False``). ``finish_reason`` is
+    ``stop``, ``length`` or ``abort`` once finished; ``stop_reason`` the stop token id that ended
+    it (None for EOS)."""
+
     index: int
     text: str
     token_ids: list[int]

@@ -87,3 +87,18 @@ def test_text_prompts_use_the_checkpoint_tokenizer(llama_ckpt):
     assert out.prompt_token_ids == ids and out.prompt == text
     assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, 8)
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_a_stop_tokens_text_is_left_out_of_the_output_text(llama_ckpt):
+    # As vLLM: the stop token stays in token_ids, its text (a plain word here) is not shown.
+    path, hf_model = llama_ckpt
+    llm = LLM(model=str(path), max_model_len=128)
+    tok = llm.get_tokenizer()
+    ids = tok.encode("w5 w17 w3 w300 w42")
+    greedy = hf_greedy(hf_model, ids, 8)
+    stop = greedy[3]
+    out = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                           stop_token_ids=[stop]))[0].outputs[0]
+    cut = greedy.index(stop) + 1
+    assert out.token_ids == greedy[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == tok.decode(greedy[:cut - 1], skip_special_tokens=True)
