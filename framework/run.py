@@ -199,12 +199,17 @@ def cli() -> None:
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    # SIGTERM stops the whole command as Ctrl-C does, not only a job under way: outside a job
+    # (composing, between sweep jobs, a joblib sweep's parent waiting on its workers) its default
+    # action would kill the process on the spot, with no comparison and, in a parallel sweep, the
+    # workers left running as orphans with summaries that say "running".
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         main()
     except KeyboardInterrupt:  # outside a run (composing the config, between sweep jobs, comparing)
         print("interrupted", file=sys.stderr)
         _compare_stopped_sweep()
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(_stopped())
     except SystemExit as exc:
         if exc.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
             _compare_stopped_sweep()

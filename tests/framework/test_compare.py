@@ -256,3 +256,57 @@ def test_a_parallel_sweep_interrupted_through_its_parent_marks_every_job(tmp_pat
     statuses = [json.loads((sweep_dir / str(i) / "summary.json").read_text())["status"] for i in range(2)]
     assert statuses == ["interrupted", "interrupted"]
     assert (sweep_dir / "comparison.md").read_text().count("| interrupted |") == 2
+
+
+def _children(pid):
+    """The pids whose parent is ``pid`` (from /proc: no psutil here)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_a_parallel_sweep_terminated_through_its_parent_stops_as_on_ctrl_c(tmp_path):
+    """``kill PID`` (SIGTERM) to a joblib sweep's parent, which runs no job itself: status 143,
+    every job marked ``interrupted``, the comparison written and no worker left running. SIGTERM's
+    default action used to kill the parent alone: its workers ran on as orphans, their summaries
+    said ``running`` and no comparison was written."""
+    import signal
+    import time
+
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "framework.run", "-m", "hydra/launcher=parallel", "engine.num_threads=1",
+         "workload.num_requests=5000", "workload.rate=20,40", "progress=false", "plots=false",
+         f"hydra.sweep.dir={sweep_dir}"],
+        cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and \
+            not all((sweep_dir / str(i) / "steps.csv").exists() for i in range(2)):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    workers = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, err[-3000:]
+        statuses = [json.loads((sweep_dir / str(i) / "summary.json").read_text())["status"] for i in range(2)]
+        assert statuses == ["interrupted", "interrupted"]
+        assert (sweep_dir / "comparison.md").read_text().count("| interrupted |") == 2
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    finally:
+        for pid in workers:  # what the old code left running
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
