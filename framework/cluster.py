@@ -11,7 +11,8 @@ its clock: a virtual clock jumps, a wall clock (one replica on the model executo
 the same loop serves a real engine in real time.
 
 A KeyboardInterrupt stops serving: unsent requests are dropped, unfinished ones aborted (their KV
-blocks freed) and the result says ``interrupted``; the exception is not re-raised.
+blocks freed) and the result says ``interrupted``; the exception is not re-raised. Any other
+exception aborts the unfinished requests too, then propagates.
 """
 from __future__ import annotations
 
@@ -112,6 +113,13 @@ class Cluster:
         except KeyboardInterrupt:
             result.interrupted = True
             logger.warning("interrupted: %d of %d requests sent finished", result.num_finished, result.num_sent)
+        except BaseException:
+            # A failure (a policy's, a workload's or a callback's bug) propagates, but the requests
+            # it left in flight give their KV blocks back first: no block outlives the run.
+            for engine in self.engines:
+                if engine.has_unfinished_requests():
+                    _abort(engine, sorted(in_flight))
+            raise
         finally:
             # The run's settle closure reaches its whole state (on_output, and through it the
             # caller's records): a replica outliving the run must not keep it alive.

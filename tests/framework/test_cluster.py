@@ -88,6 +88,39 @@ def test_an_interrupt_stops_aborts_the_rest_and_frees_every_block():
     assert engine.step_callbacks[-1] is stop_at_step_4  # the callbacks are back after the clean-up step
 
 
+def test_a_failure_while_serving_propagates_and_frees_every_block():
+    """A bug in a policy, a workload or a callback fails the run, but its requests in flight give
+    their KV blocks back first (they used to stay allocated, and the engine unfinished)."""
+    engine = timed_model_engine(VirtualClock())
+
+    def fail_at_step_4(stats, out):
+        if stats.step == 4:
+            raise RuntimeError("a bug")
+
+    engine.step_callbacks.append(fail_at_step_4)
+    with pytest.raises(RuntimeError, match="a bug"):
+        Cluster([engine]).run([req(0.0, "r1", 8, 1), req(0.0, "r2", 8, 20), req(0.05, "r3", 8, 20)])
+    assert not engine.has_unfinished_requests()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
+
+
+def test_a_failure_in_a_simulated_cluster_frees_every_replicas_blocks():
+    cluster = Cluster.build(CONFIG, num_replicas=3)
+    calls = 0
+
+    def fail_on_the_tenth_output(i, out):
+        nonlocal calls
+        calls += 1
+        if calls == 10:
+            raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        cluster.run(chat_requests(60, rate=20.0), on_output=fail_on_the_tenth_output)
+    for engine in cluster.engines:
+        assert not engine.has_unfinished_requests()
+        assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
+
+
 def test_text_prompts_and_shared_sampling_options_reach_the_engine():
     engine = timed_model_engine(VirtualClock())
     text = WorkloadRequest("t", [5, 6, 7], 3, 0.0, prompt="five six seven")
