@@ -271,7 +271,16 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
         result = cluster.run(_handed_over(requests), sampling, on_output, start=start)
     except Exception as exc:
         recorder.close()
-        recorder.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False, **meta})
+        # The requests finished before the failure are measured (their rows are in requests.csv):
+        # the summary keeps their metrics, as an interrupted run's does.
+        try:
+            measured = summarize(records, max(e.clock.now() for e in engines) - start, slo, recorder.step_totals,
+                                 _hit_rate([e.allocator.stats for e in engines], hits0))
+        except Exception as summary_exc:  # the failure itself is what must be reported
+            log.warning("could not summarize the requests finished before the failure: %s", summary_exc)
+            measured = {}
+        recorder.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False,
+                                **meta, **measured})
         run_logger.finish(False)
         if isinstance(exc, ValueError):  # a ValueError from here on is a failure, not a configuration error
             raise RuntimeError(f"serving failed: {type(exc).__name__}: {exc}") from exc

@@ -224,6 +224,31 @@ def test_a_failure_while_serving_is_not_reported_as_a_configuration_error(tmp_pa
     assert summary["status"] == "failed" and "impossible" in summary["error"]
 
 
+def test_a_failure_while_serving_keeps_the_metrics_of_the_requests_finished_before_it(tmp_path):
+    # The summary of a failed run used to hold the error and nothing measured, though
+    # requests.csv had the finished requests' rows.
+    clock = VirtualClock()
+
+    def fail_after_5_steps(engine):
+        timed(clock)(engine)
+        first = engine.num_steps
+
+        def callback(stats, out):
+            if stats.step - first == 5:
+                raise RuntimeError("a bug in user code")
+
+        engine.step_callbacks.append(callback)
+
+    with pytest.raises(RuntimeError, match="a bug in user code"):
+        run_experiment(config("workload.output_len=[1,12]", "workload.num_requests=8", "plots=false"), tmp_path,
+                       clock=clock, on_engine=fail_after_5_steps)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "a bug in user code" in summary["error"]
+    rows = read_csv(tmp_path / "requests.csv")
+    assert 0 < len(rows) < 8 and summary["completed"] == len(rows)
+    assert summary["mean_ttft_ms"] == pytest.approx(100)  # all prefilled in the first 0.1 s step
+
+
 def test_a_sweep_goes_on_past_a_job_with_a_configuration_error(tmp_path):
     sweep = tmp_path / "sweep"
     done = subprocess.run([sys.executable, "-m", "framework.run", "-m", *BASE, *TINY, "slo.tpot_ms=0,50",
