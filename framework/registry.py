@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import site
+import sys
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any, Callable, Generic, TypeVar
@@ -150,8 +153,52 @@ class Registry(Generic[T]):
         return self._entry_points
 
     def refresh_plugins(self) -> None:
-        """Forget the cached entry points (after installing a plugin in a running interpreter)."""
+        """Forget the cached entry points and make packages installed since the interpreter
+        started importable (after ``pip install`` in a notebook): see ``read_new_path_files``."""
+        read_new_path_files()
         self._entry_points = None
+
+
+def read_new_path_files() -> None:
+    """Do for the site directories' ``.pth`` files what Python does with them only at start-up,
+    for the lines not done yet: put a folder that is not on ``sys.path`` on it, run an ``import``
+    line whose modules are not imported yet. ``pip install -e`` makes a package importable
+    through such a file (its source folder, or setuptools' import hook), so without this a
+    package installed editable in a running interpreter has its entry points listed but cannot
+    be imported. Import caches are invalidated first, so new modules are found."""
+    importlib.invalidate_caches()
+    site_dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE:
+        site_dirs.append(site.getusersitepackages())
+    for site_dir in site_dirs:
+        if site_dir not in sys.path:
+            continue  # Python did not read this one at start-up either (python -S, a foreign venv)
+        try:
+            names = sorted(n for n in os.listdir(site_dir) if n.endswith(".pth") and not n.startswith("."))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                with open(os.path.join(site_dir, name), encoding="utf-8") as f:
+                    lines = f.read().splitlines()
+            except (OSError, UnicodeDecodeError):
+                continue
+            for line in lines:
+                line = line.rstrip()
+                if not line or line.startswith("#"):
+                    continue
+                if line.startswith(("import ", "import\t")):
+                    modules = line[len("import"):].split(";")[0].split(",")
+                    if all(m.split(" as ")[0].strip() in sys.modules for m in modules):
+                        continue  # run at start-up (or imported since): running it again could do harm
+                    try:
+                        exec(line, {})
+                    except Exception:  # as at start-up, a broken line does not stop the others
+                        continue
+                else:
+                    path = os.path.abspath(os.path.join(site_dir, line))
+                    if os.path.exists(path) and path not in sys.path:
+                        sys.path.append(path)
 
 
 def _qualified(cls: type) -> str:

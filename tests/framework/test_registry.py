@@ -111,3 +111,48 @@ def test_every_registry_in_the_package_is_exported_from_framework():
     for name, registry in found.values():
         assert name in framework.__all__, f"{name} is not in framework.__all__"
         assert getattr(framework, name) is registry, name
+
+
+@pytest.mark.parametrize("pth", ["path", "import hook"])
+def test_refresh_plugins_loads_a_package_installed_editable_in_this_interpreter(tmp_path, monkeypatch, pth):
+    """docs/writing-a-policy.md: after `pip install -e ./my-policies` in a running interpreter (a
+    notebook), refresh_plugins() makes the plugin usable. An editable install makes its package
+    importable through a .pth file in site-packages (the source folder, or setuptools' import
+    hook), which Python reads only at start-up; the entry point alone was listed but failed to load."""
+    import site
+
+    site_dir, src = tmp_path / "site-packages", tmp_path / "src"
+    (src / "refresh_widget_pkg").mkdir(parents=True)
+    site_dir.mkdir()
+    (src / "refresh_widget_pkg" / "__init__.py").write_text(
+        "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
+        "    def schedule(self, scheduler, step):\n        pass\n")
+    monkeypatch.setattr(sys, "path", [str(site_dir), *sys.path])
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(site_dir)])
+    monkeypatch.setattr(site, "ENABLE_USER_SITE", False)
+    for module in ("refresh_widget_pkg", "_refresh_widget_finder"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.refresh-widgets")
+    assert reg.list() == []
+
+    # What `pip install -e` writes into site-packages: the metadata and a .pth file.
+    dist = site_dir / "refresh_widget-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: refresh-widget\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[tests.refresh-widgets]\nmine = refresh_widget_pkg:Widget\n")
+    if pth == "path":
+        (site_dir / "__editable__.refresh_widget-0.1.pth").write_text(f"{src}\n")
+    else:
+        (site_dir / "_refresh_widget_finder.py").write_text(
+            f"import sys\n\n\ndef install():\n    sys.path.append({str(src)!r})\n")
+        (site_dir / "__editable__.refresh_widget-0.1.pth").write_text(
+            "import _refresh_widget_finder; _refresh_widget_finder.install()\n")
+    try:
+        reg.refresh_plugins()
+        assert reg.list() == ["mine"]
+        assert type(reg.create("mine")).__name__ == "Widget"
+        reg.refresh_plugins()  # a second refresh runs nothing twice
+        assert sys.path.count(str(src)) == 1
+    finally:
+        sys.modules.pop("refresh_widget_pkg", None)
+        sys.modules.pop("_refresh_widget_finder", None)
