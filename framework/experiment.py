@@ -69,6 +69,16 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
             name, options = _split(cfg.cost_model, "roofline")
             kwargs["executor_options"]["cost_model"] = {
                 "name": name, **{k: v for k, v in options.items() if v is not None}}
+    else:
+        # The simulated device and cost model mean nothing to a real forward pass: taken silently,
+        # a "+hardware=h100-sxm" run on this CPU would be labelled as an H100 one in comparisons.
+        simulated_only = [key for key in ("hardware", "cost_model") if cfg.get(key) is not None]
+        if simulated_only:
+            executor = kwargs.get("executor", PARTS["executor"])
+            raise ValueError(f"{' and '.join(simulated_only)} {'is' if len(simulated_only) == 1 else 'are'} for "
+                             f"simulated runs only (the device and cost model that time their steps): add "
+                             f"executor=sim, or leave {'it' if len(simulated_only) == 1 else 'them'} out; "
+                             f"executor={executor} runs on engine.device")
     model, model_options = _split(cfg.get("model"), "tiny-llama")
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     unknown = sorted(set(engine) - ENGINE_KEYS)

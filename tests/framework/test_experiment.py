@@ -119,6 +119,9 @@ def cli(*args, cwd):
     (["scheduler.check_invariants=maybe"], "scheduler.check_invariants must be true or false"),
     (["executor=sim", "executor.fast_forward=maybe"], "executor.fast_forward must be true or false"),
     (["executor=sim", "cost_model=bogus"], "unknown cost model 'bogus'; registered cost models: .*roofline"),
+    # A simulated device or cost model given to the real forward pass used to be ignored silently.
+    (["+hardware=h100-sxm"], "hardware is for simulated runs only .*add executor=sim.*executor=model runs on engine.device"),
+    (["+cost_model.matmul_efficiency=0.5"], "cost_model is for simulated runs only .*add executor=sim"),
     (["engine.device=tpu"], "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     (["engine.seed=abc"], r"seed must be an integer in \[0, 2\*\*63\), got 'abc'"),
     (["engine.num_threads=0"], "num_threads must be a positive integer or null, got 0"),
