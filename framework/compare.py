@@ -71,14 +71,19 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def config_keys(run_dir: Path) -> dict[str, Any]:
+    """The run's config, flattened, as its files say it (nothing filled in from its summary)."""
+    # A run that failed on its configuration wrote no config.yaml; Hydra's copy says what it was.
+    paths = [p for p in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml") if p.is_file()]
+    config = yaml.safe_load(paths[0].read_text()) if paths else {}
+    return flatten(config or {})
+
+
 def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(summary, flat config)`` of one run; the parts' names come from the summary, since a
     config without ``+policy`` has no policy node."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    # A run that failed on its configuration wrote no config.yaml; Hydra's copy says what it was.
-    paths = [p for p in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml") if p.is_file()]
-    config = yaml.safe_load(paths[0].read_text()) if paths else {}
-    flat = flatten(config or {})
+    flat = config_keys(run_dir)
     for part in PART_NAMES:
         if summary.get(part) is not None:
             flat[f"{part}.name"] = summary[part]
@@ -161,6 +166,13 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
         # from the runs that ran, the table tells the configurations apart, the failed one included.
         ran = [f for s, f in loaded if s.get("status") != "failed"]
         keys = label_keys(ran if ran else flats, x)
+        if ran and len(ran) < len(flats):
+            # A failed run may differ from the others in a key of the config files they all have
+            # (the value that made it fail, engine.block_size=3): that key labels every run, or the
+            # failed run would look like one that ran. What only a run's summary records (the
+            # parts' names where a group was left out, the device) does not count.
+            written = [config_keys(r) for r in runs]
+            keys = sorted({*keys, *(k for k in label_keys(written, x) if all(k in f for f in written))})
     names = short_names(keys)
     rows = []
     for run_dir, (summary, flat) in zip(runs, loaded):

@@ -192,6 +192,23 @@ def test_a_run_that_failed_on_its_configuration_is_labelled_like_the_others(swee
         ("policy=b", 2, "completed"), ("policy=b", 4, "completed")]
 
 
+def test_a_failed_run_differing_in_a_key_the_others_share_is_labelled_by_it(tmp_path):
+    """-m engine.block_size=16,3: the run with 3 fails on its configuration. Its label used to be
+    computed from the run that ran alone, so both rows read 'a/naive' and the table did not say
+    which configuration failed."""
+    fake_run(tmp_path / "0", "a", None, 1.0, 1.0)
+    config = yaml.safe_load((tmp_path / "0" / "config.yaml").read_text())
+    config["engine"]["block_size"] = 16
+    (tmp_path / "0" / "config.yaml").write_text(yaml.safe_dump(config))
+    failed = tmp_path / "1"
+    (failed / ".hydra").mkdir(parents=True)
+    config["engine"]["block_size"] = 3
+    (failed / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (failed / "summary.json").write_text(json.dumps({"status": "failed", "error": "ValueError: block_size"}))
+    rows = comparison_rows([tmp_path])
+    assert [(r["label"], r["status"]) for r in rows] == [("block_size=16", "completed"), ("block_size=3", "failed")]
+
+
 def test_a_sweep_stopped_by_ctrl_c_compares_the_runs_it_made(sweep, capsys):
     from omegaconf import OmegaConf
 
