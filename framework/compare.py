@@ -158,7 +158,7 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
     flats = [f for _, f in loaded]
     # As --label's keys: a misspelt key would otherwise put every run at x = None, silently.
     if not any(x in f or x.split(".")[-1] in summary for summary, f in loaded):
-        raise ValueError(f"--x key {x!r} is not in the runs' configs (e.g. workload.rate, engine.max_num_seqs)")
+        raise ValueError(f"--x key {x!r} is not in the runs' configs{_choices_hint(flats)}")
     if label:
         keys = [_resolve_key(k, flats) for k in label]
     else:
@@ -196,8 +196,20 @@ def _resolve_key(key: str, flats: Sequence[dict[str, Any]]) -> str:
     matches = sorted(k for k in known if k.split(".")[-1] == key)
     if len(matches) == 1:
         return matches[0]
-    raise ValueError(f"--label key {key!r} is not in the runs' configs" +
-                     (f" (ambiguous: {', '.join(matches)})" if matches else ""))
+    if matches:
+        raise ValueError(f"--label key {key!r} is ambiguous: {', '.join(matches)}")
+    raise ValueError(f"--label key {key!r} is not in the runs' configs{_choices_hint(flats)}")
+
+
+def _choices_hint(flats: Sequence[dict[str, Any]]) -> str:
+    """What to pass instead of a key no run has: the config keys whose values differ between the
+    runs (the ones worth an axis or a label), else examples."""
+    keys = sorted({k for f in flats for k in f})
+    differ = [k for k in keys if not k.startswith(IGNORED_PREFIXES)
+              and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+    if differ:
+        return f"; keys that differ between these runs: {', '.join(differ)}"
+    return " (full keys of their config.yaml, e.g. workload.rate, engine.max_num_seqs; no key differs between these runs)"
 
 
 def _fmt(v: Any) -> str:

@@ -92,9 +92,12 @@ def test_cli(sweep, tmp_path, capsys):
     assert main([str(tmp_path / "empty")]) == 2
     assert "no runs" in capsys.readouterr().err
     assert main([str(sweep), "--label", "colour"]) == 2
+    # The error names the keys worth passing; it used to name none (--label) or two fixed examples (--x).
+    differ = "keys that differ between these runs: policy.budget, policy.name, workload.rate"
+    assert f"--label key 'colour' is not in the runs' configs; {differ}" in capsys.readouterr().err
     # A misspelt --x used to write a table and plots with every run at x = "-".
     assert main([str(sweep), "--out", str(tmp_path / "d"), "--x", "workload.rte"]) == 2
-    assert "--x key 'workload.rte' is not in the runs' configs" in capsys.readouterr().err
+    assert f"--x key 'workload.rte' is not in the runs' configs; {differ}" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
     assert main([str(sweep), "--out", str(tmp_path / "d"), "--x", "engine.enable_prefix_caching"]) == 0
 
