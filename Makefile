@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+TORCH_INDEX ?=
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup run test bench clean
@@ -12,12 +13,14 @@ export OMP_WAIT_POLICY ?= PASSIVE
 setup: $(VENV)/.installed
 	@$(PY) -m compileall -q framework policies backends models experiments
 
-# torch==2.13.0 goes in first: on a CPU machine it is the CPU wheel; anything looser would pull
-# several GB of CUDA packages. A torch already in the venv is kept.
+# torch==2.13.0 goes in first, pinned: anything looser would pull several GB of CUDA packages.
+# On these machines pip's configuration serves the CPU wheel; elsewhere, on a CPU machine, pass
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyPI's Linux wheel is the CUDA build).
+# A torch already in the venv is kept.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
