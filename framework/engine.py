@@ -287,11 +287,20 @@ class LLMEngine:
         returns the outputs of the requests that finished."""
         run = commit_decode_run(self, plan, num_steps)
         self._stalled_steps = 0
-        outputs = [o for o in self._make_outputs(run.finished_outside) if o.finished] if run.finished_outside else []
+        # A request of several sequences (n > 1) finishes with its last one: its output belongs
+        # to that step, not to the step of a sibling that finished earlier in the run (the run is
+        # applied whole, so every sibling already shows as finished here).
+        last: dict[str, int] = {}
+        for step, group in run.finished:  # in step order: the last step wins
+            for req in group:
+                last[req.parent_id or req.request_id] = step
+        outside = [r for r in run.finished_outside if (r.parent_id or r.request_id) not in last]
+        outputs = [o for o in self._make_outputs(outside) if o.finished] if outside else []
         if outputs:
             run.outputs_finished[1] = len(outputs)
         for step, group in run.finished:
-            done = [o for o in self._make_outputs(group) if o.finished]
+            done = [o for o in self._make_outputs([r for r in group if last[r.parent_id or r.request_id] == step])
+                    if o.finished]
             if done:
                 run.outputs_finished[step] = run.outputs_finished.get(step, 0) + len(done)
                 outputs += done

@@ -132,3 +132,13 @@ def test_forked_blocks_end_the_promise():
     assert alloc.decode_run_blocks([parent], 3) is None  # its partial block is shared: copy-on-write
     alloc.free(parent)
     alloc.free(child)
+
+
+def test_parallel_samples_finishing_on_different_steps_of_a_run(tmp_path):
+    """Under preemption the sequences of an n > 1 request fall out of step and finish on different
+    steps of one decode run. The request's output belonged to its first sequence's step: steps.csv
+    counted it finished early and requests.csv listed it before requests that finished sooner."""
+    options = dict(num_requests=60, n=3, preparer="v0", num_gpu_blocks_override=300, max_model_len=1024)
+    slow, fast = serve(False, tmp_path / "slow", **options), serve(True, tmp_path / "fast", **options)
+    assert fast[0] == slow[0] and fast[1] == slow[1] and fast[2] == slow[2] and fast[3] > 0
+    assert fast[2][4] > 0  # preemptions: what puts the sequences out of step
