@@ -235,11 +235,13 @@ class LLMEngine:
             if req.forks:
                 self._settle_forks(req)
         self._check_progress(out, done_elsewhere)
+        # Requests finished outside the step (ignored, aborted) finished before the step's own
+        # finishes: their outputs come first, in finish order, as a decode run delivers them.
         if final_only:
-            outputs = [o for o in self._make_outputs([r for r in progressed if r.is_finished] + done_elsewhere)
+            outputs = [o for o in self._make_outputs(done_elsewhere + [r for r in progressed if r.is_finished])
                        if o.finished]
         else:
-            outputs = self._make_outputs(progressed + done_elsewhere)
+            outputs = self._make_outputs(done_elsewhere + progressed)
         self.num_steps += 1
         if self.step_callbacks:
             stats = self._step_stats(out, start, sum(o.finished for o in outputs))

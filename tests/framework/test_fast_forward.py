@@ -9,6 +9,7 @@ from framework.cluster import Cluster
 from framework.fast_forward import declares_steady_decode
 from framework.recorder import RunRecorder
 from framework.request import Request, RequestStatus
+from framework.workload import WorkloadRequest
 from policies.fcfs import FCFSPolicy
 from tests.framework.sim_support import RunCounter, chat_requests
 
@@ -142,3 +143,18 @@ def test_parallel_samples_finishing_on_different_steps_of_a_run(tmp_path):
     slow, fast = serve(False, tmp_path / "slow", **options), serve(True, tmp_path / "fast", **options)
     assert fast[0] == slow[0] and fast[1] == slow[1] and fast[2] == slow[2] and fast[3] > 0
     assert fast[2][4] > 0  # preemptions: what puts the sequences out of step
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_request_ignored_on_arrival_comes_before_the_next_steps_finishes(fast):
+    """A request ignored on arrival finishes at once, and its output comes with the engine's next
+    step. When a request finished on that step too, stepping wrote the two rows of requests.csv
+    in one order and a decode run in the other; now both in finish order, the ignored one first."""
+    config = EngineConfig(model="llama-3-8b", executor="sim", max_model_len=128, executor_options={"fast_forward": fast})
+    first = WorkloadRequest("r1", [7] * 64, 3, 0.0)
+    (_, alone), = Cluster.build(config).run([first]).outputs
+    t1, t2, t3 = alone.metrics.token_times
+    seen = []
+    Cluster.build(config).run([first, WorkloadRequest("r2", [8] * 200, 3, (t1 + t2) / 2)],
+                              on_output=lambda i, out: seen.append((out.request_id, out.metrics.finished_time)))
+    assert seen == [("r2", t2), ("r1", t3)]
