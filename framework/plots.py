@@ -115,7 +115,8 @@ def binned_timeline(col: Mapping[str, np.ndarray], replicas: np.ndarray, bins: i
     """``(edges, prefill, decode, queues, kv)`` of the steps cut into ``bins`` equal time bins
     from 0 to the last step: prefill and decode tokens per second of each bin, the queue lengths
     summed over replicas (each replica's last value in the bin, carried over bins where it took
-    no step) and the KV usage averaged over replicas (each one's mean in the bin, carried over)."""
+    no step) and the KV usage averaged over replicas ``0 .. replicas.max()`` (each one's mean in the
+    bin, carried over; 0 for a replica without steps)."""
     t = col["time_s"]
     edges = np.linspace(0.0, float(t.max()) * (1 + 1e-9) + 1e-9, bins + 1)
     which = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, bins - 1)
@@ -127,6 +128,8 @@ def binned_timeline(col: Mapping[str, np.ndarray], replicas: np.ndarray, bins: i
     num_replicas = int(replicas.max()) + 1
     for r in range(num_replicas):
         mine = np.flatnonzero(replicas == r)
+        if not len(mine):  # a replica the router never used: no queue, no KV usage (0 in the mean)
+            continue
         mine = mine[np.argsort(t[mine], kind="stable")]
         ends = np.flatnonzero(np.append(which[mine][1:] != which[mine][:-1], True))  # each bin's last step
         for k in queues:

@@ -49,3 +49,15 @@ def test_timelines_of_short_runs_long_runs_and_clusters_are_drawn(tmp_path):
     one = {k: v[steps["replica"] == 0] for k, v in steps.items() if k != "replica"}
     assert timeline(one, tmp_path / "steps.png").read_bytes()[:8] == PNG
     assert timeline(one, tmp_path / "binned.png", max_points=2).read_bytes()[:8] == PNG
+
+
+def test_a_replica_without_steps_counts_as_idle(tmp_path):
+    """A router that never used a replica below the highest one (replica 1 of three here) made
+    the binned timeline fail with an IndexError, and the run with it after its summary."""
+    steps = steps_of_two_replicas()
+    steps["replica"] = steps["replica"] * 2  # replicas 0 and 2
+    col = {k: v.astype(float) for k, v in steps.items()}
+    _, _, _, queues, kv = binned_timeline(col, steps["replica"], 4)
+    assert queues["num_running"].tolist() == [14, 7, 6, 5]
+    assert kv.tolist() == pytest.approx([0.7 / 3, 0.7 / 3, 0.8 / 3, 0.9 / 3])  # replica 1 at 0
+    assert timeline(steps, tmp_path / "cluster.png").read_bytes()[:8] == PNG
