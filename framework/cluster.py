@@ -125,6 +125,10 @@ class Cluster:
             # caller's records): a replica outliving the run must not keep it alive.
             for replica in self.replicas:
                 replica._settle = lambda index, t: None
+                # Every request sent is finished or (below, or above on a failure) aborted, though
+                # finishes after the last arrival were never counted: none is outstanding for a
+                # later run.
+                replica.num_finished = replica.num_routed
         result.end_time = max(e.clock.now() for e in self.engines)
         result.unfinished = sorted(in_flight, key=lambda rid: (len(rid), rid))
         if result.interrupted and in_flight:

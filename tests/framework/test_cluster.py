@@ -259,3 +259,14 @@ def test_a_simulated_run_leaves_the_collector_on(tmp_path):
     cfg = compose_config("executor=sim", "workload.num_requests=5", "progress=false", "plots=false")
     assert run_experiment(cfg, tmp_path)["completed"] == 5
     assert gc.isenabled()
+
+
+def test_a_second_run_starts_with_nothing_outstanding():
+    """Finishes after a run's last arrival were never counted, so a cluster run again (``start``
+    defaults to the replicas' now) routed as if the earlier requests were still outstanding."""
+    shared = list(range(100, 400))
+    cluster = Cluster.build(CONFIG, num_replicas=2, router="prefix_aware", router_options={"max_imbalance": 0})
+    cluster.run([req(0.0, "r1", tokens=shared + [1])])
+    assert [r.num_outstanding for r in cluster.replicas] == [0, 0]
+    (i, _), = cluster.run([req(0.0, "r2", tokens=shared + [2])]).outputs
+    assert i == 0  # replica 0 caches the prefix and is as idle as replica 1 (load sent it to 1)
