@@ -35,12 +35,16 @@ class SharedPrefix:
         unknown = set(spec) - {"fraction", "num_prefixes", "prefix_len"}
         if unknown:
             raise ValueError(f"shared_prefix: unknown key(s) {sorted(unknown)}; valid: fraction, num_prefixes, prefix_len")
-        sp = cls(float(spec.get("fraction", 1.0)), int(spec.get("num_prefixes", 1)), int(spec.get("prefix_len", 0)))
-        if not 0.0 <= sp.fraction <= 1.0:
-            raise ValueError(f"shared_prefix.fraction must be in [0, 1], got {sp.fraction}")
-        if sp.num_prefixes < 1 or sp.prefix_len < 1:
-            raise ValueError(f"shared_prefix needs num_prefixes >= 1 and prefix_len >= 1, got {spec}")
-        return sp
+        fraction, num_prefixes, prefix_len = (spec.get("fraction", 1.0), spec.get("num_prefixes", 1),
+                                              spec.get("prefix_len", 0))
+        # Checked before any conversion: float("x") names no option, int(None) is a TypeError and
+        # int(1.5) or int(True) would silently give a different count.
+        if not (is_finite_number(fraction) and 0.0 <= fraction <= 1.0):
+            raise ValueError(f"shared_prefix.fraction must be a number in [0, 1], got {fraction!r}")
+        for name, value in (("num_prefixes", num_prefixes), ("prefix_len", prefix_len)):
+            if not (is_int(value) and value >= 1):
+                raise ValueError(f"shared_prefix.{name} must be an integer >= 1, got {value!r}")
+        return cls(float(fraction), int(num_prefixes), int(prefix_len))
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,12 @@ def test_explicit_class_rates_and_all_at_once_mix():
     ({"burstiness": 0}, "burstiness"),
     ({"shared_prefix": {"fraction": 2, "num_prefixes": 1, "prefix_len": 4}}, "fraction"),
     ({"shared_prefix": {"fraction": 0.5, "prefix_len": 4, "length": 3}}, "unknown key"),
+    # These used to be a TypeError, a ValueError naming no option, or silently truncated.
+    ({"shared_prefix": {"num_prefixes": None, "prefix_len": 4}}, r"shared_prefix\.num_prefixes must be an integer"),
+    ({"shared_prefix": {"fraction": "x", "prefix_len": 4}}, r"shared_prefix\.fraction must be a number"),
+    ({"shared_prefix": {"num_prefixes": 1.5, "prefix_len": 4}}, r"shared_prefix\.num_prefixes must be an integer"),
+    ({"shared_prefix": {"prefix_len": True}}, r"shared_prefix\.prefix_len must be an integer"),
+    ({"shared_prefix": {"fraction": 0.5}}, r"shared_prefix\.prefix_len must be an integer >= 1"),
     ({"priority_classes": [{"share": 1}]}, r"priority_classes\[0\]: needs a 'priority'"),
     ({"priority_classes": [{"priority": 0, "rate": 1.0}, {"priority": 1}]}, "every class a rate, or none"),
     ({"rate": 4.0, "priority_classes": [{"priority": 0, "rate": 1.0}]}, "set the workload's rate to null"),
