@@ -116,8 +116,10 @@ class SyntheticWorkload(Workload):
     def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:
         n = self.num_requests
         seeds = np.random.SeedSequence(self.seed).spawn(6)
-        arrival_rng, class_rng, prompt_rng, output_rng, token_rng, prefix_rng = (np.random.default_rng(s) for s in seeds)
-        times, class_of = self._arrivals(arrival_rng, class_rng)
+        # The second stream, once the all-at-once class mix, is unused; still spawned so that the
+        # streams after it, and so every seed's requests, stay as they were.
+        arrival_rng, _, prompt_rng, output_rng, token_rng, prefix_rng = (np.random.default_rng(s) for s in seeds)
+        times, class_of = self._arrivals(arrival_rng)
         classes = self.classes or [PriorityClass(0, self.rate, 1.0, self.prompt_len, self.output_len)]
         prompt_lens = np.zeros(n, dtype=np.int64)
         output_lens = np.zeros(n, dtype=np.int64)
@@ -148,23 +150,26 @@ class SyntheticWorkload(Workload):
                                                 int(output_lens[i]), float(times[i]), priorities[class_of[i]]))
         return requests
 
-    def _arrivals(self, arrival_rng: np.random.Generator, class_rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def _arrivals(self, arrival_rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Arrival times (sorted) and the class index of each request."""
         n = self.num_requests
         if not self.classes:
             return arrival_times(n, self.rate, self.burstiness, arrival_rng), np.zeros(n, dtype=np.int64)
         shares = np.array([c.share for c in self.classes])
         shares /= shares.sum()
-        rates = [c.rate for c in self.classes] if self.classes[0].rate is not None else (
-            [None] * len(shares) if self.rate is None else [self.rate * s for s in shares])
-        if rates[0] is None:  # all at once: classes mixed in the given proportions
-            return np.zeros(n), class_rng.choice(len(shares), size=n, p=shares)
+        explicit = self.classes[0].rate is not None
+        # All at once, the classes are ordered as the streams at unit total rate would order them:
+        # the same order as at any workload rate, so a sweep over rate (null included) changes
+        # only the times, as documented.
+        rates = [c.rate for c in self.classes] if explicit else [(self.rate or 1.0) * s for s in shares]
         # Superpose one arrival stream per class, each long enough alone, and keep the first n.
         streams = [arrival_times(n, r, self.burstiness, np.random.default_rng(s))
                    for r, s in zip(rates, arrival_rng.bit_generator.seed_seq.spawn(len(rates)))]
         times = np.concatenate(streams)
         labels = np.repeat(np.arange(len(streams)), n)
         order = np.argsort(times, kind="stable")[:n]
+        if self.rate is None and not explicit:
+            return np.zeros(n), labels[order]
         return times[order], labels[order]
 
     def _prefix_assignment(self, rng: np.random.Generator, ctx: WorkloadContext) -> list[np.ndarray | None]:

@@ -40,6 +40,17 @@ def test_changing_the_rate_changes_only_the_times():
     assert all(r.arrival_time == 0 for r in generate(num_requests=5, rate=None))
 
 
+def test_a_rate_sweep_including_null_changes_only_the_times_of_priority_classes():
+    # All at once used to mix the classes by a draw of its own: other priorities, prompts and
+    # lengths per request than at any rate.
+    classes = [{"priority": 0, "share": 1, "prompt_len": [4, 8]}, {"priority": 1, "share": 5, "prompt_len": [40, 80]}]
+    runs = [generate(num_requests=200, rate=rate, priority_classes=classes) for rate in (None, 6.0, 12.0)]
+    for other in runs[1:]:
+        assert [(r.priority, r.prompt_token_ids.tolist(), r.output_len) for r in runs[0]] == \
+               [(r.priority, r.prompt_token_ids.tolist(), r.output_len) for r in other]
+    assert all(r.arrival_time == 0 for r in runs[0])
+
+
 def test_shared_prefix_fraction_and_length():
     n, prefix_len = 40, 32
     reqs = generate(num_requests=n, prompt_len=[5, 10], seed=3,
