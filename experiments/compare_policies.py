@@ -94,7 +94,7 @@ COUNTS = ("preemptions", "swap_outs", "recomputes", "blocks_out", "blocks_in", "
           "recomputed_tokens")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chats", type=int, default=96)
     p.add_argument("--long", type=int, default=6)
@@ -104,7 +104,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="workload seeds; medians are printed")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    # Checked before any run: a zero count used to fail after minutes of serving, in a percentile
+    # of no requests (every table has chat and long-prompt columns), a zero rate in expovariate.
+    for name in ("chats", "long", "blocks", "budget", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not (0 < args.rate < float("inf")):
+        p.error(f"--rate must be a positive number of arrivals per second, got {args.rate}")
     configs = [
         # fcfs admits whole prompts only: its budget must hold the longest one.
         ("fcfs", "fcfs", dict(max_num_batched_tokens=1024)),
