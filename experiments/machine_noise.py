@@ -95,7 +95,9 @@ def measure(model: str, seconds: float, max_tokens: int = 400, seed: int = 0) ->
 
 def at_typical_context(step: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """``step`` divided by the median of the steps at the same position and multiplied by the
-    median of all."""
+    median of all. No steps give no steps (a run too short for one)."""
+    if not len(step):
+        return step
     typical = np.zeros(positions.max() + 1)
     for pos in np.unique(positions):
         typical[pos] = np.median(step[positions == pos])
@@ -126,8 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.max_tokens < 2 or args.window < 1:
         ap.error("--max-tokens must be >= 2 and --window >= 1")
+    if not (0 < args.seconds < float("inf")):
+        ap.error(f"--seconds must be a positive number, got {args.seconds}")
     times = measure(args.model, args.seconds, args.max_tokens)
-    summary = summarize(times, args.window)
+    try:
+        summary = summarize(times, args.window)
+    except ValueError as exc:  # too few steps for the windows: the arguments' fault, not a crash
+        ap.error(f"{exc} (--seconds {args.seconds:g}, --window {args.window})")
     names = list(summary)
     print(f"{len(times['step'])} decode steps of {args.model}; medians (ms) of windows of {args.window}:")
     print("  ".join(f"{name:>9s}" for name in names))

@@ -43,3 +43,22 @@ def test_a_short_run_times_decode_steps_and_every_probe(capsys):
     assert len(windows) == 1 and windows.pop() >= 2  # every series has a value per step
     assert all(m > 0 for s in summary.values() for m in s["window_medians"])
     assert "correlation with the steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    # --seconds 0 or -1 used to end in numpy's "zero-size array to reduction operation maximum",
+    # a run too short for two windows in a ValueError traceback.
+    (["--seconds", "0"], "--seconds must be a positive number, got 0.0"),
+    (["--seconds", "-1"], "--seconds must be a positive number"),
+    (["--seconds", "nan"], "--seconds must be a positive number"),
+    (["--seconds", "0.5", "--window", "100000", "--max-tokens", "4"], "fewer than two windows of 100000"),
+])
+def test_bad_arguments_are_usage_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        machine_noise.main(argv)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_no_steps_at_a_typical_context_are_no_steps():
+    assert machine_noise.at_typical_context(np.array([]), np.array([], dtype=np.int64)).size == 0
