@@ -174,12 +174,17 @@ def measure(steps, repeats: int, names=("v0", "v1"), turn: int = 1) -> dict[str,
     return samples
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--turn", type=int, default=1,
                         help="consecutive steps per preparer before the other takes over (default 1: strict alternation)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # 0 used to fail after the warm-up, in statistics.median of no timings (--repeats) or in
+    # range() with a zero step (--turn).
+    for name in ("repeats", "turn"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     print("| requests | scheduled tokens | v0 median (ms) | v1 median (ms) | v1 speed-up (median) "
           "| v1 speed-up (min) | v1 us / 1k tokens |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

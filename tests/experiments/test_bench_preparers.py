@@ -29,3 +29,14 @@ def test_measure_takes_turns_of_the_given_length(repeats, turn):
             lengths.append(1)
     assert all(n == min(turn, repeats) for n in lengths[:-2])  # the last turn of each may be short
     assert len(set(map(id, runs))) == 2
+
+
+@pytest.mark.parametrize("argv, match", [(["--repeats", "0"], "--repeats must be at least 1, got 0"),
+                                         (["--turn", "0"], "--turn must be at least 1, got 0"),
+                                         (["--turn", "-2"], "--turn must be at least 1")])
+def test_bad_arguments_are_usage_errors(argv, match, capsys):
+    with mock.patch.object(bench, "make_steps", side_effect=AssertionError("measured despite a bad argument")), \
+            pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
