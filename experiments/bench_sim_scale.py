@@ -62,6 +62,13 @@ def main() -> None:
     ap.add_argument("--out", default="outputs/bench_sim_scale")
     ap.add_argument("overrides", nargs="*", help="further Hydra overrides (after --)")
     args = ap.parse_args()
+    # Checked here: --replicas 0 used to run one replica silently (no +cluster below 2), and the
+    # others failed with a traceback from deep in the run.
+    for name in ("requests", "tp", "replicas"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not (0 < args.rate < float("inf")):
+        ap.error(f"--rate must be a positive number of requests per second, got {args.rate}")
 
     t_compose = time.perf_counter()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
