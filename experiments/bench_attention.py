@@ -145,6 +145,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--flush-mb", type=int, default=None,
                    help="buffer rewritten before each timed call to evict the caches (default 64 CPU, 256 CUDA)")
     args = p.parse_args(argv)
+    # Checked before any timing: 0 used to be taken as "the default" for --iters, --heads,
+    # --kv-heads and --head-dim (their `or` defaults), and to crash in the cases otherwise.
+    for name in ("heads", "kv_heads", "head_dim", "iters", "threads", "block_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("decode_batches", "decode_contexts", "prefill_batches", "prefill_lens"):
+        values = getattr(args, name)
+        if values is not None and min(values) < (0 if name == "decode_contexts" else 1):
+            p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'decode_contexts' else 'positive'}, "
+                    f"got {','.join(map(str, values))}")
+    if args.flush_mb is not None and args.flush_mb < 0:
+        p.error(f"--flush-mb must be at least 0, got {args.flush_mb}")
 
     device = resolve_device(args.device)
     gpu = device.type == "cuda"
@@ -154,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     heads = args.heads or (32 if gpu else 8)
     kv_heads = args.kv_heads or (8 if gpu else 4)
     head_dim = args.head_dim or (128 if gpu else 32)
+    if heads % kv_heads:
+        p.error(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
     args.decode_batches = args.decode_batches or ([1, 16, 64, 256] if gpu else [8, 64])
     args.decode_contexts = args.decode_contexts or ([1024, 4096, 16384] if gpu else [128, 512, 2048])
     args.prefill_batches = args.prefill_batches or ([1, 8] if gpu else [1, 8])
