@@ -193,7 +193,8 @@ def main() -> None:
         print("   real", json.dumps({k: round(v, 5) for k, v in real.items()}))
         print("   sim ", json.dumps({k: round(v, 5) for k, v in sim.items()}), flush=True)
     for key in ("step_time_median_abs_err", "noise_floor_median_abs", "ttft_p50_rel_err", "tpot_p50_rel_err"):
-        print(f"{key:26s} " + "  ".join(f"{r[key]:+.3f}" for r in rows))
+        # The floor is None when no batch shape repeats often enough to have one.
+        print(f"{key:26s} " + "  ".join("     -" if r[key] is None else f"{r[key]:+.3f}" for r in rows))
     sys.stdout.flush()
 
 

@@ -87,9 +87,13 @@ class SyntheticWorkload(Workload):
         self.seed = seed
 
     def _parse_classes(self, specs: list[dict[str, Any]]) -> list[PriorityClass]:
+        if not isinstance(specs, (list, tuple)):
+            raise ValueError(f"priority_classes must be a list of {{priority, rate | share, ...}} mappings, got {specs!r}")
         classes = []
         for i, spec in enumerate(specs):
             what = f"priority_classes[{i}]"
+            if not isinstance(spec, dict):
+                raise ValueError(f"{what} must be a mapping with a 'priority' and a 'rate' or 'share', got {spec!r}")
             unknown = set(spec) - {"priority", "rate", "share", "prompt_len", "output_len"}
             if unknown:
                 raise ValueError(f"{what}: unknown key(s) {sorted(unknown)}; valid: priority, rate, share, prompt_len, output_len")

@@ -106,6 +106,8 @@ def test_explicit_class_rates_and_all_at_once_mix():
     ({"priority_classes": [{"priority": 0, "rate": 1.0}, {"priority": 1}]}, "every class a rate, or none"),
     ({"rate": 4.0, "priority_classes": [{"priority": 0, "rate": 1.0}]}, "set the workload's rate to null"),
     ({"colour": "red"}, "workload 'synthetic'.*colour"),
+    ({"priority_classes": "abc"}, "priority_classes must be a list of"),
+    ({"priority_classes": [5]}, r"priority_classes\[0\] must be a mapping"),
     ({"priority_classes": [{"priority": "high"}]}, r"priority_classes\[0\]\.priority must be an integer"),
     ({"priority_classes": [{"priority": 1.5}]}, r"priority_classes\[0\]\.priority must be an integer"),
     ({"priority_classes": [{"priority": 0, "share": "abc"}]}, r"priority_classes\[0\]\.share must be a finite"),
