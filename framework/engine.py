@@ -82,12 +82,13 @@ class LLMEngine:
         self.policy = POLICIES.create(config.policy, **config.policy_options)
         self.executor = EXECUTORS.create(config.executor, config, self.source, self.clock, **config.executor_options)
         num_blocks, num_cpu_blocks = self.executor.kv_block_counts()
-        capacity = (num_blocks - 1) * config.block_size
+        usable = max(num_blocks - 1, 0)  # a budget below one block sizes no block, not the null block
+        capacity = usable * config.block_size
         if capacity < config.max_model_len:
             raise ValueError(
-                f"the KV cache holds {num_blocks - 1} blocks x {config.block_size} tokens = {capacity} tokens, "
-                f"less than one request of max_model_len={config.max_model_len}; raise num_gpu_blocks_override "
-                f"/ kv_cache_memory_gb or lower max_model_len")
+                f"the KV cache holds {usable} blocks x {config.block_size} tokens = {capacity} tokens, "
+                f"less than one request of max_model_len={config.max_model_len}; raise {_kv_cache_setting(config)} "
+                f"or lower max_model_len")
         self.executor.initialize(num_blocks, num_cpu_blocks)
         self.allocator = ALLOCATORS.create(config.allocator, num_blocks=num_blocks, block_size=config.block_size,
                                            num_cpu_blocks=num_cpu_blocks,
@@ -386,6 +387,17 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority)
+
+
+def _kv_cache_setting(config: EngineConfig) -> str:
+    """The setting that sized the KV cache, in ``EngineConfig``'s order of precedence: what to
+    raise when it is too small."""
+    if config.num_gpu_blocks_override is not None:
+        return f"num_gpu_blocks_override (now {config.num_gpu_blocks_override})"
+    if config.kv_cache_memory_gb is not None:
+        return f"kv_cache_memory_gb (now {config.kv_cache_memory_gb})"
+    return (f"cpu_kv_cache_gb (now {config.cpu_kv_cache_gb}, the budget on a CPU), gpu_memory_utilization "
+            f"(now {config.gpu_memory_utilization}, on a GPU), set kv_cache_memory_gb or num_gpu_blocks_override,")
 
 
 def check_request_args(params: Any, arrival_time: Any = None, priority: Any = 0) -> None:

@@ -88,6 +88,10 @@ def test_unknown_component_names_list_registered_ones(kwargs, match):
     ({"block_size": 12}, "power of two"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"num_gpu_blocks_override": 4}, "less than one request of max_model_len=256"),
+    # A budget below one block: no negative block count, and the setting that sized the cache named.
+    ({"cpu_kv_cache_gb": 1e-6}, r"holds 0 blocks .*; raise cpu_kv_cache_gb \(now 1e-06"),
+    ({"kv_cache_memory_gb": 1e-6}, r"holds 0 blocks .*; raise kv_cache_memory_gb \(now 1e-06\)"),
+    ({"num_gpu_blocks_override": 3}, r"raise num_gpu_blocks_override \(now 3\) or lower max_model_len"),
     ({"max_model_len": 100_000}, "exceeds the model's max_position_embeddings"),
     ({"policy_options": {"bogus": 1}}, "bogus"),
     ({"num_gpu_blocks_override": 2.5}, "num_gpu_blocks_override must be an integer"),
