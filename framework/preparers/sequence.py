@@ -220,11 +220,11 @@ class SequenceGroup:
 
     def get_max_num_running_seqs(self) -> int:
         """The most sequences this group can run at once for the rest of its life: ``n`` while
-        only the prompt's sequence exists (the others are forked when it is sampled), then the
-        unfinished ones."""
-        n = self.sampling_params.n
-        if n > self.num_seqs():
-            return n
+        its prompt is computed (the others are forked when it is sampled), then the unfinished
+        ones (the v0 preparer drops finished ones from the group, so counting the group's
+        sequences against ``n`` would not tell the two apart)."""
+        if self.is_prefill():
+            return self.sampling_params.n
         return self.num_unfinished_seqs()
 
     def add(self, seq: Sequence) -> None:

@@ -70,6 +70,8 @@ def test_max_num_running_seqs_is_n_until_forked_then_the_unfinished():
     group.seqs_dict[2].status = SequenceStatus.FINISHED_STOPPED
     assert group.get_max_num_running_seqs() == 3 and group.num_unfinished_seqs() == 3
     assert group.num_seqs(SequenceStatus.FINISHED_STOPPED) == 1 and not group.is_finished()
+    del group.seqs_dict[2]  # as the v0 preparer drops a finished sequence
+    assert group.get_max_num_running_seqs() == 3
     with pytest.raises(ValueError, match="already in group"):
         group.add(group.seqs_dict[1])
     single = SequenceGroup("s", [Sequence(9, [1], 2)], SamplingParams(n=1))
