@@ -60,10 +60,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
         self.clock = clock or EXECUTORS.get(config.executor).make_clock()
-        if config.num_threads:
-            import torch  # here, not at module level: simulated runs never load torch
-
-            torch.set_num_threads(config.num_threads)
         self.source = resolve_model(config.model)
         self.model_config = self.source.config
         config.max_model_len = self._resolve_max_model_len()

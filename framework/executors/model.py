@@ -44,6 +44,8 @@ class ModelExecutor(Executor):
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
                 f"pass a Hugging Face checkpoint directory to the model executor")
         cfg = source.config
+        if config.num_threads:  # here, not in the engine: a simulated run never loads torch
+            torch.set_num_threads(config.num_threads)
         self._device = resolve_device(config.device)
         if self._device.type == "cpu":
             keep_freed_memory()

@@ -43,3 +43,17 @@ def test_copies_run_after_swaps_and_leave_other_blocks_alone():
     assert block(r.kv_cache, 1) == (100, -100) and block(r.kv_cache, 4) == (100, -100)
     untouched = [0, 2, 3, 5]
     assert torch.equal(r.kv_cache[:, :, untouched], before[:, :, untouched])
+
+
+def test_the_model_executor_applies_num_threads():
+    import torch
+
+    from framework import EngineConfig, LLMEngine
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, num_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -153,3 +153,12 @@ def test_hardware_figures_must_be_finite_numbers(field, value, message):
     spec = {**load_hardware("a100-80gb").to_dict(), field: value}
     with pytest.raises(ValueError, match=message):
         load_hardware(spec)
+
+
+def test_a_simulated_engine_never_loads_torch_even_with_num_threads():
+    # num_threads is the forward pass's setting: it used to import torch in the engine itself.
+    code = ("import sys; from framework import LLM; "
+            "LLM(model='tiny-llama', executor='sim', num_threads=1, executor_options={'hardware': 'cpu'}); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
