@@ -116,9 +116,7 @@ class Cluster:
         except BaseException:
             # A failure (a policy's, a workload's or a callback's bug) propagates, but the requests
             # it left in flight give their KV blocks back first: no block outlives the run.
-            for engine in self.engines:
-                if engine.has_unfinished_requests():
-                    _abort(engine, sorted(in_flight))
+            _abort(self.engines, in_flight)
             raise
         finally:
             # The run's settle closure reaches its whole state (on_output, and through it the
@@ -131,10 +129,8 @@ class Cluster:
                 replica.num_finished = replica.num_routed
         result.end_time = max(e.clock.now() for e in self.engines)
         result.unfinished = sorted(in_flight, key=lambda rid: (len(rid), rid))
-        if result.interrupted and in_flight:
-            for engine in self.engines:
-                if engine.has_unfinished_requests():
-                    _abort(engine, result.unfinished)
+        if result.interrupted:
+            _abort(self.engines, in_flight)
         return result
 
     def _serve(self, source: Iterator[WorkloadRequest], sampling: dict[str, Any], start: float, emit: OnOutput,
@@ -281,14 +277,17 @@ def check_num_replicas(num_replicas: Any, executor: str | None = None) -> None:
         raise ValueError(NEEDS_SIMULATED_TIME)
 
 
-def _abort(engine: LLMEngine, request_ids: list[str]) -> None:
+def _abort(engines: Sequence[LLMEngine], in_flight: set[str]) -> None:
     """Abort what is still in flight and let one empty step hand back the aborted requests, so
-    the engine ends with every KV block free. Best effort: the measurements are already safe."""
-    callbacks, engine.step_callbacks = engine.step_callbacks, []  # this step is no measurement
-    try:
-        engine.abort_request(request_ids)
-        engine.step()
-    except Exception as exc:  # an interrupt may have left the step half done
-        logger.warning("could not abort the unfinished requests cleanly: %s", exc)
-    finally:
-        engine.step_callbacks = callbacks
+    every engine ends with every KV block free. Best effort: the measurements are already safe."""
+    for engine in engines:
+        if not (in_flight and engine.has_unfinished_requests()):
+            continue
+        callbacks, engine.step_callbacks = engine.step_callbacks, []  # this step is no measurement
+        try:
+            engine.abort_request(sorted(in_flight))
+            engine.step()
+        except Exception as exc:  # an interrupt may have left the step half done
+            logger.warning("could not abort the unfinished requests cleanly: %s", exc)
+        finally:
+            engine.step_callbacks = callbacks

@@ -119,11 +119,16 @@ def short_names(keys: Sequence[str]) -> dict[str, str]:
     return {k: s if list(short.values()).count(s) == 1 else k for k, s in short.items()}
 
 
+def varying_keys(flats: Sequence[dict[str, Any]]) -> list[str]:
+    """Config keys whose values differ between runs, bookkeeping keys left out."""
+    keys = sorted({k for f in flats for k in f})
+    return [k for k in keys if not k.startswith(IGNORED_PREFIXES)
+            and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+
+
 def label_keys(flats: Sequence[dict[str, Any]], x: str) -> list[str]:
     """Config keys whose values differ between runs, other than ``x`` and bookkeeping keys."""
-    keys = sorted({k for f in flats for k in f})
-    varying = [k for k in keys if k != x and not k.startswith(IGNORED_PREFIXES)
-               and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+    varying = [k for k in varying_keys(flats) if k != x]
     # A part's options follow its name; the name alone tells the parts apart. Where the name is
     # the same but the group's config file differs (workload=chat against workload=poisson, both
     # synthetic), the file's name stands for the options it set.
@@ -204,9 +209,7 @@ def _resolve_key(key: str, flats: Sequence[dict[str, Any]]) -> str:
 def _choices_hint(flats: Sequence[dict[str, Any]]) -> str:
     """What to pass instead of a key no run has: the config keys whose values differ between the
     runs (the ones worth an axis or a label), else examples."""
-    keys = sorted({k for f in flats for k in f})
-    differ = [k for k in keys if not k.startswith(IGNORED_PREFIXES)
-              and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+    differ = varying_keys(flats)
     if differ:
         return f"; keys that differ between these runs: {', '.join(differ)}"
     return " (full keys of their config.yaml, e.g. workload.rate, engine.max_num_seqs; no key differs between these runs)"

@@ -115,6 +115,18 @@ def is_finite_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def parse_finite_float(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number or a string of one (a hand-written YAML, a
+    CSV cell), else None: a bool, NaN, infinity or other text is no such number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
 def check_positive_int(name: str, value: Any, optional: bool = False) -> None:
     """ValueError naming ``name`` unless ``value`` is an int >= 1 (a bool is not), or None when
     ``optional``."""

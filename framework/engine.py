@@ -392,8 +392,8 @@ def _kv_cache_setting(config: EngineConfig) -> str:
         return f"num_gpu_blocks_override (now {config.num_gpu_blocks_override})"
     if config.kv_cache_memory_gb is not None:
         return f"kv_cache_memory_gb (now {config.kv_cache_memory_gb})"
-    return (f"cpu_kv_cache_gb (now {config.cpu_kv_cache_gb}, the budget on a CPU), gpu_memory_utilization "
-            f"(now {config.gpu_memory_utilization}, on a GPU), set kv_cache_memory_gb or num_gpu_blocks_override,")
+    return (f"cpu_kv_cache_gb (now {config.cpu_kv_cache_gb}) on a CPU or gpu_memory_utilization "
+            f"(now {config.gpu_memory_utilization}) on a GPU, set kv_cache_memory_gb or num_gpu_blocks_override,")
 
 
 def check_request_args(params: Any, arrival_time: Any = None, priority: Any = 0) -> None:
@@ -440,7 +440,6 @@ def _token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:
 def _out_of_vocabulary(ids: list[int], vocab_size: int) -> None:
     bad = next(t for t in ids if not 0 <= t < vocab_size)
     raise ValueError(f"prompt token id {bad} is out of the vocabulary [0, {vocab_size})")
-
 
 
 def _min(values: Iterable[float | None]) -> float | None:

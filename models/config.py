@@ -126,6 +126,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias: Llama's ``attention_bias`` covers
+        it (as transformers' LlamaAttention), Qwen2's q/k/v biases do not."""
+        return self.attention_bias and self.model_type != "qwen2"
+
     def num_params(self) -> int:
         """Parameters of the model ``models/llama.py`` builds for this config, biases included."""
         return self.num_params_per_device(1)
@@ -141,7 +147,9 @@ class ModelConfig:
         i, v = self.intermediate_size // tp, -(-self.vocab_size // tp)
         attn = h * (qs + 2 * kvs) + qs * h
         if self.attention_bias:
-            attn += qs + 2 * kvs + (h if self.model_type != "qwen2" else 0)
+            attn += qs + 2 * kvs
+        if self.o_proj_bias:
+            attn += h
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         head = 0 if self.tie_word_embeddings else v * h
         return self.num_hidden_layers * (attn + mlp + 2 * h) + v * h + head + h

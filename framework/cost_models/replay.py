@@ -7,11 +7,11 @@ clause does not hold, and a run that takes more steps than were recorded is an e
 from __future__ import annotations
 
 import csv
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from framework.config import parse_finite_float
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.hardware import Hardware
 from models.config import ModelConfig
@@ -53,11 +53,8 @@ def _durations(values: Sequence[Any], source: str) -> list[float]:
     NaN would pass a ``>= 0`` test as false and make the clock, and every latency, NaN."""
     out = []
     for k, value in enumerate(values):
-        try:
-            d = math.nan if isinstance(value, bool) else float(value)
-        except (TypeError, ValueError):
-            d = math.nan
-        if not (math.isfinite(d) and d >= 0):
+        d = parse_finite_float(value)
+        if d is None or d < 0:
             raise ValueError(f"replayed step durations must be finite numbers >= 0 seconds; {source} has {value!r} "
                              f"at step {k + 1}")
         out.append(d)

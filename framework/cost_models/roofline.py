@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from framework.config import parse_finite_float
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.hardware import Hardware
 from models.config import ModelConfig
@@ -289,11 +290,8 @@ def _number(name: str, value: Any, source: str | None = None) -> float:
     written by hand may give). ``source`` names where it came from, for the error. A NaN or an
     infinity would pass the range checks and make every step time NaN or infinite, and with
     them every latency of the run."""
-    try:
-        x = math.nan if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        x = math.nan
-    if not math.isfinite(x):
+    x = parse_finite_float(value)
+    if x is None:
         where = f" (from {source})" if source else ""
         raise ValueError(f"roofline {name}{where} must be a finite number, got {value!r}")
     return x

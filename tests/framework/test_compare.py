@@ -252,13 +252,10 @@ def test_ctrl_c_in_a_sweep_through_the_cli_keeps_a_comparison(tmp_path):
     assert "| completed |" in table and "| interrupted |" in table and "comparison of the runs so far" in err
 
 
-def test_a_parallel_sweep_interrupted_through_its_parent_marks_every_job(tmp_path):
-    """``kill -INT`` to the parent only (not a terminal's Ctrl-C to the group): joblib kills its
-    workers with SIGKILL, which no job can handle, so the parent marks what they left ``running``."""
-    import signal
+def start_parallel_sweep(sweep_dir):
+    """A two-job joblib sweep, returned once both jobs are serving (a second into their steps)."""
     import time
 
-    sweep_dir = tmp_path / "sweep"
     proc = subprocess.Popen(
         [sys.executable, "-m", "framework.run", "-m", "hydra/launcher=parallel", "engine.num_threads=1",
          "workload.num_requests=5000", "workload.rate=20,40", "progress=false", "plots=false",
@@ -270,6 +267,16 @@ def test_a_parallel_sweep_interrupted_through_its_parent_marks_every_job(tmp_pat
             not all((sweep_dir / str(i) / "steps.csv").exists() for i in range(2)):
         time.sleep(0.1)
     time.sleep(1.0)
+    return proc
+
+
+def test_a_parallel_sweep_interrupted_through_its_parent_marks_every_job(tmp_path):
+    """``kill -INT`` to the parent only (not a terminal's Ctrl-C to the group): joblib kills its
+    workers with SIGKILL, which no job can handle, so the parent marks what they left ``running``."""
+    import signal
+
+    sweep_dir = tmp_path / "sweep"
+    proc = start_parallel_sweep(sweep_dir)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
@@ -301,17 +308,7 @@ def test_a_parallel_sweep_terminated_through_its_parent_stops_as_on_ctrl_c(tmp_p
     import time
 
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "framework.run", "-m", "hydra/launcher=parallel", "engine.num_threads=1",
-         "workload.num_requests=5000", "workload.rate=20,40", "progress=false", "plots=false",
-         f"hydra.sweep.dir={sweep_dir}"],
-        cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and \
-            not all((sweep_dir / str(i) / "steps.csv").exists() for i in range(2)):
-        time.sleep(0.1)
-    time.sleep(1.0)
+    proc = start_parallel_sweep(sweep_dir)
     workers = _children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     try:

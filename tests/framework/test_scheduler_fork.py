@@ -27,13 +27,19 @@ def prefilled_leader(sched, prompt):
     return leader, out
 
 
-def test_fork_shares_blocks_and_announces_the_child_as_new():
+def forked_pair():
+    """A leader prefilled over a 6-token prompt (blocks of 4) and its child forked with token 77."""
     sched, alloc = setup()
     prompt = list(range(3, 9))
     leader, out = prefilled_leader(sched, prompt)
     child = Request("p#1", prompt, PARAMS, 0.0)
     sched.fork(leader, child, 77)
     sched.update_from_output(out, {"p#0": 50})
+    return sched, alloc, prompt, leader, child
+
+
+def test_fork_shares_blocks_and_announces_the_child_as_new():
+    sched, alloc, prompt, leader, child = forked_pair()
     assert child.status == RequestStatus.RUNNING and child.block_ids == leader.block_ids
     assert child.token_ids == prompt + [77] and child.num_computed_tokens == 6
     assert [alloc._blocks[b].ref_count for b in leader.block_ids] == [2, 2]
@@ -46,12 +52,7 @@ def test_fork_shares_blocks_and_announces_the_child_as_new():
 def test_a_fork_is_announced_by_the_first_output_that_runs():
     # A policy may idle a step; the engine skips an output with nothing to run, so announcing the
     # child there left the runner without its row when it was scheduled (a KeyError in v0).
-    sched, alloc = setup()
-    prompt = list(range(3, 9))
-    leader, out = prefilled_leader(sched, prompt)
-    child = Request("p#1", prompt, PARAMS, 0.0)
-    sched.fork(leader, child, 77)
-    sched.update_from_output(out, {"p#0": 50})
+    sched, _, _, leader, child = forked_pair()
     sched.policy.schedule = lambda scheduler, step: None  # the policy idles this step
     idle = sched.schedule()
     del sched.policy.schedule
