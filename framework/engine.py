@@ -358,7 +358,7 @@ class LLMEngine:
             if self.tokenizer is not None and req.sampling_params.detokenize and ids:
                 # The stop token's text is left out (a non-special EOS or stop id would show).
                 shown = ids[:-1] if req.status == RequestStatus.FINISHED_STOPPED else ids
-                text = self.tokenizer.decode(shown, skip_special_tokens=True)
+                text = decode_continuation(self.tokenizer, first.prompt_token_ids, shown)
             completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
         # n > 1: one time per step that gave any sequence a token, as a streaming client receives
         # them, so TPOT and the ITLs are a sequence's pace, not the pace of all tokens together.
@@ -383,6 +383,26 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority)
+
+
+#: Prompt tokens decoded before the output as its context, as vLLM's incremental detokenizer does.
+DETOKENIZE_CONTEXT = 5
+
+
+def decode_continuation(tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
+    """The text ``output_ids`` add after ``prompt_ids``: ``decode(tail + output)`` minus
+    ``decode(tail)`` for the prompt's last few tokens, so that prompt text + output text reads
+    as the whole sequence. Decoded alone, a SentencePiece word's leading space ("▁world") would
+    be dropped; vLLM keeps it. When the tail's text is not a prefix of the whole (a character
+    split across the boundary), the output is decoded alone."""
+    tail = list(prompt_ids[-DETOKENIZE_CONTEXT:])
+    if not tail:
+        return tokenizer.decode(output_ids, skip_special_tokens=True)
+    prefix = tokenizer.decode(tail, skip_special_tokens=True)
+    whole = tokenizer.decode(tail + list(output_ids), skip_special_tokens=True)
+    if whole.startswith(prefix):
+        return whole[len(prefix):]
+    return tokenizer.decode(output_ids, skip_special_tokens=True)
 
 
 def _kv_cache_setting(config: EngineConfig) -> str:

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 class CompletionOutput:
     """One sequence's output. ``token_ids`` are every sampled token, a stop token (EOS, or one of
     ``stop_token_ids``) included; ``text`` is their decoded text without the stop token's, as
-    vLLM gives it (empty without a tokenizer or with ``detokenize=False``). ``finish_reason`` is
-    ``stop``, ``length`` or ``abort`` once finished; ``stop_reason`` the stop token id that ended
-    it (None for EOS)."""
+    vLLM gives it: decoded after the prompt's last tokens, so that prompt text + ``text`` reads
+    as the whole sequence (a SentencePiece word keeps its leading space); empty without a
+    tokenizer or with ``detokenize=False``. ``finish_reason`` is ``stop``, ``length`` or
+    ``abort`` once finished; ``stop_reason`` the stop token id that ended it (None for EOS)."""
 
     index: int
     text: str

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from framework import LLM, POLICIES, PREPARERS, SamplingParams
-from tests.conftest import TINY_HF, hf_greedy, runnable_backends
+from tests.conftest import TINY_HF, hf_greedy, make_hf_checkpoint, runnable_backends
 
 MAX_TOKENS = 24
 BLOCK_SIZE = 8
@@ -86,7 +86,8 @@ def test_text_prompts_use_the_checkpoint_tokenizer(llama_ckpt):
     ids = tok.encode(text)
     assert out.prompt_token_ids == ids and out.prompt == text
     assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, 8)
-    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    # As vLLM: the output's text continues the prompt's (here " w12 w7 ...", with its space).
+    assert text + out.outputs[0].text == tok.decode(ids + out.outputs[0].token_ids, skip_special_tokens=True)
 
 
 def test_a_stop_tokens_text_is_left_out_of_the_output_text(llama_ckpt):
@@ -101,4 +102,36 @@ def test_a_stop_tokens_text_is_left_out_of_the_output_text(llama_ckpt):
                                            stop_token_ids=[stop]))[0].outputs[0]
     cut = greedy.index(stop) + 1
     assert out.token_ids == greedy[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == tok.decode(greedy[:cut - 1], skip_special_tokens=True)
+    assert tok.decode(ids) + out.text == tok.decode(ids + greedy[:cut - 1], skip_special_tokens=True)
+
+
+def _save_sentencepiece_style_tokenizer(path, vocab_size: int) -> None:
+    """Words with SentencePiece's "▁" (a space before them), as Llama's and Mistral's are: decoded
+    first in a text they lose that space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"▁w{i}" for i in range(vocab_size - 3)]
+    tok = Tokenizer(models.BPE(vocab={w: i for i, w in enumerate(words)}, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+
+
+def test_output_text_keeps_the_leading_space_of_a_sentencepiece_word(tmp_path):
+    # Decoded alone, "▁w7 ▁w9" reads "w7 w9": appended to the prompt's text it would glue the
+    # first word to the prompt's last. vLLM decodes the output after the prompt's last tokens.
+    model = make_hf_checkpoint(tmp_path, "llama")
+    _save_sentencepiece_style_tokenizer(tmp_path, model.config.vocab_size)
+    llm = LLM(model=str(tmp_path), max_model_len=128)
+    tok = llm.get_tokenizer()
+    prompts = [[1, 40, 41, 42, 43, 44, 45, 46], [50], [1]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        completion = out.outputs[0]
+        assert completion.token_ids == hf_greedy(model, prompt, 6)
+        whole = tok.decode(prompt + completion.token_ids, skip_special_tokens=True)
+        assert tok.decode(prompt, skip_special_tokens=True) + completion.text == whole
+    assert outs[0].outputs[0].text.startswith(" w")
