@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.compare import CompareCallback, compare_stopped_sweep
 from framework.experiment import engine_config, run_experiment
+from framework.plugin_configs import store_plugin_options
 from framework.recorder import write_summary
 from framework.registry import UnavailableError
 
@@ -71,6 +72,7 @@ def _run_name(hc: object) -> str | None:
 #: conf/ by its absolute path: Hydra resolves a relative one against the calling module's package
 #: when run as a console script (``servelab-run``), and conf/ is not a package.
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+store_plugin_options(CONF_DIR)  # +policy=NAME for a policy from an installed package
 
 
 #: Jobs this process has started; none when Hydra itself stopped the command (see ``cli``).

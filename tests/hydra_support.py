@@ -7,11 +7,14 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from framework.plugin_configs import store_plugin_options
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def compose_config(*overrides: str, return_hydra_config: bool = False) -> DictConfig:
     """``conf/config.yaml`` with ``overrides``, as ``python -m framework.run`` composes it."""
+    store_plugin_options(CONF)
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 

@@ -1,15 +1,20 @@
 """A policy shipped in its own package and found through the ``framework.policies`` entry point,
 exactly as docs/writing-a-policy.md tells a researcher to do it: the package is built and
 installed (offline, into a temporary folder) and then used by name."""
+import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import yaml
 
 from framework import POLICIES, SamplingParams
+from framework.plugin_configs import store_plugin_options
 from framework.run import engine_config
 from tests.conf.test_compose import compose_with
+from tests.hydra_support import CONF
 from tests.policies.harness import Arrival, drive, shadow_engine
 
 PYPROJECT = """\
@@ -73,6 +78,36 @@ def test_the_entry_point_policy_is_selectable_from_hydra(installed_plugin):
     assert config.policy == "srpt" and config.check_invariants
     assert config.policy_options == {"preemption_mode": "recompute", "long_prefill_token_threshold": 0}
     assert type(POLICIES.create(config.policy, **config.policy_options)).__name__ == "ShortestOutputFirst"
+
+
+def test_the_entry_point_policy_is_a_policy_option_of_its_own(installed_plugin):
+    # A plugin cannot add conf/policy/srpt.yaml: the option comes from its entry point, and its
+    # options from its constructor (chunked's), set with +policy.KEY=VALUE.
+    config = engine_config(compose_with(["+policy=srpt"]))
+    assert config.policy == "srpt" and config.policy_options == {}
+    config = engine_config(compose_with(["+policy=srpt", "+policy.long_prefill_token_threshold=64"]))
+    policy = POLICIES.create(config.policy, **config.policy_options)
+    assert type(policy).__name__ == "ShortestOutputFirst" and policy.long_prefill_token_threshold == 64
+
+
+def test_a_config_file_of_the_plugins_name_wins_over_the_generated_option(installed_plugin, tmp_path):
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "srpt.yaml").write_text("name: srpt\nlong_prefill_token_threshold: 32\n")
+    assert "policy/srpt" not in store_plugin_options(tmp_path)
+    assert "policy/srpt" in store_plugin_options(CONF)
+
+
+def test_the_entry_point_policy_runs_from_the_command_line(installed_plugin, tmp_path):
+    site = next(p for p in sys.path if p.endswith("site"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "framework.run", "+policy=srpt", "executor=sim", "workload.num_requests=8",
+         "plots=false", "progress=false", f"hydra.run.dir={tmp_path}"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] == 8
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["policy"] == {"name": "srpt"}
 
 
 def test_without_the_package_the_name_is_unknown():
