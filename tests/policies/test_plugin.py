@@ -28,6 +28,9 @@ version = "0.1.0"
 
 [project.entry-points."framework.policies"]
 srpt = "my_policies.srpt:ShortestOutputFirst"
+
+[project.entry-points."framework.preparers"]
+v1_plain = "my_policies.srpt:PlainV1"
 """
 
 POLICY = '''\
@@ -40,6 +43,13 @@ class ShortestOutputFirst(ChunkedPolicy):
 
     def waiting_order(self, waiting):
         return sorted(waiting, key=lambda r: (r.sampling_params.max_tokens, r.arrival_time))
+
+
+def __getattr__(name):  # the preparer loads torch: only when asked for
+    if name == "PlainV1":
+        from framework.preparers.v1 import FlatBatchPreparer
+        return type("PlainV1", (FlatBatchPreparer,), {})
+    raise AttributeError(name)
 '''
 
 
@@ -88,6 +98,11 @@ def test_the_entry_point_policy_is_a_policy_option_of_its_own(installed_plugin):
     config = engine_config(compose_with(["+policy=srpt", "+policy.long_prefill_token_threshold=64"]))
     policy = POLICIES.create(config.policy, **config.policy_options)
     assert type(policy).__name__ == "ShortestOutputFirst" and policy.long_prefill_token_threshold == 64
+
+
+def test_other_kinds_of_plugin_are_options_of_their_groups_too(installed_plugin):
+    config = engine_config(compose_with(["preparer=v1_plain"]))
+    assert config.preparer == "v1_plain" and config.preparer_options == {}
 
 
 def test_a_config_file_of_the_plugins_name_wins_over_the_generated_option(installed_plugin, tmp_path):
