@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import astuple, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from framework.config import is_int
 from framework.registry import Registry
 
 if TYPE_CHECKING:
@@ -113,9 +114,10 @@ class CostModel(ABC):
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2,
                  tensor_parallel_size: int = 1, block_size: int = 16) -> None:
         tp, heads, kv = tensor_parallel_size, model.num_attention_heads, model.num_key_value_heads
-        if not (isinstance(tp, int) and tp >= 1 and heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)):
+        # is_int: a bool is no device count (tensor_parallel_size=true ran, and was labelled, as true).
+        if not (is_int(tp) and tp >= 1 and heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)):
             raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} must be >= 1 and divide the model's "
+                f"tensor_parallel_size={tensor_parallel_size!r} must be >= 1 and divide the model's "
                 f"{model.num_attention_heads} attention heads (and its {model.num_key_value_heads} KV heads, "
                 f"or be a multiple of them)")
         self.model = model

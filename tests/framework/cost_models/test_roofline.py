@@ -221,3 +221,10 @@ def test_malformed_calibration_files_are_reported(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
+
+
+@pytest.mark.parametrize("tp", [True, 2.0, "2"])
+def test_tensor_parallel_size_must_be_an_integer(tp):
+    # A bool is no device count: true ran as one device, and the run's summary said `true`.
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={tp!r} must be >= 1"):
+        model(tp=tp)
