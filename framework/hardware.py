@@ -7,7 +7,7 @@ that, and calibration measures them.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +87,19 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Hardware:
+        if not isinstance(d, dict):
+            raise ValueError(f"a hardware description is a mapping of its fields (name, peak_tflops, "
+                             f"memory_bandwidth_gb_s, memory_gib, ...), got {d!r}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown hardware field(s) {unknown}; known fields: {sorted(known)}")
         if "name" not in d:
             raise ValueError("a hardware description needs a 'name'")
+        # Named here: the dataclass would say only "__init__() missing 1 required positional argument".
+        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
+        if missing:
+            raise ValueError(f"hardware {d['name']!r} lacks {', '.join(missing)} (a datasheet figure, see conf/hardware/)")
         return cls(**d)
 
 
@@ -114,4 +121,11 @@ def load_hardware(spec: str | dict[str, Any] | Hardware) -> Hardware:
     import yaml
 
     with open(path) as f:
-        return Hardware.from_dict(yaml.safe_load(f))
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"hardware file {str(spec)!r} is not valid YAML: {exc}") from None
+    try:
+        return Hardware.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"hardware file {str(spec)!r}: {exc}") from None

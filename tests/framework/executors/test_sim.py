@@ -155,6 +155,22 @@ def test_hardware_figures_must_be_finite_numbers(field, value, message):
         load_hardware(spec)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("", "hardware file .*empty.yaml.*: a hardware description is a mapping of its fields"),
+    ("- a100\n", "hardware file .*empty.yaml.*: a hardware description is a mapping of its fields"),
+    ("name: mine\npeak_tflops: [1\n", "hardware file .*empty.yaml.* is not valid YAML"),
+    ("name: mine\npeak_tflops: 100\n", "hardware 'mine' lacks memory_bandwidth_gb_s, memory_gib")])
+def test_malformed_hardware_files_are_reported(tmp_path, text, message):
+    # An empty file or one lacking a datasheet figure failed with a TypeError, broken YAML with
+    # the parser's traceback; a list of names was reported as an unknown field.
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_hardware(str(path))
+    with pytest.raises(ValueError, match=message.replace("hardware file .*empty.yaml.*: ", "")):
+        sim_engine(executor_options={"hardware": str(path)})
+
+
 def test_a_simulated_engine_never_loads_torch_even_with_num_threads():
     # num_threads is the forward pass's setting: it used to import torch in the engine itself.
     code = ("import sys; from framework import LLM; "
