@@ -54,7 +54,11 @@ def grid_cells(name: str, lengths: list[int] | None = None, counts: list[int] | 
     lengths, counts = lengths or grid_lengths, counts or grid_counts
     if min(lengths) < 1 or min(counts) < 1:
         raise ValueError("prompt lengths and request counts must be >= 1")
-    return [(m, length, decode) for length in lengths for m in counts if m * length <= max(budget, length)]
+    cells = [(m, length, decode) for length in lengths for m in counts if m * length <= max(budget, length)]
+    if not cells:  # else the engine's sizing failed on "max() arg is an empty sequence"
+        raise ValueError(f"no cell of grid {name!r} fits its budget of {budget} prompt tokens (requests x prompt "
+                         f"length, or one prompt): lower --counts (now {counts})")
+    return cells
 
 
 #: How a shape's repeated measurements become one sample. ``median`` is robust to a disturbed

@@ -55,6 +55,8 @@ def test_repeats_reduce_to_the_chosen_statistic():
     (["--lengths", ",,"], "--lengths: expected comma-separated integers, e.g. 1,2,4; got ',,'"),  # was: the defaults
     (["--counts", "2,x"], "--counts: expected comma-separated integers"),
     (["--block-size", "3"], "block_size must be a power of two"),
+    # Used to fail with "max() arg is an empty sequence".
+    (["--counts", "1000", "--lengths", "16"], "no cell of grid 'default' fits its budget of 4096 prompt tokens"),
     # Used to measure the whole grid first, then fail with a NotImplementedError traceback.
     (["--cost-model", "replay", "--grid", "quick", "--repeats", "1"],
      "cost model 'replay' has no parameters to calibrate; calibratable: roofline"),
@@ -65,3 +67,4 @@ def test_bad_arguments_are_usage_errors_before_anything_is_measured(tmp_path, ca
     assert exc.value.code == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "c.yaml").exists()
+
