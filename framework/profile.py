@@ -264,7 +264,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       time.process_time if args.clock == "cpu" else time.perf_counter, args.statistic)
     measured_s = time.perf_counter() - started
     started = time.perf_counter()
-    params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size)
+    try:
+        params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size)
+    except ValueError as exc:  # a grid too small to fit (too few distinct step shapes): not a traceback
+        ap.error(f"{exc} (the grid measured {len(samples)} distinct step shapes; add --lengths or --counts)")
     fit["fit_seconds"] = time.perf_counter() - started
     import torch
 

@@ -68,3 +68,14 @@ def test_bad_arguments_are_usage_errors_before_anything_is_measured(tmp_path, ca
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "c.yaml").exists()
 
+
+def test_a_grid_too_small_to_fit_is_a_usage_error(tmp_path, capsys):
+    # One cell of the quick grid is three step shapes, fewer than the roofline's seven parameters:
+    # this measured, then ended in a ValueError traceback from the fit.
+    with pytest.raises(SystemExit) as exc:
+        main(["--grid", "quick", "--counts", "1", "--lengths", "16", "--repeats", "1", "--threads", "1",
+              "--out", str(tmp_path / "c.yaml")])
+    assert exc.value.code == 2
+    assert re.search(r"calibration needs at least 7 measured steps, got 3 \(the grid measured 3 distinct step "
+                     r"shapes; add --lengths or --counts\)", capsys.readouterr().err)
+    assert not (tmp_path / "c.yaml").exists()
