@@ -9,8 +9,9 @@ Per tensor-parallel device, for ``N`` scheduled tokens of which ``S`` sample:
 - attention: prefill rows ``4 d H`` FLOPs per query-key pair and their keys and values read once;
   decode rows the same per key, which makes them memory bound; the KV cache write, norms, RoPE,
   the activation and the residuals are memory traffic;
-- tensor parallelism: two ring all-reduces of the hidden states per layer and a gather of the
-  logits, over the interconnect; swap traffic over PCIe; copy-on-write copies in device memory;
+- tensor parallelism: two ring all-reduces of the hidden states per layer, one after the
+  embedding, and a gather of the logits, over the interconnect; swap traffic over PCIe;
+  copy-on-write copies in device memory;
 - overheads: a fixed CPU cost per step, per request (input preparation, sampling, and backends
   that loop over requests), per token, and a launch cost per kernel;
 - small GEMMs (``extra_weight_passes``, calibrated, off by default): a GEMM of a few rows may
@@ -141,10 +142,12 @@ class RooflineCostModel(CostModel):
             if not hw.interconnect_gb_s > 0:
                 raise ValueError(f"tensor_parallel_size={tp} needs hardware {hw.name!r} to give interconnect_gb_s")
             ring = 2 * (tp - 1) / tp
-            self._ar_tok = 2 * L * ring * h * b / hw.interconnect_bandwidth
+            # Two per layer (after attention's o and the MLP's down projection) and one after the
+            # vocabulary-parallel embedding, whose devices each look up only their share of the ids.
+            self._ar_tok = (2 * L + 1) * ring * h * b / hw.interconnect_bandwidth
             self._ar_row = (tp - 1) / tp * m.vocab_size * 4 / hw.interconnect_bandwidth
-            self._ar_fixed = (2 * L + 1) * hw.interconnect_latency
-            kernels += 2 * L + 1
+            self._ar_fixed = (2 * L + 2) * hw.interconnect_latency  # the all-reduces and the logits gather
+            kernels += 2 * L + 2
         self._launch = kernels * hw.launch_overhead
         # No PCIe figure: a swap would take forever, which is what the step time then says.
         self._swap_block = self.block_bytes / hw.pcie_bandwidth if hw.pcie_gb_s > 0 else math.inf
