@@ -153,12 +153,14 @@ def _carry_forward(values: np.ndarray) -> np.ndarray:
 def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[str, str]], path: str | Path,
                 title: str, xlabel: str | None = None) -> Path:
     """One panel per ``(key, label)`` metric: a line per ``rows[i]['label']`` against ``x``
-    (bars per label when no row has a numeric ``x``). ``title`` names what is plotted."""
+    (when no row has a numeric ``x``, a bar per row, named by its label and its ``x``: runs that
+    share a label differ in ``x``, or are repeats). ``title`` names what is plotted."""
     plt = _pyplot()
     labels = list(dict.fromkeys(r["label"] for r in rows))
     numeric = [r for r in rows if isinstance(r.get(x), (int, float)) and not isinstance(r.get(x), bool)]
-    lines = sum(len(textwrap.wrap(label, 48)) or 1 for label in labels)
-    height = 4 if numeric else 1.5 + 0.25 * lines + 0.15 * len(labels)
+    names = [r["label"] if r.get(x) is None else f"{r['label']}, {xlabel or x}={r[x]}" for r in rows]
+    lines = sum(len(textwrap.wrap(name, 48)) or 1 for name in names)
+    height = 4 if numeric else 1.5 + 0.25 * lines + 0.15 * len(names)
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), height), squeeze=False)
     for ax, (key, ylabel) in zip(axes[0], metrics):
         if numeric:
@@ -167,11 +169,11 @@ def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=label)
             ax.set_xlabel(xlabel or x)
-        else:  # horizontal bars, so long labels stay readable
-            vals = [next((r[key] for r in rows if r["label"] == lb and r.get(key) is not None), np.nan) for lb in labels]
-            ax.barh(range(len(labels)), vals, color=[f"C{i}" for i in range(len(labels))])
-            ticks = [textwrap.fill(label, 48) for label in labels] if ax is axes[0][0] else [""] * len(labels)
-            ax.set_yticks(range(len(labels)), ticks, fontsize=8)
+        else:  # horizontal bars, so long labels stay readable; a colour per label
+            vals = [np.nan if r.get(key) is None else r[key] for r in rows]
+            ax.barh(range(len(rows)), vals, color=[f"C{labels.index(r['label'])}" for r in rows])
+            ticks = [textwrap.fill(name, 48) for name in names] if ax is axes[0][0] else [""] * len(names)
+            ax.set_yticks(range(len(names)), ticks, fontsize=8)
             ax.invert_yaxis()
             ax.set_xlabel(ylabel)
             ax.grid(alpha=0.3)

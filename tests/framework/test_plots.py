@@ -61,3 +61,23 @@ def test_a_replica_without_steps_counts_as_idle(tmp_path):
     assert queues["num_running"].tolist() == [14, 7, 6, 5]
     assert kv.tolist() == pytest.approx([0.7 / 3, 0.7 / 3, 0.8 / 3, 0.9 / 3])  # replica 1 at 0
     assert timeline(steps, tmp_path / "cluster.png").read_bytes()[:8] == PNG
+
+
+def test_bar_charts_show_every_run_named_by_its_x(monkeypatch, tmp_path):
+    """Runs told apart only by a non-numeric x (``--x engine.enable_prefix_caching``) share a
+    label: the bar chart showed the first run's value under that label and dropped the others."""
+    import framework.plots as plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    rows = [{"label": "fcfs/naive", "x": True, "output_throughput": 100.0},
+            {"label": "fcfs/naive", "x": False, "output_throughput": 300.0}]
+    plots.metric_vs_x(rows, "x", [("output_throughput", "output tokens/s")], tmp_path / "t.png", "Throughput",
+                      xlabel="engine.enable_prefix_caching")
+    ax = figures[0].axes[0]
+    assert [bar.get_width() for bar in ax.patches] == [100.0, 300.0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "fcfs/naive, engine.enable_prefix_caching=True", "fcfs/naive, engine.enable_prefix_caching=False"]
+    import matplotlib.pyplot as plt
+
+    plt.close(figures[0])
