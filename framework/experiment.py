@@ -289,8 +289,9 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
         except Exception as summary_exc:  # the failure itself is what must be reported
             log.warning("could not summarize the requests finished before the failure: %s", summary_exc)
             measured = {}
-        recorder.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False,
-                                **meta, **measured})
+        failed = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False, **meta, **measured}
+        recorder.write_summary(failed)
+        run_logger.log_summary(failed)  # the logger's record says failed too, with what was measured
         run_logger.finish(False)
         if isinstance(exc, ValueError):  # a ValueError from here on is a failure, not a configuration error
             raise RuntimeError(f"serving failed: {type(exc).__name__}: {exc}") from exc

@@ -19,8 +19,10 @@ logger = logging.getLogger(__name__)
 
 class RunLogger:
     """Hooks in the order the run calls them: ``start`` once, ``log_step`` after every engine
-    step, then ``log_summary``, ``log_requests``, ``log_plots`` and ``finish``. Every hook is
-    optional (the defaults do nothing). Rows are plain dicts of numbers and strings."""
+    step, then ``log_summary``, ``log_requests``, ``log_plots`` and ``finish``; a run that fails
+    while serving calls ``log_summary`` (``status: failed``, its ``error`` and the metrics of the
+    requests finished before it) and ``finish``. Every hook is optional (the defaults do
+    nothing). Rows are plain dicts of numbers and strings."""
 
     name: ClassVar[str] = ""
 

@@ -64,6 +64,7 @@ class WandbLogger(RunLogger):
         self.project, self.entity, self.group, self.tags = project, entity, group, list(tags or [])
         self.mode, self.init_timeout = mode, init_timeout
         self.run: Any = None
+        self._failed = False
 
     def start(self, config: dict[str, Any], run_dir: Path, run_name: str, group: str | None = None) -> None:
         import wandb
@@ -95,6 +96,7 @@ class WandbLogger(RunLogger):
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if v is not None})
+        self._failed = summary.get("status") == "failed"  # W&B then shows the run as failed
 
     def log_requests(self, columns: list[str], rows: list[dict[str, Any]]) -> None:
         import wandb
@@ -111,5 +113,5 @@ class WandbLogger(RunLogger):
     def finish(self, interrupted: bool) -> None:
         if self.run is not None:
             self.run.summary["interrupted"] = interrupted
-            self.run.finish(exit_code=130 if interrupted else 0)
+            self.run.finish(exit_code=1 if self._failed else 130 if interrupted else 0)
             self.run = None

@@ -1,5 +1,6 @@
 """W&B logging: an offline run directory holding what was logged; nothing W&B without it; a
 failing W&B never fails the run."""
+import json
 import struct
 import time
 from pathlib import Path
@@ -188,3 +189,45 @@ def test_long_timelines_are_thinned_geometrically():
 def test_bad_mode_is_a_configuration_error(tmp_path):
     with pytest.raises(ValueError, match="logger.mode must be one of online, offline, disabled"):
         run_experiment(config("logger=wandb", "logger.mode=sometimes"), tmp_path)
+
+
+def logged_summary_and_exit_code(run_file):
+    """The last value of every summary key, and the run's exit code."""
+    summary, exit_code = {}, None
+    for r in complete_records(run_file):
+        kind = r.WhichOneof("record_type")
+        if kind == "summary":
+            summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
+        elif kind == "exit":
+            exit_code = r.exit.exit_code
+    return summary, exit_code
+
+
+def test_a_run_that_fails_while_serving_is_logged_as_failed_with_its_metrics(tmp_path, monkeypatch):
+    """W&B used to show such a run as finished (exit code 0) with none of what summary.json holds:
+    the status, the error and the metrics of the requests finished before the failure."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run_dir = tmp_path / "run"
+    clock = VirtualClock()
+
+    def fail_after_3_steps(engine):
+        first = engine.num_steps
+
+        def callback(stats, out):
+            clock.advance(0.01)
+            if stats.step - first == 3:
+                raise RuntimeError("a bug in user code")
+
+        engine.step_callbacks.append(callback)
+
+    with pytest.raises(RuntimeError, match="a bug in user code"):
+        run_experiment(config("logger=wandb", "workload.num_requests=8", "workload.output_len=[1,8]", "plots=false"),
+                       run_dir, clock=clock, on_engine=fail_after_3_steps)
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["status"] == "failed" and saved["completed"] > 0
+    offline, = (run_dir / "wandb").glob("offline-run-*")
+    summary, exit_code = logged_summary_and_exit_code(next(offline.glob("run-*.wandb")))
+    assert exit_code != 0
+    for key in ("status", "error", "completed", "mean_ttft_ms", "duration_s"):
+        assert summary[key] == pytest.approx(saved[key]), key
