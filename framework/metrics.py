@@ -143,7 +143,8 @@ class SLO:
     def __post_init__(self) -> None:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+            # A bool is no number of milliseconds: slo.ttft_ms=true would be a 1 ms SLO.
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"slo.{name} must be a positive number of milliseconds or null, got {v!r}")
 
     @property

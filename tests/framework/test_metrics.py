@@ -127,6 +127,13 @@ def test_empty_statistics_and_bad_slo():
         SLO(ttft_ms=-1)
 
 
+def test_a_bool_slo_is_refused():
+    # slo.ttft_ms=true was taken as an SLO of 1 ms.
+    for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
+        with pytest.raises(ValueError, match=f"slo.{name} must be a positive number of milliseconds or null, got True"):
+            SLO(**{name: True})
+
+
 def test_failed_requests_are_counted_by_reason():
     failed = [
         RequestRecord("x", "ignored", prompt_len=612, message="prompt of 612 tokens is longer than max_model_len=512"),
