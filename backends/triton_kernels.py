@@ -248,8 +248,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def store_block_t(num_tokens: int, heads_pad: int, head_dim_pad: int) -> int:
     """Tokens per ``_store_kv_kernel`` program. The interpreter pays per program, not per
-    element: there one program covers a whole step."""
-    return min(_pow2(num_tokens), 4096) if INTERPRETED else max(1, 4096 // (heads_pad * head_dim_pad))
+    element: there one program covers a whole step, or as much of it as fits in the largest
+    tile Triton allows (``tl.TRITON_MAX_TENSOR_NUMEL`` elements)."""
+    if INTERPRETED:
+        return min(_pow2(num_tokens), 4096, max(1, tl.TRITON_MAX_TENSOR_NUMEL // (heads_pad * head_dim_pad)))
+    return max(1, 4096 // (heads_pad * head_dim_pad))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

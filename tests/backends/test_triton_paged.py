@@ -84,6 +84,23 @@ def test_split_key_ranges_merge_to_the_same_answer(monkeypatch, splits, dtype):
     check(run("triton", batch, 8, 2, 32, 8, dtype, "cpu"), batch, before, dtype)
 
 
+def test_a_long_step_with_many_kv_heads_is_stored():
+    """1025 new tokens of 8 K/V heads of size 128 (a Llama-3-8B prompt): one interpreter program
+    for the whole step would be a 2048 x 1024 tile, twice the largest Triton accepts."""
+    skip_interpreter_on_cuda_machines("triton", "cpu")
+    kernels = load_kernels(torch.device("cpu"))
+    num_tokens, kv_heads, head_dim, block_size = 1025, 8, 128, 16
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(num_tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
+    cache = torch.randn(2, 70, block_size, kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(69 * block_size, generator=gen)[:num_tokens] + block_size  # never the null block
+    expected = cache.clone()
+    expected[0].view(-1, kv_heads, head_dim)[slots] = k
+    expected[1].view(-1, kv_heads, head_dim)[slots] = v
+    kernels.store_kv(k, v, cache[0], cache[1], slots)
+    assert torch.equal(cache, expected)
+
+
 def test_head_size_above_256_is_refused():
     with pytest.raises(ValueError, match="head sizes up to 256"):
         BACKENDS.create("triton", num_heads=2, num_kv_heads=2, head_dim=512, scale=1.0, block_size=16,
