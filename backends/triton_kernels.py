@@ -294,7 +294,8 @@ def tile_sizes(group_pad: int, kv_heads: int, head_dim: int, q_lens: np.ndarray,
     keys per tile for large heads. Under the interpreter an operation costs tens of
     microseconds whatever its size, but large tiles cost per element too, and the decodes of a
     mixed batch pay for query rows sized for its prefills: every power-of-two candidate is
-    costed for the step's actual lengths and the cheapest taken."""
+    costed for the step's actual lengths and the cheapest whose score tile Triton accepts
+    (``tl.TRITON_MAX_TENSOR_NUMEL`` elements) taken."""
     max_q, max_seq = int(q_lens.max()), int(seq_lens.max())
     if not INTERPRETED:
         rows = 64 if head_dim <= 128 else 32
@@ -308,6 +309,8 @@ def tile_sizes(group_pad: int, kv_heads: int, head_dim: int, q_lens: np.ndarray,
         block_n = 16
         while block_n <= _pow2(max_seq, 16) and block_n * kv_heads <= 2048:
             rows, cols = kv_heads * block_q * group_pad, kv_heads * block_n
+            if rows * cols > tl.TRITON_MAX_TENSOR_NUMEL:  # the score tile would be larger than Triton allows
+                break
             tiles = -(-q_lens // block_q)
             # Tile t reads keys up to min(seq_len, context + (t + 1) * block_q).
             t = np.arange(int(tiles.max()))[None, :]

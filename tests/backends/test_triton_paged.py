@@ -101,6 +101,17 @@ def test_a_long_step_with_many_kv_heads_is_stored():
     assert torch.equal(cache, expected)
 
 
+def test_a_chunk_on_a_long_context_with_many_heads():
+    """A 16-token chunk on 1000 cached tokens, 64 query heads on 8 K/V heads: the cheapest
+    tiles by the interpreter's cost model would give a 1024 x 2048 score tile, twice the largest
+    Triton accepts."""
+    num_heads, num_kv_heads, head_dim, block_size, dtype = 64, 8, 32, 16, torch.float32
+    batch = random_batch([(1000, 16)], num_heads, num_kv_heads, head_dim, block_size, dtype,
+                         seed_of("long-chunks"))
+    before = batch.kv_cache.clone()
+    check(run("triton", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu"), batch, before, dtype)
+
+
 def test_head_size_above_256_is_refused():
     with pytest.raises(ValueError, match="head sizes up to 256"):
         BACKENDS.create("triton", num_heads=2, num_kv_heads=2, head_dim=512, scale=1.0, block_size=16,
