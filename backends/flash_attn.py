@@ -53,7 +53,12 @@ class FlashAttnBackend(AttentionBackend):
         if problems:
             raise UnavailableError("attention backend 'flash_attn' cannot run here: " + "; ".join(problems))
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        except ImportError as exc:  # installed but unusable: typically built for another torch or CUDA
+            raise UnavailableError(f"attention backend 'flash_attn' cannot run here: the flash-attn package is "
+                                   f"installed but cannot be imported ({exc}); reinstall it for torch "
+                                   f"{torch.__version__}") from exc
 
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache

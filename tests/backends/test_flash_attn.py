@@ -3,6 +3,7 @@ run; on a CUDA GPU with flash-attn installed it agrees with the float64 referenc
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import numpy as np
 import pytest
@@ -34,6 +35,18 @@ def test_on_cpu_construction_names_everything_missing():
     assert "float32" in message
     if importlib.util.find_spec("flash_attn") is None:
         assert "flash-attn package is not installed" in message
+
+
+def test_an_installed_package_that_cannot_be_imported_is_a_one_line_error(monkeypatch):
+    """A CUDA machine whose flash-attn wheel was built for another torch: its import fails with an
+    ImportError (an undefined symbol), which must come out as UnavailableError like every other
+    missing piece, not as a traceback."""
+    import backends.flash_attn as module
+
+    monkeypatch.setattr(module, "missing_requirements", lambda *args: [])
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # importing it raises ImportError
+    with pytest.raises(UnavailableError, match="flash-attn package is installed but cannot be imported"):
+        create(device="cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
