@@ -6,8 +6,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from framework.config import EngineConfig
 from framework.engine import LLMEngine
-from framework.experiment import build_cluster, engine_config
+from framework.experiment import ENGINE_KEYS, build_cluster, engine_config
 from framework.run import engine_config as cli_engine_config
 from framework.run_logger import LOGGERS, create_logger
 from framework.workload import WorkloadContext, create_workload
@@ -120,3 +121,13 @@ def test_every_experiment_sweep_job_composes(experiment, overrides):
         key, value = o.split("=", 1)
         got = config.policy if key == "policy" else cfg[key.split(".")[0]][key.split(".", 1)[1]] if "." in key else None
         assert str(got).lower() == value.lower(), (o, got)
+
+
+@pytest.mark.parametrize("executor", [[], ["executor=sim"]])
+def test_every_engine_key_the_run_reads_has_a_default_in_conf(executor):
+    """A key the run takes from ``engine`` but conf/ leaves out can only be set with '+': Hydra
+    refuses ``engine.gpu_memory_utilization=0.8``, though errors tell the user to change it."""
+    cfg = compose_with(executor)
+    assert set(cfg.engine) == ENGINE_KEYS
+    assert cfg.engine.gpu_memory_utilization == EngineConfig.gpu_memory_utilization
+    assert engine_config(compose_with([*executor, "engine.gpu_memory_utilization=0.5"])).gpu_memory_utilization == 0.5
