@@ -44,6 +44,19 @@ ENGINE_KEYS = set(EngineConfig.__dataclass_fields__) - {*PART_NAMES, *(f"{p}_opt
                                                         "model", "model_seed", "check_invariants"}
 
 
+#: Keys of the ``model`` node (``seed``: a preset's random weights) and of the ``scheduler`` node.
+MODEL_KEYS = ("name", "seed")
+SCHEDULER_KEYS = ("check_invariants",)
+
+
+def _check_keys(node: str, options: Any, valid: tuple[str, ...]) -> None:
+    """ValueError naming the keys of ``node`` that nothing reads (``+model.dtype=float16`` would
+    otherwise run in the default dtype, silently)."""
+    unknown = sorted(set(options or {}) - set(valid))
+    if unknown:
+        raise ValueError(f"{node}: unknown key(s) {', '.join(map(str, unknown))}; valid: {', '.join(valid)}")
+
+
 def _split(group: Any, default_name: str) -> tuple[str, dict[str, Any]]:
     """A config group node is ``{name: ..., **options}``."""
     return split_spec(OmegaConf.to_container(group, resolve=True) if isinstance(group, DictConfig) else group,
@@ -80,10 +93,13 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
                              f"executor=sim, or leave {'it' if len(simulated_only) == 1 else 'them'} out; "
                              f"executor={executor} runs on engine.device")
     model, model_options = _split(cfg.get("model"), "tiny-llama")
+    _check_keys("model", model_options, MODEL_KEYS)
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     unknown = sorted(set(engine) - ENGINE_KEYS)
     if unknown:
         raise ValueError(f"engine: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(ENGINE_KEYS))}")
+    if isinstance(cfg.get("scheduler"), DictConfig):
+        _check_keys("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=True), SCHEDULER_KEYS)
     engine["check_invariants"] = OmegaConf.select(cfg, "scheduler.check_invariants", default=False)
     check_bool("scheduler.check_invariants", engine["check_invariants"])
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), **kwargs, **engine)

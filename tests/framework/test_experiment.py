@@ -135,6 +135,9 @@ def cli(*args, cwd):
     (["progress=maybe"], "progress must be true or false, got 'maybe'"),
     (["save_workload=no"], "save_workload must be true or false, got 'no'"),
     (["+slo.ttft=100"], r"slo: unknown key\(s\) ttft; valid: ttft_ms, tpot_ms, e2el_ms"),
+    # Read by nothing, these used to be dropped: the run went on in the default dtype, unchecked.
+    (["+model.dtype=float16"], r"model: unknown key\(s\) dtype; valid: name, seed"),
+    (["+scheduler.check_invariant=true"], r"scheduler: unknown key\(s\) check_invariant; valid: check_invariants"),
 ])
 def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
     if overrides[0].startswith("policy."):
