@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import netrc
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -58,6 +59,10 @@ class WandbLogger(RunLogger):
         if mode is not None and mode not in MODES:
             raise ValueError(f"logger.mode must be one of {', '.join(MODES)} or null, got {mode!r}")
         check_positive_int("logger.max_step_rows", max_step_rows, optional=True)
+        if tags is not None and (isinstance(tags, str) or not isinstance(tags, Sequence)):
+            # list("abc") would tag the run 'a', 'b' and 'c'.
+            raise ValueError(f"logger.tags must be a list of tags (logger.tags=[baseline] or [a,b]) or null, "
+                             f"got {tags!r}")
         self.max_step_rows = max_step_rows
         self._steps_seen = self._steps_logged = 0
         self._stride = 1

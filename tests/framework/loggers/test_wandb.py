@@ -231,3 +231,12 @@ def test_a_run_that_fails_while_serving_is_logged_as_failed_with_its_metrics(tmp
     assert exit_code != 0
     for key in ("status", "error", "completed", "mean_ttft_ms", "duration_s"):
         assert summary[key] == pytest.approx(saved[key]), key
+
+
+@pytest.mark.parametrize("override, message", [
+    # list("abc") tagged the run 'a', 'b' and 'c'.
+    ("logger.tags=abc", r"logger.tags must be a list of tags .* got 'abc'"),
+])
+def test_bad_options_are_configuration_errors(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        run_experiment(config("logger=wandb", override), tmp_path)
