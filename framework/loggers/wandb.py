@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from framework.config import check_positive_int
+from framework.config import check_positive_int, is_finite_number
 from framework.run_logger import LOGGERS, RunLogger
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,16 @@ def _has_api_key() -> bool:
         return False
 
 
+def _name(option: str, value: Any) -> str | None:
+    """A project, entity, group or tag name as W&B takes it: a string. Hydra reads
+    ``logger.group=2024`` as an int, which W&B refuses at start (and the run would go unlogged)."""
+    if value is None or isinstance(value, str):
+        return value
+    if is_finite_number(value):
+        return str(value)
+    raise ValueError(f"{option} must be a name (a string), got {value!r}")
+
+
 @LOGGERS.register("wandb")
 class WandbLogger(RunLogger):
     """Options: ``project``, ``entity``, ``group`` (default: the sweep's folder), ``tags``,
@@ -59,6 +69,8 @@ class WandbLogger(RunLogger):
         if mode is not None and mode not in MODES:
             raise ValueError(f"logger.mode must be one of {', '.join(MODES)} or null, got {mode!r}")
         check_positive_int("logger.max_step_rows", max_step_rows, optional=True)
+        if not is_finite_number(init_timeout) or init_timeout <= 0:
+            raise ValueError(f"logger.init_timeout must be a number of seconds > 0, got {init_timeout!r}")
         if tags is not None and (isinstance(tags, str) or not isinstance(tags, Sequence)):
             # list("abc") would tag the run 'a', 'b' and 'c'.
             raise ValueError(f"logger.tags must be a list of tags (logger.tags=[baseline] or [a,b]) or null, "
@@ -66,7 +78,9 @@ class WandbLogger(RunLogger):
         self.max_step_rows = max_step_rows
         self._steps_seen = self._steps_logged = 0
         self._stride = 1
-        self.project, self.entity, self.group, self.tags = project, entity, group, list(tags or [])
+        self.project, self.entity = _name("logger.project", project), _name("logger.entity", entity)
+        self.group = _name("logger.group", group)
+        self.tags = [_name("logger.tags", tag) for tag in tags or []]
         self.mode, self.init_timeout = mode, init_timeout
         self.run: Any = None
         self._failed = False

@@ -236,7 +236,23 @@ def test_a_run_that_fails_while_serving_is_logged_as_failed_with_its_metrics(tmp
 @pytest.mark.parametrize("override, message", [
     # list("abc") tagged the run 'a', 'b' and 'c'.
     ("logger.tags=abc", r"logger.tags must be a list of tags .* got 'abc'"),
+    # W&B refused these at start: the run went on unlogged, with a warning.
+    ("logger.init_timeout=abc", "logger.init_timeout must be a number of seconds > 0, got 'abc'"),
+    ("logger.init_timeout=-1", "logger.init_timeout must be a number of seconds > 0, got -1"),
 ])
 def test_bad_options_are_configuration_errors(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         run_experiment(config("logger=wandb", override), tmp_path)
+
+
+def test_names_hydra_reads_as_numbers_reach_wandb_as_strings(tmp_path, monkeypatch, caplog):
+    """``logger.group=2024`` is an int to Hydra; W&B refused it and the run went unlogged."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run_dir = tmp_path / "run"
+    run_experiment(config("logger=wandb", "logger.project=servelab-test", "logger.group=2024", "logger.tags=[7,v2]"),
+                   run_dir)
+    assert "switched off" not in caplog.text
+    offline, = (run_dir / "wandb").glob("offline-run-*")
+    run, = [r.run for r in complete_records(next(offline.glob("run-*.wandb"))) if r.WhichOneof("record_type") == "run"]
+    assert run.run_group == "2024" and list(run.tags) == ["7", "v2"]
