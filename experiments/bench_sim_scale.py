@@ -28,8 +28,11 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from framework.experiment import run_experiment  # noqa: E402
+from framework.registry import UnavailableError  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -71,11 +74,19 @@ def main() -> None:
         ap.error(f"--rate must be a positive number of requests per second, got {args.rate}")
 
     t_compose = time.perf_counter()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides(args))
-    t_run = time.perf_counter()
     before = _mtimes(Path(args.out))
-    summary = run_experiment(cfg, args.out, run_name="bench_sim_scale")
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            cfg = compose(config_name="config", overrides=overrides(args))
+        t_run = time.perf_counter()
+        summary = run_experiment(cfg, args.out, run_name="bench_sim_scale")
+    except (ValueError, UnavailableError, HydraException, OmegaConfBaseException) as exc:
+        # A configuration error (--router bogus, --hardware h100, a model that does not fit, a bad
+        # override), as python -m framework.run reports one; run_experiment raises ValueError for
+        # nothing else.
+        message = str(exc).split("\nConfig search path")[0].strip()  # Hydra's list of its own folders
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
     t_end = time.perf_counter()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out = Path(args.out)

@@ -1,4 +1,5 @@
 """experiments/bench_sim_scale.py: bad arguments are usage errors, before anything runs."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +24,18 @@ def test_bad_arguments_are_usage_errors(argv, match, tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert match in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, match", [
+    # These ended in a traceback from Hydra or from the run.
+    (["--replicas", "2", "--router", "bogus"], "error: In 'config': Could not find 'cluster/bogus'.*prefix_aware"),
+    (["--hardware", "h100"], "error: In 'config': Could not find 'hardware/h100'.*h100-sxm"),
+    (["--model", "llama-3-7b"], "error: model 'llama-3-7b' is neither a preset .*llama-3-8b"),
+    (["--", "+engine.max_num_seq=8"], r"error: engine: unknown key\(s\) max_num_seq; valid: .*max_num_seqs"),
+])
+def test_configuration_errors_are_one_clear_message(argv, match, tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--requests", "20", "--out", str(tmp_path / "out"), *argv],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert re.search(match, done.stderr, re.S) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "Config search path" not in done.stderr
