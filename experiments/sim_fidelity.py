@@ -161,6 +161,11 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-llama", help="preset or Hugging Face checkpoint directory")
     ap.add_argument("--save-calibration", default=None, help="write the last interleaved calibration here")
     args = ap.parse_args()
+    try:  # a bad --model or --calibration fails here, not after a real run of tens of seconds
+        LLMEngine(engine_config("sim", args.model, hardware="cpu",
+                                cost_model={"name": "roofline", "calibration": args.calibration}))
+    except ValueError as exc:
+        ap.error(str(exc))
     rows = []
     for rep in range(args.repeats):
         started = time.perf_counter()

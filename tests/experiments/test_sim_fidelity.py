@@ -37,3 +37,17 @@ def test_noise_floor_is_the_spread_within_shape_groups():
 
 def test_noise_floor_without_large_groups_is_none():
     assert sim_fidelity.noise_floor([(decode_shape(1, 10), 1.0)] * 4) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--calibration", "no-such-calibration.yaml"], "calibration file 'no-such-calibration.yaml' does not exist"),
+    (["--model", "tiny-lama"], "model 'tiny-lama' is neither a preset"),
+])
+def test_a_bad_model_or_calibration_is_a_usage_error_before_any_real_run(argv, message, monkeypatch, capsys):
+    """Either used to fail with a traceback, the calibration only after a real run of ~20 s."""
+    monkeypatch.setattr(sim_fidelity, "serve", lambda *a, **k: pytest.fail("served"))
+    monkeypatch.setattr(sim_fidelity, "real_run_with_calibration", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr("sys.argv", ["sim_fidelity.py", "--repeats", "1", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        sim_fidelity.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
