@@ -95,7 +95,7 @@ class EngineConfig:
         check_positive_int("num_threads", self.num_threads, optional=True)
         for name in ("enable_prefix_caching", "check_invariants"):
             check_bool(name, getattr(self, name))
-        if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
+        if self.dtype != "auto" and not (isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES):
             raise ValueError(f"dtype must be one of {sorted({'auto', *DTYPE_ALIASES})}, got {self.dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:

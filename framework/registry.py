@@ -99,6 +99,9 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> type[T]:
         self._load_builtins()
+        if not isinstance(name, str):  # a list from a config (backend.name=[naive,triton]) is no name
+            raise UnknownNameError(f"a {self.kind} name is a string, one of {', '.join(self.list()) or '(none)'}; "
+                                   f"got {name!r}")
         if name in self._classes:
             return self._classes[name]
         if name in self._lazy:

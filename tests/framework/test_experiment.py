@@ -138,6 +138,10 @@ def cli(*args, cwd):
     # Read by nothing, these used to be dropped: the run went on in the default dtype, unchecked.
     (["+model.dtype=float16"], r"model: unknown key\(s\) dtype; valid: name, seed"),
     (["+scheduler.check_invariant=true"], r"scheduler: unknown key\(s\) check_invariant; valid: check_invariants"),
+    # A list where a name goes (a sweep written as a list) used to crash: "unhashable type: 'list'".
+    (["backend.name=[naive,triton]"], r"a backend name is a string, one of .*torch_paged.*; got \['naive', 'triton'\]"),
+    (["workload.name=[synthetic]"], r"a workload name is a string, one of .*synthetic"),
+    (["engine.dtype=[float16]"], r"dtype must be one of .*float16.*got \['float16'\]"),
 ])
 def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
     if overrides[0].startswith("policy."):

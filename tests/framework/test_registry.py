@@ -25,6 +25,12 @@ def test_unknown_name_lists_registered_ones(registry):
         assert name in message
 
 
+@pytest.mark.parametrize("name", [["naive", "triton"], {"name": "naive"}])
+def test_a_name_that_is_not_a_string_lists_the_registered_ones(name):
+    with pytest.raises(UnknownNameError, match="a backend name is a string, one of .*naive.*torch_paged"):
+        BACKENDS.get(name)
+
+
 def test_register_create_and_reject_duplicates():
     reg = Registry("widget", SchedulerPolicy, entry_point_group="framework.test-widgets")
 
