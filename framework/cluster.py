@@ -30,6 +30,7 @@ from typing import Any
 from framework.clock import VirtualClock
 from framework.config import EngineConfig, check_positive_int
 from framework.engine import LLMEngine
+from framework.executor import simulates_time
 from framework.fast_forward import DecodePlan
 from framework.outputs import RequestOutput
 from framework.request import Request
@@ -269,11 +270,11 @@ def gc_paused(pause: bool = True) -> Iterator[None]:
 
 
 def check_num_replicas(num_replicas: Any, executor: str | None = None) -> None:
-    """A positive integer, and one when the replicas would run the model executor: it serves in
-    wall time, so the replicas would share this machine's cores. Checked before any replica is
-    built (the constructor's own check comes after every replica loaded its weights)."""
+    """A positive integer, and one when the replicas would run an executor that serves in wall
+    time (the model executor), so the replicas would share this machine's cores. Checked before
+    any replica is built (the constructor's own check comes after every replica loaded its weights)."""
     check_positive_int("num_replicas", num_replicas)
-    if num_replicas > 1 and executor == "model":
+    if num_replicas > 1 and executor is not None and not simulates_time(executor):
         raise ValueError(NEEDS_SIMULATED_TIME)
 
 

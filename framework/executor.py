@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from framework.clock import Clock, WallClock
+from framework.clock import Clock, VirtualClock, WallClock
 from framework.registry import Registry
 
 if TYPE_CHECKING:
@@ -68,6 +68,13 @@ class Executor(ABC):
 
 EXECUTORS: Registry[Executor] = Registry(
     "executor", Executor, entry_point_group="framework.executors", builtin="framework.executors")
+
+
+def simulates_time(executor: str) -> bool:
+    """Whether the executor registered as ``executor`` runs on simulated time: its own clock
+    (``Executor.make_clock``) is a ``VirtualClock``, which it advances itself. Asked of the class,
+    not its name, so a registered subclass runs as its base does."""
+    return isinstance(EXECUTORS.get(executor).make_clock(), VirtualClock)
 
 
 def size_kv_cache(config: EngineConfig, bytes_per_block: int, device_budget: Callable[[], float]) -> tuple[int, int]:

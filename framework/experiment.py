@@ -23,6 +23,7 @@ from framework.clock import Clock, VirtualClock, WallClock
 from framework.cluster import Cluster, check_num_replicas, gc_paused
 from framework.config import PART_NAMES, EngineConfig, check_bool, is_int
 from framework.engine import LLMEngine, StepStats
+from framework.executor import EXECUTORS, simulates_time
 from framework.metrics import SLO, RequestRecord, summarize
 from framework.outputs import RequestOutput
 from framework.recorder import RunRecorder
@@ -127,19 +128,20 @@ def check_run_options(cfg: DictConfig) -> None:
 
 def make_clock(name: str, executor: str) -> Clock:
     """``wall`` for real execution, ``virtual`` for a simulated executor (which advances it);
-    ``auto`` picks by executor."""
+    ``auto`` is the executor's own clock (``Executor.make_clock``, as ``LLMEngine`` picks it)."""
+    if name not in ("auto", "wall", "virtual"):
+        raise ValueError(f"clock must be auto, wall or virtual, got {name!r}")
     if name == "auto":
-        name = "wall" if executor == "model" else "virtual"
+        return EXECUTORS.get(executor).make_clock()
+    simulated = simulates_time(executor)
     if name == "wall":
-        if executor == "sim":
-            raise ValueError("executor=sim runs on simulated time: use clock=auto or clock=virtual")
+        if simulated:
+            raise ValueError(f"executor={executor} runs on simulated time: use clock=auto or clock=virtual")
         return WallClock()
-    if name == "virtual":
-        if executor == "model":
-            raise ValueError("clock=virtual needs an executor that advances time (a simulator); the model "
-                             "executor runs in wall time: use clock=wall or clock=auto")
-        return VirtualClock()
-    raise ValueError(f"clock must be auto, wall or virtual, got {name!r}")
+    if not simulated:
+        raise ValueError(f"clock=virtual needs an executor that advances time (a simulator); executor={executor} "
+                         f"runs in wall time: use clock=wall or clock=auto")
+    return VirtualClock()
 
 
 def describe(cfg: DictConfig, cluster: Cluster) -> dict[str, Any]:

@@ -4,12 +4,15 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from framework.clock import VirtualClock
+from framework.clock import VirtualClock, WallClock
+from framework.cluster import check_num_replicas
+from framework.executor import EXECUTORS, Executor, ExecutorOutput
 from framework.experiment import make_clock, run_experiment
 from framework.workload import WorkloadContext
 from framework.workloads.trace import load_trace
@@ -92,11 +95,44 @@ def test_trace_workload_with_text_prompts_runs(tmp_path):
 
 def test_clock_choice():
     assert make_clock("auto", "model").__class__.__name__ == "WallClock"
-    assert isinstance(make_clock("auto", "simulated"), VirtualClock)
+    assert isinstance(make_clock("auto", "sim"), VirtualClock)
     with pytest.raises(ValueError, match="clock=virtual needs an executor that advances time"):
         make_clock("virtual", "model")
     with pytest.raises(ValueError, match="clock must be auto, wall or virtual"):
         make_clock("sundial", "model")
+
+
+class WallTimeExecutor(Executor):
+    """A registered executor of a researcher's own that serves in wall time (``Executor``'s clock):
+    each step takes a few real milliseconds and samples token 5."""
+
+    def kv_block_counts(self):
+        return 64, 0
+
+    def initialize(self, num_blocks, num_cpu_blocks):
+        pass
+
+    def execute(self, out):
+        time.sleep(0.002)
+        return ExecutorOutput({r.request_id: 5 for r in out.scheduled
+                               if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens})
+
+
+def test_a_registered_executor_runs_on_its_own_clock(tmp_path, monkeypatch):
+    """clock=auto is the executor's own clock, as LLMEngine picks it: a wall-time executor that is
+    not named "model" ran on a virtual clock that nothing advanced, every latency 0."""
+    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    EXECUTORS.register("test_wall_time")(WallTimeExecutor)
+    assert type(make_clock("auto", "test_wall_time")) is WallClock
+    with pytest.raises(ValueError, match="executor=test_wall_time runs in wall time"):
+        make_clock("virtual", "test_wall_time")
+    with pytest.raises(ValueError, match="only in simulated time"):
+        check_num_replicas(2, "test_wall_time")
+    clocks = []
+    summary = run_experiment(config("executor=model", "executor.name=test_wall_time", "plots=false"), tmp_path,
+                             on_engine=lambda engine: clocks.append(engine.clock))
+    assert [type(c) for c in clocks] == [WallClock]
+    assert summary["completed"] == 6 and summary["duration_s"] > 0 and summary["mean_ttft_ms"] > 0
 
 
 def cli(*args, cwd):
