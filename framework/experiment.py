@@ -73,7 +73,9 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
             continue  # executor: null (the default): the engine's default, the real forward pass
         name, options = _split(cfg.get(part), default)
         kwargs[part], kwargs[f"{part}_options"] = name, options
-    if kwargs.get("executor") == "sim":  # the simulated device and cost model are groups of their own
+    # The simulated device and cost model are groups of their own, for any executor that runs on
+    # simulated time (the sim executor, or a registered subclass of it).
+    if "executor" in kwargs and simulates_time(kwargs["executor"]):
         if cfg.get("hardware") is not None:
             kwargs["executor_options"]["hardware"] = OmegaConf.to_container(cfg.hardware, resolve=True)
         if cfg.get("cost_model") is not None:

@@ -11,6 +11,8 @@ import pytest
 
 from framework.compare import comparison_rows, write_comparison
 from framework.engine import LLMEngine
+from framework.executor import EXECUTORS
+from framework.executors.sim import SimExecutor
 from framework.experiment import engine_config, run_experiment
 from tests.framework.sim_support import RunCounter
 from tests.hydra_support import compose_config, read_csv
@@ -36,6 +38,23 @@ def test_executor_hardware_and_cost_model_reach_the_engine():
     assert engine.executor.hardware.name == "h100-sxm" and engine.executor.tp == 4
     assert engine.executor.cost_model.params["matmul_efficiency"] == 0.5
     assert cfg.cluster.num_replicas == 8 and cfg.cluster.router == "prefix_aware"
+
+
+class CountingSim(SimExecutor):
+    """A researcher's own simulator: the sim executor, registered under another name."""
+
+
+def test_a_registered_subclass_of_the_sim_executor_takes_the_device_and_cost_model(monkeypatch):
+    """Whether the hardware and cost_model groups apply is asked of the executor's clock, not its
+    name: a subclass of the sim executor was refused them ("for simulated runs only"), even
+    without +hardware, since conf/executor/sim.yaml sets the cost_model node."""
+    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    EXECUTORS.register("test_counting_sim")(CountingSim)
+    config = engine_config(compose_with(["executor=sim", "executor.name=test_counting_sim", "+hardware=h100-sxm",
+                                         "+cost_model.matmul_efficiency=0.5"]))
+    engine = LLMEngine(config)
+    assert type(engine.executor) is CountingSim and engine.executor.hardware.name == "h100-sxm"
+    assert engine.executor.cost_model.params["matmul_efficiency"] == 0.5
 
 
 def test_a_simulated_run_writes_every_file_on_simulated_time(tmp_path):
