@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from framework.clock import VirtualClock
-from framework.config import EngineConfig, check_positive_int
+from framework.config import EngineConfig, check_positive_int, is_int
 from framework.engine import LLMEngine
 from framework.executor import simulates_time
 from framework.fast_forward import DecodePlan
@@ -202,8 +202,10 @@ class Cluster:
                     for replica in replicas:
                         replica._now = a
                     i = router.route(Request(nxt.request_id, nxt.prompt_token_ids, params, a, nxt.priority), replicas)
-                    if not (isinstance(i, int) and 0 <= i < n):
+                    # Any integer index, numpy's too (a router's np.argmin over its replicas' loads).
+                    if not (is_int(i) and 0 <= i < n):
                         raise ValueError(f"router {router.name!r} picked replica {i!r} of {n}")
+                    i = int(i)
                 else:
                     i = 0
                 settle(i, a)

@@ -5,12 +5,14 @@ import gc
 import time
 import weakref
 
+import numpy as np
 import pytest
 
 from framework import EngineConfig, LLMEngine
 from framework.clock import VirtualClock, WallClock
 from framework.cluster import Cluster, gc_paused
 from framework.cost_model import BatchShape
+from framework.router import Router
 from framework.workload import WorkloadRequest
 from tests.framework.sim_support import chat_requests
 
@@ -193,6 +195,32 @@ def test_prefix_aware_routing_follows_the_cache_until_load_says_otherwise():
     # cached prefix to replica 1 until it has 2 more outstanding than the idle replica 2.
     assert routed["r0"] == 0 and routed["r1"] == 1
     assert [routed[r] for r in ("r2", "r3", "r4", "r5")] == [1, 1, 2, 2]
+
+
+class ArgminRouter(Router):
+    """Fewest outstanding requests by numpy, as a researcher's router would: an np.int64 index."""
+
+    def route(self, request, replicas):
+        return np.argmin([r.num_outstanding for r in replicas])
+
+
+class TrueRouter(Router):
+    def route(self, request, replicas):
+        return True
+
+
+def test_a_router_may_answer_with_a_numpy_integer():
+    """It was refused as "picked replica np.int64(0) of 2"."""
+    requests = chat_requests(40, rate=20.0, seed=3)
+    numpy_routed = Cluster.build(CONFIG, num_replicas=2, router=ArgminRouter()).run(requests)
+    by_numpy = {o.request_id: i for i, o in numpy_routed.outputs}
+    # least_outstanding breaks ties by routed count: compared with a plain-Python argmin instead.
+    plain = Cluster.build(CONFIG, num_replicas=2, router=ArgminRouter())
+    plain.router.route = lambda request, replicas: min(range(len(replicas)), key=lambda k: replicas[k].num_outstanding)
+    assert by_numpy == {o.request_id: i for i, o in plain.run(requests).outputs}
+    assert set(by_numpy.values()) == {0, 1}
+    with pytest.raises(ValueError, match="picked replica True of 2"):  # a bool is no index
+        Cluster.build(CONFIG, num_replicas=2, router=TrueRouter()).run(requests)
 
 
 def test_bad_setups_are_refused():
