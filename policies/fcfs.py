@@ -23,7 +23,8 @@ class FCFSPolicy(SchedulerPolicy):
 
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
         # Swapped requests (preemption_mode="swap") come back, at the end, before any admission.
-        waiting = [] if scheduler.swapped else self.waiting_order(scheduler.waiting)
+        # A copy: admitting a request removes it from the queue that waiting_order may iterate.
+        waiting = [] if scheduler.swapped else list(self.waiting_order(scheduler.waiting))
         for req in waiting:
             prefix = scheduler.find_prefix(req)
             n = req.num_tokens - req.num_computed_tokens - prefix.num_tokens

@@ -1,6 +1,8 @@
 """FCFS: prefill-first batches, arrival order, newest-first recompute preemption."""
 from framework import EngineConfig, LLMEngine, SamplingParams
 from framework.request import RequestStatus
+from framework.scheduler import POLICIES
+from policies.fcfs import FCFSPolicy
 
 
 def engine(**kw):
@@ -47,3 +49,22 @@ def test_newest_request_is_preempted_and_everyone_finishes():
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for out in steps for r in out.scheduled
                if r.is_finished)
     assert not e.has_unfinished_requests()
+
+
+class LastComeFirstServed(FCFSPolicy):
+    def waiting_order(self, waiting):
+        return reversed(waiting)  # an Iterable, as the hook may return: a view of the queue
+
+
+def test_waiting_order_may_return_a_view_of_the_queue(monkeypatch):
+    """FCFS iterated the hook's answer while admitting (so removing from the queue): a reversed
+    view failed with 'deque mutated during iteration'."""
+    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))
+    POLICIES.register("test_lifo")(LastComeFirstServed)
+    e = engine(policy="test_lifo", max_num_seqs=2)
+    for i in range(5):
+        e.add_request(str(i), list(range(3, 13)), greedy(3))
+    steps = []
+    drain(e, steps)
+    admitted = [[r.request_id for r in out.new_requests] for out in steps if out.new_requests]
+    assert admitted == [["4", "3"], ["2", "1"], ["0"]]  # newest first, two at a time
