@@ -76,9 +76,15 @@ class Registry(Generic[T]):
                 raise ValueError(f"cannot register {cls.__qualname__} as a {self.kind}: give it a name")
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 raise TypeError(f"{cls!r} is not a subclass of {self.base.__name__}; cannot register it as a {self.kind}")
+            # The built-ins first, so that a name they take is refused here: taken before they are
+            # imported, it made their import fail, and the built-ins after it were never registered.
+            self._load_builtins()
             known = self._classes.get(key)
             if known is not None and known is not cls and _qualified(known) != _qualified(cls):
                 raise ValueError(f"a {self.kind} named {key!r} is already registered ({_qualified(known)})")
+            lazy = self._lazy.get(key)
+            if known is None and lazy is not None and cls.__module__ != lazy:
+                raise ValueError(f"a {self.kind} named {key!r} is already registered (in {lazy})")
             self._classes[key] = cls
             if getattr(cls, "name", None) != key and "name" not in cls.__dict__:
                 cls.name = key  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
 import sys
 import subprocess
+import textwrap
 
 import pytest
 
@@ -49,6 +50,34 @@ def test_register_create_and_reject_duplicates():
                 pass
     with pytest.raises(TypeError, match="not a subclass"):
         reg.register("bad")(int)
+
+
+def test_a_built_in_name_is_refused_even_before_the_built_ins_are_imported():
+    """A fresh interpreter: registering "fcfs" before any lookup was accepted; the first lookup
+    then failed importing the shipped policies, and those after fcfs were never registered."""
+    code = textwrap.dedent("""
+        from framework import EXECUTORS, POLICIES, Executor, SchedulerPolicy
+
+        class Mine(SchedulerPolicy):
+            def schedule(self, scheduler, step):
+                pass
+
+        class MyExecutor(Executor):
+            def kv_block_counts(self): ...
+            def initialize(self, num_blocks, num_cpu_blocks): ...
+            def execute(self, out): ...
+
+        for registry, name, cls in [(POLICIES, "fcfs", Mine), (EXECUTORS, "model", MyExecutor)]:
+            try:
+                registry.register(name)(cls)
+            except ValueError as exc:
+                print(exc)
+        print(POLICIES.get("fcfs").__module__, EXECUTORS.get("model").__module__, *POLICIES.list())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["a policy named 'fcfs' is already registered (policies.fcfs.FCFSPolicy)",
+                   "a executor named 'model' is already registered (in framework.executors.model)",
+                   "policies.fcfs framework.executors.model " + " ".join(sorted(POLICIES.list()))]
 
 
 def test_importing_framework_does_not_import_triton_or_flash_attn():
