@@ -64,6 +64,10 @@ class Registry(Generic[T]):
         self._classes: dict[str, type[T]] = {}
         self._lazy: dict[str, str] = {}
         self._entry_points: dict[str, Any] | None = None
+        #: Names that installed plugins declare with different targets (see ``get``).
+        self._rival_entry_points: dict[str, list[Any]] = {}
+        #: Names whose registered class is the one their plugin entry point names.
+        self._plugin_names: set[str] = set()
         self._builtins_loaded = False
 
     # -- registration ----------------------------------------------------------------------------
@@ -104,18 +108,28 @@ class Registry(Generic[T]):
         return sorted(set(self._classes) | set(self._lazy) | set(self._plugin_entry_points()))
 
     def get(self, name: str) -> type[T]:
+        """The class registered as ``name``. A name that two installed plugins declare, or that a
+        plugin declares besides a built-in (or a class registered at run time), is refused with
+        a ValueError, as ``register`` refuses a taken name: either one silently ignored would
+        leave its author measuring the other."""
         self._load_builtins()
         if not isinstance(name, str):  # a list from a config (backend.name=[naive,triton]) is no name
             raise UnknownNameError(f"a {self.kind} name is a string, one of {', '.join(self.list()) or '(none)'}; "
                                    f"got {name!r}")
-        if name in self._classes:
-            return self._classes[name]
-        if name in self._lazy:
-            importlib.import_module(self._lazy[name])
-            if name not in self._classes:
-                raise ImportError(f"importing {self._lazy[name]} did not register the {self.kind} {name!r}")
-            return self._classes[name]
         ep = self._plugin_entry_points().get(name)
+        rivals = self._rival_entry_points.get(name)
+        if rivals:
+            raise ValueError(f"{len(rivals)} installed {self.kind} plugins declare the name {name!r}: "
+                             f"{', '.join(e.value for e in rivals)}; uninstall one or rename its entry point")
+        if name in self._classes or name in self._lazy:
+            if name in self._lazy and name not in self._classes:
+                importlib.import_module(self._lazy[name])
+                if name not in self._classes:
+                    raise ImportError(f"importing {self._lazy[name]} did not register the {self.kind} {name!r}")
+            cls = self._classes[name]
+            if ep is not None and name not in self._plugin_names:
+                self._check_plugin_is(name, ep, cls)
+            return cls
         if ep is not None:
             try:
                 cls = ep.load()
@@ -123,6 +137,7 @@ class Registry(Generic[T]):
                 raise ImportError(f"{self.kind} plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
             if name not in self._classes:
                 self.register(name)(cls)
+            self._plugin_names.add(name)
             return self._classes[name]
         raise UnknownNameError(
             f"unknown {self.kind} {name!r}; registered {self.plural}: {', '.join(self.list()) or '(none)'}"
@@ -158,8 +173,26 @@ class Registry(Generic[T]):
 
     def _plugin_entry_points(self) -> dict[str, Any]:
         if self._entry_points is None:
-            self._entry_points = {ep.name: ep for ep in entry_points(group=self.entry_point_group)}
+            found: dict[str, Any] = {}
+            self._rival_entry_points = {}
+            for ep in entry_points(group=self.entry_point_group):
+                if ep.name in found and found[ep.name].value != ep.value:
+                    self._rival_entry_points.setdefault(ep.name, [found[ep.name]]).append(ep)
+                found[ep.name] = ep
+            self._entry_points = found
         return self._entry_points
+
+    def _check_plugin_is(self, name: str, ep: Any, cls: type[T]) -> None:
+        """Refuse plugin ``ep`` unless it is ``cls``, the class already registered as ``name``
+        (a plugin that registers itself when imported)."""
+        try:
+            same = ep.load() is cls
+        except Exception:
+            same = False
+        if not same:
+            raise ValueError(f"the {self.kind} plugin {name} = {ep.value} declares the name of the {self.kind} "
+                             f"{name!r} already registered ({_qualified(cls)}); rename its entry point")
+        self._plugin_names.add(name)
 
     def refresh_plugins(self) -> None:
         """Forget the cached entry points and make packages installed since the interpreter

@@ -80,6 +80,44 @@ def test_a_built_in_name_is_refused_even_before_the_built_ins_are_imported():
                    "policies.fcfs framework.executors.model " + " ".join(sorted(POLICIES.list()))]
 
 
+def test_a_plugin_declaring_a_taken_name_is_refused_not_ignored(tmp_path, monkeypatch):
+    """A plugin entry point named like a registered class was silently ignored (the registered
+    class served its name), and of two plugins declaring one name the last found won."""
+    pkg = tmp_path / "rival_widget_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
+        "    def schedule(self, scheduler, step):\n        pass\n\n\nclass Gadget(Widget):\n    pass\n")
+    declared = {"a": "builtin = rival_widget_pkg:Widget\ntwice = rival_widget_pkg:Widget\n"
+                     "own = rival_widget_pkg:Gadget\n",
+                "b": "twice = rival_widget_pkg:Gadget\n"}
+    for dist, lines in declared.items():
+        info = tmp_path / f"rival_widget_{dist}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: rival-widget-{dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[tests.rival-widgets]\n{lines}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "rival_widget_pkg", raising=False)
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.rival-widgets")
+
+    @reg.register("builtin")
+    class BuiltIn(SchedulerPolicy):
+        def schedule(self, scheduler, step):
+            pass
+
+    assert reg.list() == ["builtin", "own", "twice"]
+    with pytest.raises(ValueError, match=r"plugin builtin = rival_widget_pkg:Widget declares the name of the widget "
+                                         r"'builtin' already registered \(.*BuiltIn\); rename its entry point"):
+        reg.get("builtin")
+    with pytest.raises(ValueError, match="2 installed widget plugins declare the name 'twice'") as err:
+        reg.get("twice")
+    assert "rival_widget_pkg:Widget" in str(err.value) and "rival_widget_pkg:Gadget" in str(err.value)
+    gadget = reg.get("own")
+    assert gadget.__name__ == "Gadget" and reg.get("own") is gadget  # a plugin is not its own rival
+    reg.register("own")(gadget)  # nor when registered again by hand
+    assert reg.get("own") is gadget
+
+
 def test_importing_framework_does_not_import_triton_or_flash_attn():
     code = ("import sys, framework, policies, backends, models; "
             "from framework import BACKENDS; BACKENDS.list(); "
