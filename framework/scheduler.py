@@ -382,6 +382,9 @@ class Scheduler:
         if request.status != RequestStatus.RUNNING:
             raise ValueError(f"{request.request_id} is {request.status.name}, not running")
         mode = mode or self.policy.preemption_mode_for(request)
+        if mode not in (RECOMPUTE, SWAP):  # a typo ("Swap") would otherwise recompute, silently
+            raise ValueError(f"{request.request_id}: preemption mode must be {RECOMPUTE!r} or {SWAP!r}, got {mode!r} "
+                             f"(policy {self.policy.name!r})")
         self.running.remove(request)
         request.num_preemptions += 1
         self.num_preemptions += 1

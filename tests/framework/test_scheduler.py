@@ -104,6 +104,23 @@ def test_swap_falls_back_to_recompute_when_the_swap_space_is_full():
     assert s.num_preemptions == 1 and s.num_swap_outs == 0
 
 
+class SwapTypo(Manual):
+    def preemption_mode_for(self, victim):
+        return "Swap"
+
+
+@pytest.mark.parametrize("policy, mode", [(SwapTypo(), None), (Manual(), "swapped")])
+def test_an_unknown_preemption_mode_is_refused_not_taken_for_recompute(policy, mode):
+    """From preemption_mode_for or preempt's mode: it silently recomputed."""
+    s = make()
+    s.policy = policy
+    a = add(s, "a", 6)
+    step(s, admit(a))
+    with pytest.raises(ValueError, match="a: preemption mode must be 'recompute' or 'swap', got '(Swap|swapped)'"):
+        step(s, lambda s_, st: s_.preempt(st, a, mode))
+    assert a.status == RequestStatus.RUNNING and s.running == [a] and s.num_preemptions == 0  # nothing changed
+
+
 def test_no_request_is_swapped_out_and_in_within_one_step():
     s = make()
     a = add(s, "a", 6)
