@@ -96,7 +96,8 @@ class LLMEngine:
         self._parents: dict[str, list[Request]] = {}
         # vLLM v0's parallel sampling (see InputPreparer.forks_parallel_samples): one leader per
         # request with n > 1 prefills; the others are forked from it when it samples.
-        self._fork_samples = config.executor == "model" and PREPARERS.get(config.preparer).forks_parallel_samples
+        # Asked of the executor, not its name: a subclass of the model executor runs the preparer too.
+        self._fork_samples = self.executor.forks_parallel_samples
         self._leaders: dict[str, Request] = {}
         self._generator_device = self.executor.device
         self.step_callbacks: list[Callable[[StepStats, SchedulerOutput], None]] = []

@@ -56,6 +56,13 @@ class Executor(ABC):
     def device(self) -> str:
         return "cpu"
 
+    @property
+    def forks_parallel_samples(self) -> bool:
+        """Whether ``execute`` samples a first token for each of a request's ``forks`` along with
+        the request's own (vLLM v0's parallel sampling: its input preparer's
+        ``forks_parallel_samples``); the engine then forks them from it. Default: no."""
+        return False
+
     @abstractmethod
     def kv_block_counts(self) -> tuple[int, int]: ...
 

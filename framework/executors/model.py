@@ -73,6 +73,10 @@ class ModelExecutor(Executor):
         return str(self._device)
 
     @property
+    def forks_parallel_samples(self) -> bool:
+        return PREPARERS.get(self.config.preparer).forks_parallel_samples
+
+    @property
     def bytes_per_block(self) -> int:
         """One KV block (all layers, K and V): what the KV budget is divided into."""
         return self.config.block_size * self.source.config.kv_bytes_per_token(self.dtype.itemsize)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework import LLM, PREPARERS, SamplingParams
+from framework import EXECUTORS, LLM, PREPARERS, SamplingParams
+from framework.executors.model import ModelExecutor
 
 BS = 4
 
@@ -98,6 +99,26 @@ class Recorder:
             return mi
 
         runner.preparer.prepare = prepare
+
+
+class SubclassedModelExecutor(ModelExecutor):
+    """The model executor under a name of a researcher's own (to time its steps, say)."""
+
+
+def test_a_subclass_of_the_model_executor_forks_v0_samples_as_the_model_executor_does(monkeypatch):
+    """The engine forked parallel samples only for the executor named "model": a subclass ran
+    v0's n samples as n requests, prefilling the prompt n times."""
+    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    EXECUTORS.register("test_subclassed_model")(SubclassedModelExecutor)
+    runs = {}
+    for executor in ("model", "test_subclassed_model"):
+        engine = llm("v0", executor=executor, enable_prefix_caching=False)
+        prefill = []
+        engine.engine.step_callbacks.append(lambda stats, out: prefill.append(stats.num_prefill_tokens))
+        out = engine.generate(prompt(11), SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=5, ignore_eos=True))
+        runs[executor] = (token_lists(out[0]), sum(prefill))
+    assert runs["test_subclassed_model"] == runs["model"]
+    assert runs["model"][1] == 11  # one prefill of the prompt for all three samples
 
 
 def test_copy_on_write_stores_shared_blocks_once_and_diverges_into_private_blocks():
