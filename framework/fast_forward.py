@@ -75,6 +75,30 @@ def _declares(policy_cls: type) -> bool:
     return False
 
 
+def plans_as_it_runs(part: object, runs: tuple[str, ...], plans: tuple[str, ...]) -> bool:
+    """Whether ``part``'s decode-run planning (its methods ``plans``) is defined by the class
+    that defines how it runs steps (its methods ``runs``), or by a subclass of it: a subclass
+    overriding ``execute`` or ``allocate_slots`` alone would have its decode runs planned by
+    its base, as if unchanged, and the fast path would no longer be what stepping gives."""
+    return _plans_as_it_runs(type(part), runs, plans)
+
+
+@functools.lru_cache(maxsize=None)
+def _plans_as_it_runs(part_cls: type, runs: tuple[str, ...], plans: tuple[str, ...]) -> bool:
+    for cls in part_cls.__mro__:
+        attrs = vars(cls)
+        if any(name in attrs for name in plans):
+            return True
+        if any(name in attrs for name in runs):
+            return False
+    return False
+
+
+#: What runs a step (first) and what plans decode runs (second), for the executor and the allocator.
+EXECUTOR_METHODS = ("execute", "token_for"), ("plan_decode_run", "commit_decode_run")
+ALLOCATOR_METHODS = ("allocate_slots",), ("decode_run_blocks", "allocate_decode_run")
+
+
 @dataclass
 class DecodePlan:
     """The pure-decode steps that provably come next from the engine's current state: step ``k``
@@ -106,6 +130,8 @@ def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes
             or len(running) > scheduler.max_num_batched_tokens):
         return None
     if any(not hasattr(cb, "on_decode_run") for cb in engine.step_callbacks) or not declares_steady_decode(engine.policy):
+        return None
+    if not (plans_as_it_runs(executor, *EXECUTOR_METHODS) and plans_as_it_runs(engine.allocator, *ALLOCATOR_METHODS)):
         return None
 
     sampled_token = executor.sampled_token

@@ -27,7 +27,8 @@ class SimExecutor(Executor):
     - ``tensor_parallel_size``: devices per replica (weights, heads and KV cache are split);
     - ``cost_model``: ``{"name": ..., **options}`` (default ``{"name": "roofline"}``);
     - ``fast_forward``: let the run driver advance pure-decode runs in one go
-      (``framework/fast_forward.py``: same results, fewer Python steps); off for step-by-step;
+      (``framework/fast_forward.py``: same results, fewer Python steps); off for step-by-step
+      (and for a subclass overriding ``execute`` or ``token_for`` but not ``plan_decode_run``);
     - ``sampled_token``: the token every request samples (default: the highest id that is not an
       EOS id). Requests never stop on it: output lengths are the requests' ``max_tokens``.
     """

@@ -2,10 +2,11 @@
 by one does: same steps, same token times, same blocks, same prefix cache."""
 import pytest
 
-from framework import EngineConfig, SamplingParams
+from framework import ALLOCATORS, EXECUTORS, EngineConfig, SamplingParams
 from framework.allocators.paged import PagedBlockAllocator
 from framework.block_allocator import BlockAllocator
 from framework.cluster import Cluster
+from framework.executors.sim import SimExecutor
 from framework.fast_forward import declares_steady_decode
 from framework.recorder import RunRecorder
 from framework.request import Request, RequestStatus
@@ -158,3 +159,48 @@ def test_a_request_ignored_on_arrival_comes_before_the_next_steps_finishes(fast)
     Cluster.build(config).run([first, WorkloadRequest("r2", [8] * 200, 3, (t1 + t2) / 2)],
                               on_output=lambda i, out: seen.append((out.request_id, out.metrics.finished_time)))
     assert seen == [("r2", t2), ("r1", t3)]
+
+
+class SimWithOverhead(SimExecutor):
+    """A researcher's simulator: every step also pays 5 ms of host overhead."""
+
+    def execute(self, out):
+        self.clock.advance(0.005)
+        return super().execute(out)
+
+
+class Watermark(PagedBlockAllocator):
+    """A researcher's allocator: keeps 8 blocks free (vLLM v0's watermark, for every allocation)."""
+
+    def allocate_slots(self, request, num_new_tokens, prefix=None):
+        if self._new_blocks(request, num_new_tokens, prefix) > self.num_free_blocks - 8:
+            return False
+        return super().allocate_slots(request, num_new_tokens, prefix)
+
+
+class Unchanged(PagedBlockAllocator):
+    pass
+
+
+@pytest.mark.parametrize("part, cls", [("executor", SimWithOverhead), ("allocator", Watermark),
+                                       ("allocator", Unchanged)])
+def test_a_subclass_overriding_how_steps_run_is_not_fast_forwarded_as_its_base(part, cls, monkeypatch):
+    """Decode runs were planned by the base class's code: the executor's extra time and the
+    allocator's refusals were skipped on the fast path (0 preemptions instead of 27)."""
+    registry = EXECUTORS if part == "executor" else ALLOCATORS
+    monkeypatch.setattr(registry, "_classes", dict(registry._classes))
+    registry.register(f"test_{cls.__name__.lower()}")(cls)
+    requests = [WorkloadRequest(str(i), list(range(10 + i, 110 + i)), 200) for i in range(4)]
+    results = []
+    for fast in (True, False):
+        config = EngineConfig(model="llama-3-8b", executor="sim", executor_options={"fast_forward": fast},
+                              num_gpu_blocks_override=80, max_model_len=1024)
+        setattr(config, part, f"test_{cls.__name__.lower()}")
+        cluster = Cluster.build(config)
+        counter = RunCounter()
+        cluster.engines[0].step_callbacks.append(counter)
+        outs = cluster.run(requests).outputs
+        results.append((sorted((o.request_id, tuple(o.metrics.token_times)) for _, o in outs),
+                        cluster.engines[0].scheduler.num_preemptions, counter.steps))
+    assert results[0][:2] == results[1][:2]
+    assert (results[0][2] > 0) == (cls is Unchanged)  # a subclass changing nothing keeps the fast path
