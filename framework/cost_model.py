@@ -100,7 +100,8 @@ class CostModel(ABC):
     Contract: ``step_time`` is a pure function of its argument (the same shape always takes the
     same time; a replay model is the exception and says so); ``decode_step_time(m, ctx)``
     returns exactly (bit for bit) ``step_time`` of a batch of ``m`` decode rows attending to
-    ``ctx`` keys in total, so a simulator may advance pure-decode steps without building shapes.
+    ``ctx`` keys in total, so a simulator may advance pure-decode steps without building shapes
+    (a subclass that overrides ``step_time`` alone is asked through ``step_time`` there too).
     Options come from the ``cost_model`` config node as keyword arguments; unknown ones are
     rejected.
     """

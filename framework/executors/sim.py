@@ -6,6 +6,7 @@ the forward pass is replaced by advancing a ``VirtualClock`` by the predicted st
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -13,6 +14,7 @@ from framework.clock import Clock, VirtualClock
 from framework.config import DTYPE_BYTES, EngineConfig, check_bool, is_int, resolve_dtype_name
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
+from framework.fast_forward import plans_as_it_runs
 from framework.hardware import Hardware, load_hardware
 from framework.request import Request
 from framework.scheduler import SchedulerOutput
@@ -117,6 +119,10 @@ class SimExecutor(Executor):
         t = self.clock.now()
         times: list[float] = []
         cost = self.cost_model.decode_step_time
+        if not plans_as_it_runs(self.cost_model, ("step_time",), ("decode_step_time",)):
+            # A subclass overriding step_time alone (a roofline made slower, say) would otherwise
+            # be timed here by its base's decode_step_time: the generic one asks its step_time.
+            cost = functools.partial(CostModel.decode_step_time, self.cost_model)
         for steps, num_seqs, context in segments:
             for _ in range(steps):
                 if t >= until:

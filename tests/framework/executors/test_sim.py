@@ -8,9 +8,12 @@ import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams
 from framework.clock import VirtualClock, WallClock
-from framework.cost_model import BatchShape
+from framework.cluster import Cluster
+from framework.cost_model import COST_MODELS, BatchShape
+from framework.cost_models.roofline import RooflineCostModel
 from framework.executor import EXECUTORS
 from framework.hardware import GiB, load_hardware
+from tests.framework.sim_support import RunCounter, chat_requests
 
 LLAMA3_8B_PARAMS = 8_030_261_248
 
@@ -178,3 +181,29 @@ def test_a_simulated_engine_never_loads_torch_even_with_num_threads():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+class SlowerRoofline(RooflineCostModel):
+    """The roofline, 20% slower: a subclass overriding step_time alone."""
+
+    def step_time(self, batch):
+        return 1.2 * super().step_time(batch)
+
+
+def test_decode_runs_of_a_cost_model_overriding_step_time_alone_take_its_times(monkeypatch):
+    """The fast path timed decode runs with the base's decode_step_time, skipping the override:
+    the fast-forwarded run ended earlier than stepping one by one."""
+    monkeypatch.setattr(COST_MODELS, "_classes", dict(COST_MODELS._classes))
+    COST_MODELS.register("test_slower_roofline")(SlowerRoofline)
+    requests = chat_requests(20, rate=4.0, seed=1)
+    results = []
+    for fast in (True, False):
+        config = EngineConfig(model="llama-3-8b", executor="sim",
+                              executor_options={"fast_forward": fast, "cost_model": {"name": "test_slower_roofline"}})
+        cluster = Cluster.build(config)
+        counter = RunCounter()
+        cluster.engines[0].step_callbacks.append(counter)
+        results.append(sorted((o.request_id, o.metrics.token_times) for _, o in cluster.run(requests).outputs))
+        if fast:
+            assert counter.steps > 0  # still fast-forwarded
+    assert results[0] == results[1]
