@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from framework.preparers.v1 import FlatBatchPreparer
-from tests.framework.preparers.support import make_req, record, schedule, seed_000_requests, seed_000_step_2
+from tests.framework.preparers.support import (assert_equivalent, make_req, preparer_pair, record, schedule,
+                                               seed_000_requests, seed_000_step_2)
 
 
 @pytest.mark.parametrize("runner_records", [True, False], ids=["runner-records-sampled", "read-from-requests"])
@@ -114,3 +115,106 @@ def test_copy_on_write_replacement_rewrites_the_row():
     host = prep.prepare(out).host
     assert prep.block_table[prep.row_of["r"]].tolist() == [1, 5, 0, 0]
     assert host["slot_mapping"].tolist() == [11]
+
+
+def _real_scheduler(block_size, budget, max_model_len, num_blocks):
+    """The engine's scheduler with the chunked policy (vLLM v1's) and the paged allocator."""
+    from framework.allocators.paged import PagedBlockAllocator
+    from framework.clock import VirtualClock
+    from framework.config import EngineConfig
+    from framework.scheduler import POLICIES, Scheduler
+
+    config = EngineConfig(block_size=block_size, max_num_seqs=8, max_num_batched_tokens=budget,
+                          max_model_len=max_model_len, check_invariants=True)
+    return Scheduler(config, POLICIES.create("chunked"), PagedBlockAllocator(num_blocks, block_size), VirtualClock())
+
+
+def _prompt(i, n):
+    from framework.request import Request
+    from framework.sampling_params import SamplingParams
+
+    # Disjoint token ids per request, so no prefix is shared and blocks go out in order.
+    return Request(str(i), list(range(1000 * (i + 1), 1000 * (i + 1) + n)),
+                   SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), arrival_time=0.0)
+
+
+def _run(sched, prep, out, v0=None):
+    """One step as the engine runs it: prepare, sample (token 7), record, fold back. A ``v0``
+    preparer given too must describe the same step, request by request."""
+    mi = prep.prepare(out)
+    if v0 is not None:
+        assert_equivalent(v0.prepare(out), mi)
+    prep.record_sampled(mi, np.full(len(mi.sample_req_ids), 7, dtype=np.int64))
+    sched.update_from_output(out, {rid: 7 for rid in mi.sample_req_ids})
+    return mi
+
+
+def test_seed_000_comes_out_of_the_real_scheduler_and_allocator():
+    """Seed 000 end to end: a token budget of 10 schedules {0: 3, 1: 2, 2: 5} (request 2 is left
+    with 3 prompt tokens), blocks are handed out in order from block 1, and step 2 gives block 7
+    to request 1 and block 8 to request 2."""
+    sched = _real_scheduler(block_size=2, budget=10, max_model_len=12, num_blocks=16)
+    reqs = [_prompt(i, n) for i, n in enumerate([3, 2, 8])]
+    for r in reqs:
+        sched.add_request(r)
+    v0, prep = preparer_pair(2, max_num_reqs=4, max_model_len=12, max_num_batched_tokens=10)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"0": 3, "1": 2, "2": 5}
+    mi = _run(sched, prep, out, v0)
+    meta, host = mi.attn_metadata, mi.host
+    assert (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len) == (3, 10, 5)
+    assert host["req_indices"].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2]
+    assert host["positions"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3, 4]
+    assert host["block_table_indices"].tolist() == [0, 0, 1, 6, 6, 12, 12, 13, 13, 14]
+    assert host["block_numbers"].tolist() == [1, 1, 2, 3, 3, 4, 4, 5, 5, 6]
+    assert host["block_offsets"].tolist() == [0, 1, 0, 0, 1, 0, 1, 0, 1, 0]
+    assert host["slot_mapping"].tolist() == [2, 3, 4, 6, 7, 8, 9, 10, 11, 12]
+    assert host["query_start_loc"].tolist() == [0, 3, 5, 10]
+    assert host["seq_lens"].tolist() == [3, 2, 5]
+    assert host["num_computed_tokens"].tolist() == [0, 0, 0]
+    assert prep.block_table[:4].tolist() == [[1, 2, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0],
+                                             [4, 5, 6, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1, "2": 3}
+    _run(sched, prep, out, v0)
+    assert prep.block_table[:3].tolist() == [[1, 2, 0, 0, 0, 0], [3, 7, 0, 0, 0, 0], [4, 5, 6, 8, 0, 0]]
+
+
+def test_seed_001_comes_out_of_the_real_scheduler_and_allocator():
+    """Seed 001 end to end: requests 0 and 1 have computed 54 and 145 tokens and decode;
+    requests 2, 3 and 4 arrive; the budget of 200 gives them 93, 75 and 30 tokens, and the
+    blocks are allocated sequentially: 1-4, 5-14, 15-20, 21-25, 26-27."""
+    bs, max_len = 16, 240
+    sched = _real_scheduler(block_size=bs, budget=200, max_model_len=max_len, num_blocks=64)
+    v0, prep = preparer_pair(bs, max_num_reqs=8, max_model_len=max_len, max_num_batched_tokens=200)
+    r0, r1 = _prompt(0, 54), _prompt(1, 145)
+    sched.add_request(r0)
+    sched.add_request(r1)
+    _run(sched, prep, sched.schedule(), v0)  # their prompts: 54 + 145 tokens, then one sampled token each
+    assert (r0.num_computed_tokens, r1.num_computed_tokens) == (54, 145)
+    reqs = [r0, r1] + [_prompt(i, n) for i, n in ((2, 93), (3, 75), (4, 120))]
+    for r in reqs[2:]:
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1, "2": 93, "3": 75, "4": 30}
+    assert [len(r.block_ids) for r in reqs] == [4, 10, 6, 5, 2]
+    assert [r.block_ids for r in reqs] == [list(range(1, 5)), list(range(5, 15)), list(range(15, 21)),
+                                           list(range(21, 26)), [26, 27]]
+    mi = _run(sched, prep, out, v0)
+    host = mi.host
+    positions = [54, 145] + list(range(93)) + list(range(75)) + list(range(30))
+    assert host["cu_num_tokens"].tolist() == [1, 2, 95, 170, 200]
+    assert host["positions"].tolist() == positions
+    assert host["block_offsets"].tolist() == [p % bs for p in positions]
+    assert host["block_offsets"].tolist()[:4] == [6, 1, 0, 1]
+    assert host["block_table_indices"].tolist() == ([3, 24] + [30 + p // bs for p in range(93)]
+                                                    + [45 + p // bs for p in range(75)] + [60 + p // bs for p in range(30)])
+    assert host["block_numbers"].tolist() == ([4, 14] + [15 + p // bs for p in range(93)]
+                                              + [21 + p // bs for p in range(75)] + [26 + p // bs for p in range(30)])
+    assert host["slot_mapping"].tolist() == ([70, 225] + list(range(240, 333)) + list(range(336, 411))
+                                             + list(range(416, 446)))
+    assert host["query_start_loc"].tolist() == [0, 1, 2, 95, 170, 200]
+    assert host["seq_lens"].tolist() == [55, 146, 93, 75, 30]
+    meta = mi.attn_metadata
+    assert (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (5, 200, 93, 146)
+    assert prep.block_table[:5].tolist() == [r.block_ids + [0] * (15 - len(r.block_ids)) for r in reqs]
