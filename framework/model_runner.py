@@ -33,22 +33,26 @@ class ModelRunner:
         return self._cpu_cache
 
     def apply_block_ops(self, out: SchedulerOutput) -> None:
-        """Both swap lists read their sources before either writes: a device block a swap-out
-        frees may be a swap-in's destination, and a swap block a swap-in frees may be a
-        swap-out's destination, in either order within one step. Copy-on-write copies run last."""
+        """Every list reads its sources as they were before the step, then they write: a block
+        freed during the step may be another list's destination. A device block a swap-out frees
+        may be a swap-in's or a copy's destination, a swap block a swap-in frees may be a
+        swap-out's destination, and the shared block a copy-on-write copies may be freed (its
+        other holders preempted) and taken by a swap-in, all within one step."""
         dev = self.kv_cache.device
-        incoming = None
+        incoming = copied = None
         if out.blocks_to_swap_in:
             cpu_src, dev_dst = (torch.tensor(x) for x in zip(*out.blocks_to_swap_in))
             incoming = self.cpu_cache[:, :, cpu_src].to(dev)
+        if out.blocks_to_copy:
+            copy_src, copy_dst = (torch.tensor(x, device=dev) for x in zip(*out.blocks_to_copy))
+            copied = self.kv_cache[:, :, copy_src]
         if out.blocks_to_swap_out:
             src, dst = (torch.tensor(x) for x in zip(*out.blocks_to_swap_out))
             self.cpu_cache[:, :, dst] = self.kv_cache[:, :, src.to(dev)].cpu()
         if incoming is not None:
             self.kv_cache[:, :, dev_dst.to(dev)] = incoming
-        if out.blocks_to_copy:
-            src, dst = (torch.tensor(x, device=dev) for x in zip(*out.blocks_to_copy))
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if copied is not None:
+            self.kv_cache[:, :, copy_dst] = copied
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:

@@ -36,8 +36,8 @@ class SchedulerOutput:
     ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped; an output that
     schedules nothing and moves no block is not run, so it lists no rows to drop and no forked
     sequence (the next one does). Block lists
-    are applied before the forward pass: both swap lists read their sources before either
-    writes (a block freed by one may be reused by the other in the same step), then copies run.
+    are applied before the forward pass: all three read their sources as they were before the
+    step, then write (a block freed during the step may be reused by another list in the same step).
     No request is swapped both out and in within one step.
     """
 
