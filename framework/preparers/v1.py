@@ -42,13 +42,17 @@ def _flags(req: Request) -> int:
 
 class _HostArrays(dict):
     """The step's host arrays. Two of vLLM's intermediates that the step itself never needs,
-    ``req_indices`` (the row of each token) and ``arange`` (each token's index within its
-    request's chunk), are computed when first read."""
+    ``req_indices`` (the batch row of each token, as ``rows`` gives each request's) and
+    ``arange`` (each token's index within its request's chunk), are computed when first read.
+    As in seed 001, ``token_indices`` is ``req_indices * token table width + positions`` and
+    ``block_table_indices`` is ``req_indices * max_blocks_per_req + positions // block_size``."""
 
     def __missing__(self, key: str) -> np.ndarray:
         num_sched = self["num_scheduled_tokens"]
         if key == "req_indices":
-            value = np.arange(len(num_sched), dtype=np.int64).repeat(num_sched)
+            # The persistent batch's rows, not the step's order: rows are reused as requests come
+            # and go, and the token and block table indices are taken in those rows.
+            value = self["rows"].repeat(num_sched)
         elif key == "arange":
             value = self["positions"] - self["num_computed_tokens"].repeat(num_sched)
         else:
@@ -275,7 +279,7 @@ class FlatBatchPreparer(InputPreparer):
             block_table_indices=block_table_indices, block_numbers=block_numbers, block_offsets=block_offsets,
             slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
             num_computed_tokens=computed, num_scheduled_tokens=num_sched, do_sample=do_sample,
-            logits_indices=logits_indices, block_table=block_table)
+            logits_indices=logits_indices, block_table=block_table, rows=rows)
         sample_rows = rows.take(sampled)
         if 2 * len(sampled) > n:  # most rows sample: drop the others
             sample_req_ids = req_ids.copy()

@@ -101,6 +101,31 @@ def test_rows_are_dropped_and_reused_with_null_padding():
     assert host["slot_mapping"].tolist() == [10, 11]
 
 
+def test_seed_001_index_identities_hold_when_rows_are_not_in_step_order():
+    """Seed 001 defines ``token_indices = req_indices * M + positions`` and ``block_table_indices =
+    req_indices * K + positions // block_size``, ``block_numbers`` being the block table at those
+    indices. Once a freed row is reused the step's order is not the rows' order; the identities
+    must still hold, ``req_indices`` naming each token's batch row."""
+    bs = 2
+    prep = FlatBatchPreparer(max_num_reqs=2, max_model_len=8, block_size=bs, max_num_batched_tokens=8, check=True)
+    a, b = make_req("a", 2, [1]), make_req("b", 4, [2, 4])
+    prep.prepare(schedule([a, b], [2, 2], new=[a, b]))
+    b.num_computed_tokens = 2
+    c = make_req("c", 2, [3])
+    out = schedule([b, c], [2, 2], new=[c])
+    out.finished_req_ids = {"a"}
+    host = prep.prepare(out).host
+    assert prep.row_of == {"b": 1, "c": 0}
+    req_indices, positions = host["req_indices"], host["positions"]
+    assert req_indices.tolist() == [1, 1, 0, 0] and positions.tolist() == [2, 3, 0, 1]
+    width, K = prep.token_ids.shape[1], prep.max_blocks_per_req
+    assert host["token_indices"].tolist() == (req_indices * width + positions).tolist()
+    assert host["block_table_indices"].tolist() == (req_indices * K + positions // bs).tolist()
+    assert host["block_numbers"].tolist() == prep.block_table.ravel()[host["block_table_indices"]].tolist() == [4, 4, 3, 3]
+    assert host["input_ids"].tolist() == prep.token_ids.ravel()[host["token_indices"]].tolist() == [102, 103, 100, 101]
+    assert host["arange"].tolist() == [0, 1, 0, 1]
+
+
 def test_copy_on_write_replacement_rewrites_the_row():
     prep = FlatBatchPreparer(max_num_reqs=2, max_model_len=8, block_size=2, max_num_batched_tokens=8, check=True)
     r = make_req("r", 3, [1, 2], num_computed=2)
