@@ -67,8 +67,11 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")
+        # Only final outputs are read (vLLM's generate asks for FINAL_ONLY too): a cumulative output
+        # per running request per step would decode each request's whole text every step,
+        # quadratic in the output length.
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished:
                     results[out.request_id] = out
                     if bar is not None:

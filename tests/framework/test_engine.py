@@ -339,3 +339,16 @@ def test_scheduler_rejects_a_token_sampled_mid_prompt():
         engine.scheduler.update_from_output(out, {"r": 7})
     engine.abort_request("r")
     engine.step()
+
+
+def test_generate_builds_only_final_outputs(monkeypatch):
+    """generate reads only finished outputs: it used to build (and detokenize) a cumulative output
+    for every running request at every step, quadratic in the output length."""
+    llm = small_llm()
+    built = []
+    original = llm.engine._output
+    monkeypatch.setattr(llm.engine, "_output", lambda rid, children: built.append(rid) or original(rid, children))
+    outs = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                              SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)])
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [12, 5, 5]
+    assert sorted(built) == sorted(o.request_id for o in outs)
