@@ -58,6 +58,11 @@ class LLMEngine:
     outputs for the requests that progressed (a new token, or finished). Single-threaded."""
 
     def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, **kwargs: Any) -> None:
+        """Built from ``config``, or from ``EngineConfig`` keyword arguments: not both."""
+        if config is not None and kwargs:
+            # Each would otherwise be dropped without a word, the config's value used instead.
+            raise ValueError(f"LLMEngine takes an EngineConfig or EngineConfig keyword arguments, not both: "
+                             f"set {', '.join(sorted(kwargs))} in the EngineConfig")
         self.config = config = config or EngineConfig(**kwargs)
         self.clock = clock or EXECUTORS.get(config.executor).make_clock()
         self.source = resolve_model(config.model)

@@ -352,3 +352,11 @@ def test_generate_builds_only_final_outputs(monkeypatch):
                                               SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)])
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [12, 5, 5]
     assert sorted(built) == sorted(o.request_id for o in outs)
+
+
+def test_engine_refuses_keyword_arguments_beside_a_config():
+    """LLMEngine(config, max_model_len=32) used to build the config's engine (max_model_len=64),
+    dropping the keyword without a word."""
+    with pytest.raises(ValueError, match="not both: set max_model_len, policy in the EngineConfig"):
+        LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64), max_model_len=32, policy="chunked")
+    assert LLMEngine(model="tiny-llama", max_model_len=32).config.max_model_len == 32
