@@ -151,6 +151,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue one request; ValueError, with nothing queued, for a bad prompt or argument."""
+        # abort_request takes only str ids (an iterable of them means several): an int id accepted
+        # here could never be aborted.
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}")
         params = params or SamplingParams()
         check_request_args(params, arrival_time, priority)
         ids, text = self.tokenize(prompt)

@@ -139,6 +139,8 @@ def test_numpy_numbers_are_good_sampling_params():
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, arrival_time="now"), "arrival_time"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, priority=None), "priority"),
     (lambda llm: llm.engine.abort_request(5), "abort_request takes"),
+    # An int id used to be queued, and then could not be aborted (abort_request takes str ids).
+    (lambda llm: llm.engine.add_request(5, [4, 5], GREEDY), "request_id must be a str, got int"),
 ])
 def test_bad_request_arguments_raise_value_errors_and_queue_nothing(call, match):
     """A priority the scheduler could not compare used to fail mid-step and jam every later step."""
