@@ -5,6 +5,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from framework.config import EngineConfig
 from framework.engine import LLMEngine, Prompt, check_request_args
 from framework.outputs import RequestOutput
@@ -26,8 +28,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
-                                                 and all(isinstance(t, int) for t in prompts)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         if not isinstance(prompts, Iterable):
             raise ValueError(f"prompts must be a prompt (text, token ids or a dict) or a list of them, "
@@ -79,3 +80,15 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[rid] for rid in ids]
+
+
+def _is_one_prompt(prompts: Any) -> bool:
+    """Whether ``prompts`` is one prompt (text, a dict, or token ids: a flat list of ints, numpy's
+    included, or a 1-D array) rather than a list of them. Numpy ints are token ids everywhere
+    else; taken here for prompts of their own, each failed as "not iterable"."""
+    if isinstance(prompts, (str, dict)):
+        return True
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim <= 1
+    return (isinstance(prompts, Sequence) and len(prompts) > 0
+            and all(isinstance(t, (int, np.integer)) for t in prompts))

@@ -73,6 +73,19 @@ def test_token_ids_as_numpy_arrays_or_numpy_scalars_are_plain_ints_inside():
         assert out[0].prompt_token_ids == [5, 6, 7, 8] and out[0].outputs[0].token_ids == as_list.outputs[0].token_ids
 
 
+def test_generate_takes_numpy_token_ids_as_one_prompt():
+    """A list of numpy ints (or a 1-D array) is one prompt, as a list of ints is: it used to be
+    taken for a list of prompts, each failing with "'numpy.int64' object is not iterable"."""
+    llm = small_llm()
+    (plain,) = llm.generate([5, 6, 7, 8], GREEDY)
+    for prompt in (list(np.array([5, 6, 7, 8])), np.array([5, 6, 7, 8], dtype=np.int32), [np.int64(5), 6, 7, 8]):
+        (out,) = llm.generate(prompt, GREEDY)
+        assert out.prompt_token_ids == [5, 6, 7, 8] and out.outputs[0].token_ids == plain.outputs[0].token_ids
+    # A 2-D array is a list of prompts, one per row.
+    assert [o.outputs[0].token_ids for o in llm.generate(np.array([[5, 6, 7, 8], [5, 6, 7, 8]]), GREEDY)] == \
+        [plain.outputs[0].token_ids] * 2
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"policy": "nope"}, "registered policies: .*fcfs"),
     ({"backend": "nope"}, "registered backends: .*naive"),
