@@ -57,28 +57,35 @@ class LLM:
             token_ids, text = self.engine.tokenize(prompt)
             check_request_args(p, None, priority[i] if priority else 0)
             tokenized.append({"prompt_token_ids": token_ids, "prompt": text})
-        ids = []
-        for i, (prompt, p) in enumerate(zip(tokenized, params)):
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
-            ids.append(rid)
+        ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+        try:
+            for i, (prompt, p) in enumerate(zip(tokenized, params)):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(rid)
+            if use_tqdm:
+                from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="requests", unit="req")
-        # Only final outputs are read (vLLM's generate asks for FINAL_ONLY too): a cumulative output
-        # per running request per step would decode each request's whole text every step,
-        # quadratic in the output length.
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step(final_only=True):
-                if out.finished:
-                    results[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+                bar = tqdm(total=len(ids), desc="requests", unit="req")
+            # Only final outputs are read (vLLM's generate asks for FINAL_ONLY too): a cumulative
+            # output per running request per step would decode each request's whole text every
+            # step, quadratic in the output length.
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step(final_only=True):
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: this call's requests still in flight are aborted, or
+            # they would keep their KV blocks and run on in the next call, their outputs dropped.
+            self.engine.abort_request([rid for rid in ids if rid not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[rid] for rid in ids]
 
 

@@ -375,3 +375,26 @@ def test_engine_refuses_keyword_arguments_beside_a_config():
     with pytest.raises(ValueError, match="not both: set max_model_len, policy in the EngineConfig"):
         LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64), max_model_len=32, policy="chunked")
     assert LLMEngine(model="tiny-llama", max_model_len=32).config.max_model_len == 32
+
+
+def test_an_interrupted_generate_leaves_nothing_running():
+    """generate interrupted (Ctrl-C) mid-run used to leave its requests queued, holding KV blocks:
+    the next generate call ran them too, before and beside its own, and dropped their outputs."""
+    llm = small_llm()
+    steps, interrupted = [], []
+
+    def interrupt(stats, out):
+        steps.append(stats.num_scheduled_reqs)
+        if len(steps) == 3 and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+
+    llm.engine.step_callbacks.append(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7], [8, 9], [10, 11, 12]], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    alloc = llm.engine.allocator
+    assert alloc.num_free_blocks == alloc.num_usable_blocks
+    steps.clear()
+    (out,) = llm.generate([5, 6, 7], GREEDY)
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    assert len(steps) == GREEDY.max_tokens and max(steps) == 1  # only its own request ran
