@@ -58,6 +58,8 @@ class BatchShape:
             c = req.num_computed_tokens
             samples = c + q >= len(req.token_ids)
             shape.add_row(c, q, samples)
+            if samples and req.forks:  # v0: its forks sample from logits rows of their own
+                shape.num_sampled += len(req.forks)
             if samples and sampling is not None:
                 sampling.append(req)
         return shape

@@ -74,12 +74,13 @@ class LLMEngine:
         # A simulated run never uses the tensor parts, and their registries load torch (about 2 s):
         # it checks their names only when they are not the defaults, so a typo is still caught.
         defaults = EngineConfig.backend, EngineConfig.preparer
+        preparer_forks = False  # the default preparer (v1) runs n samples as n requests
         if config.executor == "model" or (config.backend, config.preparer) != defaults:
             from framework.attention import BACKENDS
             from framework.input_preparer import PREPARERS
 
             BACKENDS.get(config.backend)
-            PREPARERS.get(config.preparer)
+            preparer_forks = PREPARERS.get(config.preparer).forks_parallel_samples
         self.policy = POLICIES.create(config.policy, **config.policy_options)
         self.executor = EXECUTORS.create(config.executor, config, self.source, self.clock, **config.executor_options)
         num_blocks, num_cpu_blocks = self.executor.kv_block_counts()
@@ -100,9 +101,9 @@ class LLMEngine:
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._parents: dict[str, list[Request]] = {}
         # vLLM v0's parallel sampling (see InputPreparer.forks_parallel_samples): one leader per
-        # request with n > 1 prefills; the others are forked from it when it samples.
-        # Asked of the executor, not its name: a subclass of the model executor runs the preparer too.
-        self._fork_samples = self.executor.forks_parallel_samples
+        # request with n > 1 prefills; the others are forked from it when it samples. Simulated
+        # runs fork too (Executor.samples_forks), so they schedule as the real executor does.
+        self._fork_samples = self.executor.samples_forks and preparer_forks
         self._leaders: dict[str, Request] = {}
         self._generator_device = self.executor.device
         self.step_callbacks: list[Callable[[StepStats, SchedulerOutput], None]] = []

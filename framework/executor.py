@@ -37,6 +37,11 @@ class Executor(ABC):
     touch the scheduler's queues or the allocator."""
 
     name: ClassVar[str] = ""
+    #: Whether ``execute`` gives each of ``Request.forks`` a first token when their leader
+    #: completes its prompt (vLLM v0's parallel sampling, under a preparer that
+    #: ``forks_parallel_samples``). Without it the engine runs the ``n`` samples of a request as
+    #: ``n`` independent requests, whatever the preparer.
+    samples_forks: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
         self.config = config
@@ -55,13 +60,6 @@ class Executor(ABC):
     @property
     def device(self) -> str:
         return "cpu"
-
-    @property
-    def forks_parallel_samples(self) -> bool:
-        """Whether ``execute`` samples a first token for each of a request's ``forks`` along with
-        the request's own (vLLM v0's parallel sampling: its input preparer's
-        ``forks_parallel_samples``); the engine then forks them from it. Default: no."""
-        return False
 
     @abstractmethod
     def kv_block_counts(self) -> tuple[int, int]: ...

@@ -141,7 +141,9 @@ def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes
     running_status = RequestStatus.RUNNING
     for k, req in enumerate(running):
         num_tokens = len(req.token_ids)
-        if num_tokens - req.num_computed_tokens != 1 or req.status is not running_status:
+        # A v0 leader still to fork its samples (``Request.forks``) forks them on its first
+        # token, which only an ordinary step does.
+        if num_tokens - req.num_computed_tokens != 1 or req.status is not running_status or req.forks:
             return None
         params = req.sampling_params
         if params.stop_token_ids and sampled_token in params.stop_token_ids:

@@ -37,6 +37,8 @@ def resolve_dtype(name: str, model_dtype: str | None, device: torch.device) -> t
 
 @EXECUTORS.register("model")
 class ModelExecutor(Executor):
+    samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
+
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
         super().__init__(config, source, clock)
         if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
@@ -71,10 +73,6 @@ class ModelExecutor(Executor):
     @property
     def device(self) -> str:
         return str(self._device)
-
-    @property
-    def forks_parallel_samples(self) -> bool:
-        return PREPARERS.get(self.config.preparer).forks_parallel_samples
 
     @property
     def bytes_per_block(self) -> int:

@@ -35,6 +35,8 @@ class SimExecutor(Executor):
       EOS id). Requests never stop on it: output lengths are the requests' ``max_tokens``.
     """
 
+    samples_forks = True  # an n > 1 request under preparer v0 prefills once and forks, as for real
+
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock,
                  hardware: str | dict[str, Any] | Hardware = "a100-80gb", tensor_parallel_size: int = 1,
                  cost_model: dict[str, Any] | str | None = None, fast_forward: bool = True,
@@ -109,7 +111,11 @@ class SimExecutor(Executor):
         shape = BatchShape.from_scheduler_output(out, sampling)
         self.clock.advance(self.cost_model.step_time(shape))  # type: ignore[attr-defined]
         self.num_steps += 1
-        return ExecutorOutput({req.request_id: self.token_for(req) for req in sampling})
+        sampled = {req.request_id: self.token_for(req) for req in sampling}
+        for req in sampling:  # a v0 leader completing its prompt samples for its forks too
+            for child in req.forks:
+                sampled[child.request_id] = self.token_for(child)
+        return ExecutorOutput(sampled)
 
     def plan_decode_run(self, segments: list[tuple[int, int, int]], until: float = math.inf) -> list[float]:
         """End times of consecutive pure-decode steps: segment ``(steps, num_seqs, context)`` is

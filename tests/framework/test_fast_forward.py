@@ -204,3 +204,22 @@ def test_a_subclass_overriding_how_steps_run_is_not_fast_forwarded_as_its_base(p
                         cluster.engines[0].scheduler.num_preemptions, counter.steps))
     assert results[0][:2] == results[1][:2]
     assert (results[0][2] > 0) == (cls is Unchanged)  # a subclass changing nothing keeps the fast path
+
+
+def test_a_v0_leader_completing_its_prompt_in_a_decode_shaped_step_forks_its_samples():
+    """Under preparer v0 the simulator forks an n > 1 request's samples from its leader when the
+    leader samples its first token. A chunked prompt can leave the leader one token to compute,
+    a step that looks like a decode: a decode run took it, and the samples were never forked
+    (the request never finished)."""
+    config = EngineConfig(model="llama-3-8b", executor="sim", preparer="v0", policy="chunked", block_size=16,
+                          max_num_batched_tokens=16, max_model_len=128, executor_options={"fast_forward": True})
+    engine = Cluster.build(config).engines[0]
+    engine.add_request("a", list(range(5, 22)), SamplingParams(n=2, max_tokens=4, ignore_eos=True))
+    outputs = []
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        outputs += engine.advance()
+    (out,) = outputs
+    assert [len(c.token_ids) for c in out.outputs] == [4, 4] and len(out.metrics.token_times) == 4
+    assert engine.allocator.stats.cow_copies == 1  # the samples shared the prompt's partial block
