@@ -3,8 +3,6 @@ import random
 import re
 from pathlib import Path
 
-import pytest
-
 from framework import POLICIES, SamplingParams
 from tests.policies.harness import Arrival
 from tests.policies.test_properties import run_workload
