@@ -31,6 +31,9 @@ class ModelSource:
 
 
 def resolve_model(name_or_path: str) -> ModelSource:
+    if not isinstance(name_or_path, (str, Path)):  # model.name=5 reads as an int
+        raise ValueError(f"model must be a preset ({', '.join(sorted(PRESETS))}) or a checkpoint directory, "
+                         f"got {name_or_path!r}")
     if name_or_path in PRESETS:
         return ModelSource(name_or_path, ModelConfig.from_hf(PRESETS[name_or_path]), None)
     path = Path(name_or_path).expanduser()

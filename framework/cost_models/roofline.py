@@ -263,6 +263,8 @@ def load_calibration(spec: str | Path | dict[str, Any]) -> dict[str, Any]:
     """A calibration written by ``framework.profile``: a dict with ``params`` (and provenance)."""
     if isinstance(spec, dict):
         data = spec
+    elif not isinstance(spec, (str, Path)):  # cost_model.calibration=5 reads as an int
+        raise ValueError(f"calibration must be the path of a YAML written by python -m framework.profile, got {spec!r}")
     else:
         path = Path(spec).expanduser()
         if not path.is_file():

@@ -178,6 +178,9 @@ def cli(*args, cwd):
     (["backend.name=[naive,triton]"], r"a backend name is a string, one of .*torch_paged.*; got \['naive', 'triton'\]"),
     (["workload.name=[synthetic]"], r"a workload name is a string, one of .*synthetic"),
     (["engine.dtype=[float16]"], r"dtype must be one of .*float16.*got \['float16'\]"),
+    # Both were TypeErrors from pathlib ("expected str, bytes or os.PathLike object, not int").
+    (["model.name=5"], "model must be a preset .*tiny-llama.* or a checkpoint directory, got 5"),
+    (["executor=sim", "cost_model.calibration=5"], "calibration must be the path of a YAML .*got 5"),
 ])
 def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
     if overrides[0].startswith("policy."):
