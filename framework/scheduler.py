@@ -150,10 +150,12 @@ class SchedulerPolicy(ABC):
         return min(request.num_tokens - request.num_computed_tokens - num_prefix_tokens, token_budget)
 
     def swap_in_in_order(self, scheduler: Scheduler, step: Step) -> bool:
-        """Bring swapped requests back in the order they left, each with its next tokens
-        scheduled, while the budget, the blocks and ``max_num_seqs`` allow. False when one had to
-        stay out (those after it stay out too)."""
-        for req in list(scheduler.swapped):
+        """Bring swapped requests back oldest first (by arrival, as vLLM v0 sorts its swapped
+        queue), each with its next tokens scheduled, while the budget, the blocks and
+        ``max_num_seqs`` allow. False when one had to stay out (those after it stay out too)."""
+        # Not the order they left: victims leave newest first, so that order would bring a newer
+        # request back ahead of an older one, the opposite of first come, first served.
+        for req in sorted(scheduler.swapped, key=lambda r: (r.arrival_time, r.arrival_order)):
             if step.token_budget == 0 or not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget)):
                 return False
         return True

@@ -19,7 +19,7 @@ class ChunkedPolicy(SchedulerPolicy):
     request finds no free block, ``select_victim`` picks whom to preempt (default: the newest
     running request not yet scheduled in this step, else the request itself). As in vLLM v1, a
     step that preempted admits nobody: the freed blocks go to the requests already running.
-    With ``preemption_mode="swap"``, swapped requests return before new admissions.
+    With ``preemption_mode="swap"``, swapped requests return (oldest first) before new admissions.
     """
 
     chunks_prefills = True
@@ -47,8 +47,8 @@ class ChunkedPolicy(SchedulerPolicy):
                 scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget))
         if step.out.preempted or step.out.swapped_out:
             return
-        # Swapped requests (preemption_mode="swap") come back, in the order they left, before
-        # anything new is admitted (as in vLLM v0).
+        # Swapped requests (preemption_mode="swap") come back, oldest first, before anything new
+        # is admitted (as in vLLM v0).
         if not self.swap_in_in_order(scheduler, step):
             return
         for req in list(self.waiting_order(scheduler.waiting)):

@@ -110,6 +110,10 @@ def admitted(out):
 
 def swapped_return_first(before, out, s):
     assert not (s.swapped and admitted(out)), "a request was admitted while another stays swapped out"
+    for r in out.swapped_in:
+        for w in s.swapped:
+            assert (w.arrival_time, w.arrival_order) > (r.arrival_time, r.arrival_order), (
+                f"{r.request_id} was swapped in while the older {w.request_id} stays swapped out")
 
 
 def chunked_checks(before, out, s):
