@@ -72,6 +72,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...), got {bs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, getattr(self, name))
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # As vLLM: every running sequence needs a token a step, or the ones past the budget
+            # hold their KV blocks and a seat without decoding until those ahead finish.
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}); raise max_num_batched_tokens or lower max_num_seqs")
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
         if self.num_gpu_blocks_override is not None and not (is_int(self.num_gpu_blocks_override)

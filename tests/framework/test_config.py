@@ -32,3 +32,11 @@ def test_part_options_are_a_mapping_or_none(part):
     assert getattr(EngineConfig(**{f"{part}_options": None}), f"{part}_options") == {}
     with pytest.raises(ValueError, match=f"{part}_options must be a mapping of option names to values, got"):
         EngineConfig(**{f"{part}_options": ["preemption_mode", "swap"]})
+
+
+def test_a_token_budget_below_max_num_seqs_is_rejected():
+    """With fewer tokens a step than running sequences, the sequences past the budget were admitted
+    (holding KV blocks and a seat) yet never decoded until those ahead of them finished."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(2\) must be >= max_num_seqs \(4\)"):
+        EngineConfig(max_num_seqs=4, max_num_batched_tokens=2)
+    EngineConfig(max_num_seqs=4, max_num_batched_tokens=4)

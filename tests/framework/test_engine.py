@@ -6,7 +6,7 @@ from framework.clock import VirtualClock
 
 
 def small_llm(**kw):
-    args = dict(max_model_len=256, block_size=16, max_num_batched_tokens=256, seed=0)
+    args = dict(max_model_len=256, block_size=16, max_num_batched_tokens=256, max_num_seqs=8, seed=0)
     args.update(kw)
     return LLM(model="tiny-llama", **args)
 
@@ -345,7 +345,7 @@ def test_generate_checks_priorities(priority, match):
 
 
 def test_scheduler_rejects_a_token_sampled_mid_prompt():
-    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128, max_num_batched_tokens=64,
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8,
                                     policy="fcfs"))
     engine.add_request("r", list(range(3, 40)), GREEDY)
     out = engine.scheduler.schedule()
