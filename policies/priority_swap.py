@@ -2,6 +2,10 @@
 on top of chunked prefill."""
 from __future__ import annotations
 
+import heapq
+import itertools
+from operator import itemgetter
+
 from framework.request import Request, RequestStatus
 from framework.scheduler import POLICIES, SWAP, Scheduler, Step
 from policies.chunked import ChunkedPolicy
@@ -33,14 +37,29 @@ class PrioritySwapPolicy(ChunkedPolicy):
     scheduler received the requests (``arrival_order``): two requests of equal rank (the ``n``
     samples of one request share priority and arrival) would each give way to the other, and
     could take turns preempting themselves forever.
+
+    Waiting requests are kept in a heap by rank across steps (as vLLM v1's priority queue), so a
+    step visits only the waiting requests it reaches before the first one that cannot get on the
+    device, however long the queue.
     """
 
     def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:
         super().__init__(preemption_mode, long_prefill_token_threshold)
+        # Waiting requests, by _order: heap entries (order, tie, request), and each request's live
+        # entry (a request leaving the queue leaves a stale entry, dropped when it comes up).
+        self._heap: list[tuple[tuple, int, Request]] = []
+        self._entries: dict[Request, tuple[tuple, int, Request]] = {}
+        self._ties = itertools.count()
+        # What the heap is in step with: the scheduler (None: rebuild it), the newest request
+        # received and the scheduler's preemption count at the end of the last step.
+        self._synced: Scheduler | None = None
+        self._last_received = 0
+        self._num_preemptions = 0
 
     def rank(self, request: Request) -> tuple:
         """Sort key, lowest first: what "priority" means. Override it (e.g. with a deadline) and
-        the visiting order, the waiting order and the choice of victims all follow."""
+        the visiting order, the waiting order and the choice of victims all follow. A waiting
+        request's rank is read when it starts waiting (its fields do not change while it waits)."""
         return priority_key(request)
 
     def _order(self, request: Request) -> tuple:
@@ -57,22 +76,94 @@ class PrioritySwapPolicy(ChunkedPolicy):
         return lowest if lowest is not None and self._order(lowest) > self._order(requester) else None
 
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
-        queue = sorted([*scheduler.running, *scheduler.swapped, *scheduler.waiting], key=self._order)
+        # Every request in order of _order (running, swapped and waiting ones merged), as sorting
+        # them all would give; once nothing more may come on the device (blocked, or ranking
+        # below a victim: both hold for every later request too), only running requests act.
+        self._sync_waiting(scheduler)
+        self._synced = None  # a step that fails half-way leaves the heap to be rebuilt
+        first = itemgetter(0)
+        running = sorted([(self._order(r), r) for r in scheduler.running], key=first)
+        swapped = sorted([(self._order(r), r) for r in scheduler.swapped], key=first)
+        kept: list[Request] = []  # waiting requests taken off the heap that still wait
+        ri = si = 0
         blocked = False
-        for req in queue:
-            if step.token_budget == 0:
+        while step.token_budget:
+            nxt = running[ri] if ri < len(running) else None
+            if si < len(swapped) and (nxt is None or swapped[si][0] < nxt[0]):
+                nxt = swapped[si]
+            entry = self._first_waiting(step)
+            if entry is not None and (nxt is None or entry[0] < nxt[0]):
+                heapq.heappop(self._heap)
+                del self._entries[entry[2]]
+                nxt = entry
+            elif nxt is None:
                 break
+            elif ri < len(running) and nxt is running[ri]:
+                ri += 1
+            else:
+                si += 1
+            req = nxt[-1]
             if step.was_preempted(req) or step.is_scheduled(req):
                 continue
             if req.status == RequestStatus.RUNNING:
                 if not scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget)):
                     blocked = True
             elif blocked or self._ranks_below_a_victim(step, req):
-                continue
+                blocked = True
             elif req.status == RequestStatus.SWAPPED:
                 blocked = not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget))
             else:
                 blocked = not self._admit(scheduler, step, req)
+            if req.status == RequestStatus.WAITING and nxt is entry:
+                kept.append(req)
+            if blocked:
+                break
+        for _, req in running[ri:]:
+            if step.token_budget == 0:
+                break
+            if req.status == RequestStatus.RUNNING and not step.is_scheduled(req):
+                scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget))
+        for req in kept + [r for r in step.out.preempted if r.status == RequestStatus.WAITING]:
+            self._push(req)
+        self._synced, self._num_preemptions = scheduler, scheduler.num_preemptions
+
+    def _push(self, req: Request) -> None:
+        entry = (self._order(req), next(self._ties), req)
+        self._entries[req] = entry
+        heapq.heappush(self._heap, entry)
+
+    def _first_waiting(self, step: Step) -> tuple[tuple, int, Request] | None:
+        """The heap's first entry of a request still waiting since the step began (stale ones dropped)."""
+        heap, entries = self._heap, self._entries
+        while heap:
+            entry = heap[0]
+            req = entry[2]
+            if entries.get(req) is entry:
+                if req.status == RequestStatus.WAITING and not step.was_preempted(req):
+                    return entry
+                del entries[req]
+            heapq.heappop(heap)
+        return None
+
+    def _sync_waiting(self, scheduler: Scheduler) -> None:
+        """Add the requests that started waiting since the last step: those received since (the
+        newest end of ``scheduler.requests``, which lists requests in the order received). Those
+        preempted by recompute are added at the end of the step that preempted them; a preemption
+        made elsewhere, another scheduler or a failed step rebuild the heap from the queue."""
+        if scheduler is not self._synced or scheduler.num_preemptions != self._num_preemptions:
+            self._heap, self._entries = [], {}
+            for req in scheduler.waiting:
+                self._push(req)
+            self._last_received = max((r.arrival_order for r in scheduler.requests.values()), default=0)
+            return
+        newest = self._last_received
+        for req in reversed(scheduler.requests.values()):
+            if req.arrival_order <= self._last_received:
+                break
+            newest = max(newest, req.arrival_order)
+            if req.status == RequestStatus.WAITING:
+                self._push(req)
+        self._last_received = newest
 
     def _ranks_below_a_victim(self, step: Step, req: Request) -> bool:
         # A request preempted in this step cannot come back before the next one; nothing of lower

@@ -1,8 +1,13 @@
 """``priority_swap``: a late urgent request jumps the queue by swapping out lower-priority work,
 whose KV cache comes back bit for bit."""
+import random
+
+import pytest
 import torch
 
 from framework import EngineConfig, LLMEngine, SamplingParams
+from framework.request import RequestStatus
+from policies.priority_swap import PrioritySwapPolicy
 from tests.policies.harness import Arrival, drive, reference_output, shadow_engine
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -133,3 +138,86 @@ def test_ties_in_rank_go_in_the_order_received():
     while e.has_unfinished_requests():
         e.step()
     assert first_run == ["9", "10", "11"]
+
+
+class SortEveryStep(PrioritySwapPolicy):
+    """The policy as its docstring defines it: every request sorted by rank each step, then
+    visited in that order (what ``schedule`` did before it kept the waiting queue in a heap)."""
+
+    def schedule(self, scheduler, step):
+        blocked = False
+        for req in sorted([*scheduler.running, *scheduler.swapped, *scheduler.waiting], key=self._order):
+            if step.token_budget == 0:
+                break
+            if step.was_preempted(req) or step.is_scheduled(req):
+                continue
+            if req.status == RequestStatus.RUNNING:
+                if not scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget)):
+                    blocked = True
+            elif blocked or self._ranks_below_a_victim(step, req):
+                continue
+            elif req.status == RequestStatus.SWAPPED:
+                blocked = not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget))
+            else:
+                blocked = not self._admit(scheduler, step, req)
+
+
+def sim_engine(policy=None, mode="swap", **kw):
+    args = dict(model="llama-3-8b", executor="sim", policy="priority_swap", block_size=16, max_model_len=512,
+                num_gpu_blocks_override=48, max_num_seqs=16, max_num_batched_tokens=256, swap_space=0.05,
+                policy_options={"preemption_mode": mode}, executor_options={"fast_forward": False})
+    args.update(kw)
+    e = LLMEngine(EngineConfig(**args))
+    if policy is not None:
+        e.policy = e.scheduler.policy = policy
+    return e
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("seed", range(3))
+def test_steps_are_those_of_sorting_every_request_every_step(mode, seed):
+    # Waiting requests are kept in a heap across steps; every step must still be the one that
+    # visiting all requests in rank order gives: arrivals between steps, preemptions (by swap and
+    # by recompute), swaps back in, aborts, parallel samples.
+    def trace(policy):
+        rng = random.Random(seed)
+        e = sim_engine(policy, mode, check_invariants=True)
+        steps = []
+        e.step_callbacks.append(lambda stats, out: steps.append((
+            [(r.request_id, out.num_scheduled_tokens[r.request_id]) for r in out.scheduled],
+            [r.request_id for r in out.preempted + out.swapped_out + out.swapped_in])))
+        for i in range(60):
+            prompt = [7] * rng.choice([0, 32]) + [rng.randrange(10, 1000) for _ in range(rng.randint(1, 150))]
+            e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 60), ignore_eos=True,
+                                                          n=rng.choice([1, 1, 1, 2])), priority=rng.choice([0, 1, 2]))
+            if i % 7 == 6:
+                e.abort_request(f"r{rng.randrange(i)}")
+            for _ in range(rng.choice([0, 0, 1, 3])):
+                e.step()
+        while e.has_unfinished_requests():
+            e.step()
+        return steps, e.scheduler
+
+    got, scheduler = trace(None)
+    assert got == trace(SortEveryStep(mode))[0]
+    assert scheduler.num_preemptions > 0 and (mode == "recompute" or scheduler.num_swap_outs > 0)
+
+
+def test_a_step_reads_ranks_of_the_requests_it_reaches_not_of_the_whole_queue():
+    # Every step sorted the whole waiting queue: a burst of N requests took O(N) work per step,
+    # O(N^2) in all. Now the ranks read in a step do not depend on how many more requests wait
+    # behind the ones the step reaches.
+    def ranks_read_in_a_step(num_requests):
+        e = sim_engine()
+        for i in range(num_requests):
+            e.add_request(f"r{i}", [10 + i % 50] * 100, SamplingParams(max_tokens=50, ignore_eos=True), priority=1)
+        for _ in range(3):
+            e.step()
+        calls = []
+        rank = e.policy.rank
+        e.policy.rank = lambda req: calls.append(req) or rank(req)
+        e.step()
+        assert e.scheduler.waiting and e.scheduler.running
+        return len(calls)
+
+    assert ranks_read_in_a_step(400) == ranks_read_in_a_step(40)
