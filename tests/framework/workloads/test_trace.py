@@ -103,6 +103,11 @@ def test_file_level_errors(tmp_path):
     dup = write_jsonl(tmp_path / "dup.jsonl", [{"prompt_len": 2, "output_len": 1, "request_id": "a"}] * 2)
     with pytest.raises(TraceError, match="'a' appears more than once"):
         load_trace(dup, CTX)
+    # The first id in file order that has a twin anywhere, not the first one repeated.
+    ids = ["x", "a", "b", "b", "a"]
+    dups = write_jsonl(tmp_path / "dups.jsonl", [{"prompt_len": 2, "output_len": 1, "request_id": i} for i in ids])
+    with pytest.raises(TraceError, match="'a' appears more than once"):
+        load_trace(dups, CTX)
     flat = write_jsonl(tmp_path / "flat.jsonl", [{"prompt_len": 2, "output_len": 1}])
     with pytest.raises(ValueError, match="no rate to rescale"):
         create_workload({"name": "trace", "path": str(flat), "rate": 2.0})[0].generate(CTX)
