@@ -398,3 +398,26 @@ def test_an_interrupted_generate_leaves_nothing_running():
     (out,) = llm.generate([5, 6, 7], GREEDY)
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
     assert len(steps) == GREEDY.max_tokens and max(steps) == 1  # only its own request ran
+
+
+def test_generate_builds_each_output_once_as_stepping_would(llama_ckpt, monkeypatch):
+    # generate reads only finished outputs; building (and detokenizing) a cumulative output for
+    # every running request on every step made it quadratic in the output length.
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 8, 7, 6, 5]}]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(n=3, max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)]
+    config = dict(model=str(llama_ckpt[0]), max_model_len=128, block_size=16, backend="naive", seed=0)
+    engine = LLMEngine(EngineConfig(**config))
+    for rid, prompt, p in zip("01", prompts, params):
+        engine.add_request(rid, prompt, p)
+    stepped = {}
+    while engine.has_unfinished_requests():
+        stepped.update({o.request_id: o for o in engine.step() if o.finished})
+    built = []
+    original = LLMEngine._output
+    monkeypatch.setattr(LLMEngine, "_output", lambda self, *a: built.append(a[0]) or original(self, *a))
+    outs = LLM(**config).generate(prompts, params)
+    assert sorted(built) == ["0", "1"]
+    assert [o.outputs for o in outs] == [stepped["0"].outputs, stepped["1"].outputs]
+    assert len(outs[1].metrics.token_times) == len(stepped["1"].metrics.token_times) == 30  # wall-clock times
+    assert outs[0].outputs[0].text and len(outs[1].outputs) == 3
