@@ -212,7 +212,8 @@ def test_a_v0_leader_completing_its_prompt_in_a_decode_shaped_step_forks_its_sam
     a step that looks like a decode: a decode run took it, and the samples were never forked
     (the request never finished)."""
     config = EngineConfig(model="llama-3-8b", executor="sim", preparer="v0", policy="chunked", block_size=16,
-                          max_num_batched_tokens=16, max_model_len=128, executor_options={"fast_forward": True})
+                          max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128,
+                          executor_options={"fast_forward": True})
     engine = Cluster.build(config).engines[0]
     engine.add_request("a", list(range(5, 22)), SamplingParams(n=2, max_tokens=4, ignore_eos=True))
     outputs = []
