@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import math
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -400,7 +400,7 @@ class LLMEngine:
 DETOKENIZE_CONTEXT = 5
 
 
-def decode_continuation(tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
+def decode_continuation(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
     """The text ``output_ids`` add after ``prompt_ids``: ``decode(tail + output)`` minus
     ``decode(tail)`` for the prompt's last few tokens, so that prompt text + output text reads
     as the whole sequence. Decoded alone, a SentencePiece word's leading space ("▁world") would
