@@ -6,6 +6,7 @@ import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -130,6 +131,18 @@ def parse_finite_float(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return x if math.isfinite(x) else None
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """The YAML file at ``path``, parsed; a ValueError naming it as ``what`` (``hardware file
+    'x.yaml'``) when it is not valid YAML, rather than the parser's traceback."""
+    import yaml  # here: most runs read no YAML of their own
+
+    with open(path) as f:
+        try:
+            return yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{what} is not valid YAML: {exc}") from None
 
 
 def check_positive_int(name: str, value: Any, optional: bool = False) -> None:

@@ -51,8 +51,8 @@ SCHEDULER_KEYS = ("check_invariants",)
 
 
 def _check_keys(node: str, options: Any, valid: tuple[str, ...]) -> None:
-    """ValueError naming the keys of ``node`` that nothing reads (``+model.dtype=float16`` would
-    otherwise run in the default dtype, silently)."""
+    """ValueError naming the keys of config node ``node`` that nothing reads, and the ``valid``
+    ones (``+model.dtype=float16`` would otherwise run in the default dtype, silently)."""
     unknown = sorted(set(options or {}) - set(valid))
     if unknown:
         raise ValueError(f"{node}: unknown key(s) {', '.join(map(str, unknown))}; valid: {', '.join(valid)}")
@@ -98,9 +98,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     model, model_options = _split(cfg.get("model"), "tiny-llama")
     _check_keys("model", model_options, MODEL_KEYS)
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
-    unknown = sorted(set(engine) - ENGINE_KEYS)
-    if unknown:
-        raise ValueError(f"engine: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(ENGINE_KEYS))}")
+    _check_keys("engine", engine, tuple(sorted(ENGINE_KEYS)))
     if isinstance(cfg.get("scheduler"), DictConfig):
         _check_keys("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=True), SCHEDULER_KEYS)
     engine["check_invariants"] = OmegaConf.select(cfg, "scheduler.check_invariants", default=False)
@@ -122,10 +120,7 @@ def check_run_options(cfg: DictConfig) -> None:
     for key in RUN_SWITCHES:
         check_bool(key, cfg.get(key, True))
     if cfg.get("slo"):
-        known = [f.name for f in dataclasses.fields(SLO)]
-        unknown = sorted(set(cfg.slo) - set(known))
-        if unknown:
-            raise ValueError(f"slo: unknown key(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+        _check_keys("slo", cfg.slo, tuple(f.name for f in dataclasses.fields(SLO)))
 
 
 def make_clock(name: str, executor: str) -> Clock:
@@ -170,9 +165,7 @@ def cluster_spec(cfg: DictConfig) -> tuple[int, str, dict[str, Any]] | None:
     if node is None:
         return None
     spec = OmegaConf.to_container(node, resolve=True)
-    unknown = set(spec) - {"num_replicas", "router", "router_options"}
-    if unknown:
-        raise ValueError(f"cluster: unknown key(s) {sorted(unknown)}; valid: num_replicas, router, router_options")
+    _check_keys("cluster", spec, ("num_replicas", "router", "router_options"))
     num_replicas = spec.get("num_replicas", 1)
     check_num_replicas(num_replicas)
     return num_replicas, spec.get("router", "round_robin"), dict(spec.get("router_options") or {})

@@ -11,7 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from framework.config import DTYPE_ALIASES, is_finite_number
+from framework.config import DTYPE_ALIASES, is_finite_number, read_yaml
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 GiB = 1 << 30
@@ -118,13 +118,7 @@ def load_hardware(spec: str | dict[str, Any] | Hardware) -> Hardware:
         path = HARDWARE_DIR / f"{spec}.yaml"
     if not path.is_file():
         raise ValueError(f"hardware {spec!r} is neither a preset ({', '.join(hardware_presets())}) nor a YAML file")
-    import yaml
-
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"hardware file {str(spec)!r} is not valid YAML: {exc}") from None
+    data = read_yaml(path, f"hardware file {str(spec)!r}")
     try:
         return Hardware.from_dict(data)
     except ValueError as exc:

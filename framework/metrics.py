@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from framework.config import is_finite_number
 from framework.engine import StepStats
 from framework.outputs import RequestOutput
 
@@ -144,7 +145,7 @@ class SLO:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             v = getattr(self, name)
             # A bool is no number of milliseconds: slo.ttft_ms=true would be a 1 ms SLO.
-            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            if v is not None and not (is_finite_number(v) and v > 0):
                 raise ValueError(f"slo.{name} must be a positive number of milliseconds or null, got {v!r}")
 
     @property

@@ -110,7 +110,8 @@ class SchedulerPolicy(ABC):
 
     - ``waiting_order``: the order waiting requests are considered in;
     - ``select_victim`` / ``preemption_mode_for``: whom to preempt when blocks run out, and how;
-    - ``num_new_tokens``: how many tokens a request gets this step (chunking).
+    - ``num_new_tokens``: how many tokens a request gets this step (chunking);
+    - ``on_waiting``: told when a request enters the waiting queue (for a policy's own index).
 
     Options come from ``policy_options`` (Hydra: the ``policy`` group's keys) as keyword
     arguments; unknown options are rejected.
@@ -144,6 +145,11 @@ class SchedulerPolicy(ABC):
 
     def preemption_mode_for(self, victim: Request) -> str:
         return self.preemption_mode
+
+    def on_waiting(self, request: Request) -> None:
+        """Called each time ``request`` enters the waiting queue (on arrival, preempted by
+        recompute, a forked sample waiting for a seat): for a policy that keeps its own index of
+        the waiting requests (``priority_swap``'s heap). Default: nothing."""
 
     def num_new_tokens(self, request: Request, token_budget: int, num_prefix_tokens: int = 0) -> int:
         """Tokens to compute for ``request`` now, given what is left of the step's budget."""
@@ -209,6 +215,7 @@ class Scheduler:
             return
         self._receive(request)
         self.waiting.append(request)
+        self.policy.on_waiting(request)
 
     def _receive(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -404,6 +411,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+        self.policy.on_waiting(request)
         step.out.preempted.append(request)
         return RECOMPUTE
 
@@ -481,6 +489,7 @@ class Scheduler:
         self._receive(child)
         if len(self.running) >= self.max_num_seqs:
             self.waiting.appendleft(child)
+            self.policy.on_waiting(child)
             return
         self.allocator.fork(parent, child)
         child.num_computed_tokens = parent.num_prompt_tokens

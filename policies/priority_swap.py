@@ -45,16 +45,17 @@ class PrioritySwapPolicy(ChunkedPolicy):
 
     def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:
         super().__init__(preemption_mode, long_prefill_token_threshold)
-        # Waiting requests, by _order: heap entries (order, tie, request), and each request's live
-        # entry (a request leaving the queue leaves a stale entry, dropped when it comes up).
+        # Waiting requests by _order: heap entries (order, tie, request), and each request's live
+        # entry (one that left the queue, or entered it again, leaves a stale entry behind,
+        # dropped when it comes up).
         self._heap: list[tuple[tuple, int, Request]] = []
         self._entries: dict[Request, tuple[tuple, int, Request]] = {}
         self._ties = itertools.count()
-        # What the heap is in step with: the scheduler (None: rebuild it), the newest request
-        # received and the scheduler's preemption count at the end of the last step.
-        self._synced: Scheduler | None = None
-        self._last_received = 0
-        self._num_preemptions = 0
+
+    def on_waiting(self, request: Request) -> None:
+        entry = (self._order(request), next(self._ties), request)
+        self._entries[request] = entry
+        heapq.heappush(self._heap, entry)
 
     def rank(self, request: Request) -> tuple:
         """Sort key, lowest first: what "priority" means. Override it (e.g. with a deadline) and
@@ -79,22 +80,31 @@ class PrioritySwapPolicy(ChunkedPolicy):
         # Every request in order of _order (running, swapped and waiting ones merged), as sorting
         # them all would give; once nothing more may come on the device (blocked, or ranking
         # below a victim: both hold for every later request too), only running requests act.
-        self._sync_waiting(scheduler)
-        self._synced = None  # a step that fails half-way leaves the heap to be rebuilt
         first = itemgetter(0)
         running = sorted([(self._order(r), r) for r in scheduler.running], key=first)
         swapped = sorted([(self._order(r), r) for r in scheduler.swapped], key=first)
-        kept: list[Request] = []  # waiting requests taken off the heap that still wait
+        taken: list[tuple[tuple, int, Request]] = []  # heap entries visited in this step
+        try:
+            self._visit(scheduler, step, running, swapped, taken)
+        finally:  # also after a failure: the requests visited and still waiting stay indexed
+            for entry in taken:
+                req = entry[2]
+                if self._entries.get(req) is entry:
+                    if req.status == RequestStatus.WAITING:
+                        heapq.heappush(self._heap, entry)
+                    else:
+                        del self._entries[req]
+
+    def _visit(self, scheduler: Scheduler, step: Step, running: list, swapped: list, taken: list) -> None:
         ri = si = 0
         blocked = False
         while step.token_budget:
             nxt = running[ri] if ri < len(running) else None
             if si < len(swapped) and (nxt is None or swapped[si][0] < nxt[0]):
                 nxt = swapped[si]
-            entry = self._first_waiting(step)
+            entry = self._first_waiting()
             if entry is not None and (nxt is None or entry[0] < nxt[0]):
-                heapq.heappop(self._heap)
-                del self._entries[entry[2]]
+                taken.append(heapq.heappop(self._heap))
                 nxt = entry
             elif nxt is None:
                 break
@@ -114,8 +124,6 @@ class PrioritySwapPolicy(ChunkedPolicy):
                 blocked = not scheduler.swap_in(step, req, self.num_new_tokens(req, step.token_budget))
             else:
                 blocked = not self._admit(scheduler, step, req)
-            if req.status == RequestStatus.WAITING and nxt is entry:
-                kept.append(req)
             if blocked:
                 break
         for _, req in running[ri:]:
@@ -123,47 +131,19 @@ class PrioritySwapPolicy(ChunkedPolicy):
                 break
             if req.status == RequestStatus.RUNNING and not step.is_scheduled(req):
                 scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget))
-        for req in kept + [r for r in step.out.preempted if r.status == RequestStatus.WAITING]:
-            self._push(req)
-        self._synced, self._num_preemptions = scheduler, scheduler.num_preemptions
 
-    def _push(self, req: Request) -> None:
-        entry = (self._order(req), next(self._ties), req)
-        self._entries[req] = entry
-        heapq.heappush(self._heap, entry)
-
-    def _first_waiting(self, step: Step) -> tuple[tuple, int, Request] | None:
-        """The heap's first entry of a request still waiting since the step began (stale ones dropped)."""
+    def _first_waiting(self) -> tuple[tuple, int, Request] | None:
+        """The heap's first live entry of a waiting request (stale ones dropped)."""
         heap, entries = self._heap, self._entries
         while heap:
             entry = heap[0]
             req = entry[2]
             if entries.get(req) is entry:
-                if req.status == RequestStatus.WAITING and not step.was_preempted(req):
+                if req.status == RequestStatus.WAITING:
                     return entry
                 del entries[req]
             heapq.heappop(heap)
         return None
-
-    def _sync_waiting(self, scheduler: Scheduler) -> None:
-        """Add the requests that started waiting since the last step: those received since (the
-        newest end of ``scheduler.requests``, which lists requests in the order received). Those
-        preempted by recompute are added at the end of the step that preempted them; a preemption
-        made elsewhere, another scheduler or a failed step rebuild the heap from the queue."""
-        if scheduler is not self._synced or scheduler.num_preemptions != self._num_preemptions:
-            self._heap, self._entries = [], {}
-            for req in scheduler.waiting:
-                self._push(req)
-            self._last_received = max((r.arrival_order for r in scheduler.requests.values()), default=0)
-            return
-        newest = self._last_received
-        for req in reversed(scheduler.requests.values()):
-            if req.arrival_order <= self._last_received:
-                break
-            newest = max(newest, req.arrival_order)
-            if req.status == RequestStatus.WAITING:
-                self._push(req)
-        self._last_received = newest
 
     def _ranks_below_a_victim(self, step: Step, req: Request) -> bool:
         # A request preempted in this step cannot come back before the next one; nothing of lower

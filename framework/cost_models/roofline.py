@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from framework.config import parse_finite_float
+from framework.config import parse_finite_float, read_yaml
 from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.hardware import Hardware
 from models.config import ModelConfig
@@ -269,13 +269,7 @@ def load_calibration(spec: str | Path | dict[str, Any]) -> dict[str, Any]:
         path = Path(spec).expanduser()
         if not path.is_file():
             raise ValueError(f"calibration file {str(spec)!r} does not exist (write one with python -m framework.profile)")
-        import yaml
-
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f)
-            except yaml.YAMLError as exc:
-                raise ValueError(f"calibration file {str(spec)!r} is not valid YAML: {exc}") from None
+        data = read_yaml(path, f"calibration file {str(spec)!r}")
     if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
         raise ValueError(f"calibration {spec!r} has no 'params' mapping; was it written by python -m framework.profile?")
     # The provenance is optional, but the hardware the fit was made on is read (to warn when it

@@ -236,3 +236,39 @@ def test_invariants_catch_budget_and_sequence_overruns():
     s.max_num_batched_tokens, s.max_num_seqs = 32, 1
     with pytest.raises(AssertionError, match="2 running > max_num_seqs"):
         check_after(s, lambda s_, st: None)
+
+
+
+def test_the_policy_is_told_of_every_request_that_enters_the_waiting_queue():
+    # priority_swap keeps its own heap of the waiting requests from these calls: one missed path
+    # (arrival, recompute preemption, a forked sample waiting for a seat) would strand a request.
+    from framework.engine import LLMEngine
+    from policies.chunked import ChunkedPolicy
+
+    told, kinds = [], []
+
+    class Recording(ChunkedPolicy):
+        def on_waiting(self, request):
+            assert request.status == RequestStatus.WAITING and request in engine.scheduler.waiting
+            told.append(request)
+            kinds.append("recompute" if request.num_preemptions else "fork" if request.num_output_tokens else "arrival")
+
+    engine = LLMEngine(EngineConfig(model="llama-3-8b", executor="sim", preparer="v0", policy="chunked",
+                                    max_model_len=128, num_gpu_blocks_override=16, max_num_seqs=3,
+                                    max_num_batched_tokens=64, executor_options={"fast_forward": False}))
+    engine.policy = engine.scheduler.policy = Recording()
+    for i in range(6):
+        engine.add_request(str(i), list(range(10 + i, 70 + i)), SamplingParams(n=2, max_tokens=40, ignore_eos=True))
+    seen, not_waiting = 0, set()
+
+    def check(stats, out):
+        # A request waiting now that was not waiting after the last step was told of in this one.
+        nonlocal seen, not_waiting
+        assert all(r in told[seen:] for r in engine.scheduler.waiting if r in not_waiting)
+        seen = len(told)
+        not_waiting = {r for r in engine.scheduler.requests.values() if r.status != RequestStatus.WAITING}
+
+    engine.step_callbacks.append(check)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert kinds.count("arrival") == 6 and "recompute" in kinds and "fork" in kinds, kinds
