@@ -258,6 +258,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ap.error(f"measuring on {engine.executor.device}: name its hardware description with --hardware "
                      f"(presets: a100-80gb, h100-sxm, h200, l40s, or a YAML path)")
         hardware = load_hardware("cpu")
+    # The fit is relative to the named device's figures and labelled with its name: a CPU's steps
+    # fitted against an H100's peaks would load without a word into an H100 simulation.
+    measured_on = engine.executor.device.split(":")[0]
+    if measured_on in ("cpu", "cuda") and hardware.device_type != measured_on:
+        ap.error(f"measuring on {engine.executor.device}, but hardware {hardware.name!r} describes a "
+                 f"{hardware.device_type} device: name the device measured (presets: "
+                 f"{'cpu' if measured_on == 'cpu' else 'a100-80gb, h100-sxm, h200, l40s'}, or a YAML with "
+                 f"device_type: {measured_on})")
     dtype_bytes = engine.executor.dtype.itemsize
     started = time.perf_counter()
     samples = measure(engine, cells, args.repeats, args.seed,

@@ -60,6 +60,9 @@ def test_repeats_reduce_to_the_chosen_statistic():
     # Used to measure the whole grid first, then fail with a NotImplementedError traceback.
     (["--cost-model", "replay", "--grid", "quick", "--repeats", "1"],
      "cost model 'replay' has no parameters to calibrate; calibratable: roofline"),
+    # A CPU measured and labelled an H100: it loaded into an H100 simulation without a warning.
+    (["--hardware", "h100-sxm", "--device", "cpu", "--grid", "quick", "--repeats", "1"],
+     "measuring on cpu, but hardware 'h100-sxm' describes a cuda device: name the device measured"),
 ])
 def test_bad_arguments_are_usage_errors_before_anything_is_measured(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
