@@ -199,6 +199,10 @@ class Cluster:
                 while finishes and finishes[0][0] <= a:
                     replicas[heapq.heappop(finishes)[1]].num_finished += 1
                 if n > 1:
+                    # A replica refuses an id it is serving; another replica would not know it, and
+                    # the two requests' outputs (and this run's bookkeeping) would be confused.
+                    if nxt.request_id in in_flight:
+                        raise ValueError(f"request id {nxt.request_id!r} is already in use")
                     for replica in replicas:
                         replica._now = a
                     i = router.route(Request(nxt.request_id, nxt.prompt_token_ids, params, a, nxt.priority), replicas)

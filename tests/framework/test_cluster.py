@@ -240,6 +240,19 @@ def test_bad_setups_are_refused():
         Cluster.build(CONFIG).run([req(1.0, "r1"), req(0.5, "r2")])
 
 
+def test_an_id_in_use_on_any_replica_is_refused_as_on_one():
+    """Two requests "r1" in flight on two replicas were both served (one replica refuses the second)."""
+    with pytest.raises(ValueError, match="request id 'r1' is already in use"):
+        Cluster.build(CONFIG).run([req(0.0, "r1"), req(0.0, "r1")])
+    cluster = Cluster.build(CONFIG, num_replicas=2, router="round_robin")
+    with pytest.raises(ValueError, match="request id 'r1' is already in use"):
+        cluster.run([req(0.0, "r1"), req(0.0, "r1")])
+    assert all(e.allocator.num_free_blocks == e.allocator.num_blocks - 1 for e in cluster.engines)
+    # Once finished, an id may come again, as on one replica.
+    result = cluster.run([req(0.0, "r2", out=2), req(10.0, "r2", out=2)])
+    assert [o.request_id for _, o in result.outputs] == ["r2", "r2"] and not result.unfinished
+
+
 @pytest.mark.parametrize("router", ["least_outstanding", "prefix_aware"])
 @pytest.mark.parametrize("max_model_len", [2048, 512])  # 512: 42 of the 150 prompts are ignored on arrival
 def test_lazy_decode_runs_route_and_serve_exactly_like_stepping(router, max_model_len):
