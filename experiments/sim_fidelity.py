@@ -184,7 +184,8 @@ def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, stati
     params, fit = calibrate(samples, profile_engine.model_config, hardware, dtype_bytes)
     calibration = calibration_record("roofline", model, hardware, dtype_bytes, 16, params, fit, samples,
                                      {"clock": clock, "cells": [list(c) for c in cells], "repeats": profile_repeats, "statistic": statistic,
-                                      "interleaved_with_real_run": clock == "cpu", "timings_per_forward": timings})
+                                      "interleaved_with_real_run": clock == "cpu", "timings_per_forward": timings},
+                                     profile_engine.model_config)
     return real, steps, calibration
 
 

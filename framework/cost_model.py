@@ -145,5 +145,15 @@ class CostModel(ABC):
         raise NotImplementedError(f"cost model {cls.name!r} has no parameters to calibrate")
 
 
+#: The model's shape as far as step times go: what a calibration records of the model it measured.
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim")
+
+
+def model_shape(model: ModelConfig) -> dict[str, int]:
+    """``model``'s ``SHAPE_KEYS``."""
+    return {key: getattr(model, key) for key in SHAPE_KEYS}
+
+
 COST_MODELS: Registry[CostModel] = Registry(
     "cost model", CostModel, entry_point_group="framework.cost_models", builtin="framework.cost_models")

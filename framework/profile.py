@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from framework.config import EngineConfig
-from framework.cost_model import COST_MODELS, BatchShape, CostModel
+from framework.cost_model import COST_MODELS, BatchShape, CostModel, model_shape
 from framework.hardware import load_hardware
 
 logger = logging.getLogger(__name__)
@@ -155,9 +155,12 @@ def profile_engine_config(cells: list[tuple[int, int, int]], model: str = "tiny-
 
 def calibration_record(cost_model: str, model: str, hardware: Any, dtype_bytes: int, block_size: int,
                        params: dict[str, Any], fit: dict[str, float], samples: list[tuple[BatchShape, float]],
-                       measured: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a calibration YAML holds (``cost_model.calibration`` loads its ``params``)."""
-    return {"cost_model": cost_model, "model": model, "hardware": hardware.to_dict(), "dtype_bytes": dtype_bytes,
+                       measured: dict[str, Any] | None = None, model_config: Any = None) -> dict[str, Any]:
+    """What a calibration YAML holds (``cost_model.calibration`` loads its ``params``). With
+    ``model_config``, the measured model's shape too (``model_shape``: a simulation of another
+    model is warned that the fit may not carry over)."""
+    measured_model = {"model_shape": model_shape(model_config)} if model_config is not None else {}
+    return {"cost_model": cost_model, "model": model, **measured_model, "hardware": hardware.to_dict(), "dtype_bytes": dtype_bytes,
             "tensor_parallel_size": 1, "block_size": block_size, "params": params, "fit": fit,
             "measured": measured or {}, "samples": {"fields": BatchShape.field_names() + ["seconds"],
                         "rows": [shape.to_list() + [t] for shape, t in samples]}}
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "repeats": args.repeats, "statistic": args.statistic, "clock": args.clock, "cells": [list(c) for c in cells],
                 "seconds": round(measured_s, 1), "date": datetime.datetime.now().isoformat(timespec="seconds")}
     result = calibration_record(args.cost_model, args.model, hardware, dtype_bytes, args.block_size, params, fit,
-                                samples, measured)
+                                samples, measured, engine.model_config)
     import yaml
 
     out = Path(args.out)

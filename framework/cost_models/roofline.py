@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from framework.config import parse_finite_float, read_yaml
-from framework.cost_model import COST_MODELS, BatchShape, CostModel
+from framework.cost_model import COST_MODELS, BatchShape, CostModel, model_shape
 from framework.hardware import Hardware
 from models.config import ModelConfig
 
@@ -80,6 +80,13 @@ class RooflineCostModel(CostModel):
         if fitted_on is not None and fitted_on != hardware.name:
             logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
                            fitted_on, hardware.name)
+        # Likewise a model of another shape: GEMMs of other sizes reach other fractions of the peaks.
+        shape = (self.calibration or {}).get("model_shape")
+        if isinstance(shape, dict):
+            differ = [f"{k} {shape[k]} vs {v}" for k, v in model_shape(model).items() if k in shape and shape[k] != v]
+            if differ:
+                logger.warning("calibration fitted on model %r applied to a model of another shape (%s): its "
+                               "efficiency factors may not carry over", self.calibration.get("model"), ", ".join(differ))
         source = "calibration" if isinstance(calibration, dict) else f"calibration {str(calibration)!r}"
         self.params = {**PARAMS, **{k: _number(k, v, source) for k, v in fitted.items() if k in PARAMS},
                        **{k: _number(k, v) for k, v in options.items() if k in PARAMS}}

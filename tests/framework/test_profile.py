@@ -8,9 +8,11 @@ import yaml
 
 from framework import LLM, SamplingParams
 from framework.config import EngineConfig
-from framework.cost_model import BatchShape
+from framework.cost_model import BatchShape, model_shape
 from framework.cost_models.roofline import CURVE, PARAMS
 from framework.profile import Profiler, grid_cells, main, measure
+from models.config import ModelConfig
+from models.presets import PRESETS
 
 
 def test_profile_writes_a_calibration_the_sim_loads(tmp_path):
@@ -24,6 +26,7 @@ def test_profile_writes_a_calibration_the_sim_loads(tmp_path):
     assert len(shapes) == len(data["samples"]["rows"]) >= 3 * len(grid_cells("quick"))  # prefill + 2 decodes each
     assert all(row[-1] > 0 for row in data["samples"]["rows"])
     assert data["fit"]["samples"] == len(shapes) and data["hardware"]["name"] == "cpu"
+    assert data["model"] == "tiny-llama" and data["model_shape"] == model_shape(ModelConfig.from_hf(PRESETS["tiny-llama"]))
     llm = LLM(model="tiny-llama", executor="sim", max_model_len=256,
               executor_options={"hardware": "cpu", "cost_model": {"name": "roofline", "calibration": str(out)}})
     cost = llm.engine.executor.cost_model

@@ -1,6 +1,7 @@
 """Roofline step times against hand computations from the published shape of Llama-3-8B and the
 A100-80GB datasheet, and the properties the simulator relies on."""
 import math
+import re
 
 import pytest
 
@@ -206,6 +207,31 @@ def test_calibration_parameters_apply_under_explicit_options(tmp_path):
     path.write_text(yaml.safe_dump({"params": {"bogus": 1}}))
     with pytest.raises(ValueError, match="unknown parameter"):
         RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
+
+
+def test_a_calibration_applied_to_another_model_or_device_is_warned_about(tmp_path, caplog):
+    """A fit on tiny-llama loaded into a Llama-3-8B simulation without a word (another device was warned about)."""
+    import yaml
+
+    from framework.profile import calibration_record
+
+    tiny = ModelConfig.from_hf(PRESETS["tiny-llama"])
+    record = calibration_record("roofline", "tiny-llama", A100, 2, 16, {"step_overhead_us": 50.0}, {}, [],
+                                model_config=tiny)
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump(record))
+    with caplog.at_level("WARNING", logger="framework.cost_models.roofline"):
+        RooflineCostModel(tiny, A100, calibration=str(path))
+        assert not caplog.records  # the model and device it was fitted on
+        RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
+        assert len(caplog.records) == 1
+        assert re.search(r"fitted on model 'tiny-llama' applied to a model of another shape \(.*hidden_size "
+                         f"{tiny.hidden_size} vs 4096.*\): its efficiency factors may not carry over",
+                         caplog.records[0].getMessage())
+        caplog.clear()
+        RooflineCostModel(tiny, load_hardware("h100-sxm"), calibration=str(path))
+        assert [r.getMessage() for r in caplog.records] == [
+            "calibration fitted on hardware 'a100-80gb' applied to 'h100-sxm': its efficiency factors may not carry over"]
 
 
 def test_no_pcie_makes_swaps_infinitely_slow_but_nothing_else():
