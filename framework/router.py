@@ -29,6 +29,10 @@ class Replica:
         # Set by the cluster: the routing time, and how to bring the replica's state up to it.
         self._now = 0.0
         self._settle: Callable[[int, float], None] = lambda index, t: None
+        # Set by the cluster when this replica's blocks are of another size than the first replica's:
+        # the routed request's hash cache (block_hashes, filled by the replicas asked before) holds
+        # hashes of the first one's blocks, which would match none of this one's.
+        self._own_hashes = False
 
     @property
     def num_outstanding(self) -> int:
@@ -43,7 +47,13 @@ class Replica:
     def prefix_tokens(self, request: Request) -> int:
         """Tokens of ``request``'s prompt this replica's prefix cache holds (whole blocks)."""
         self._settle(self.index, self._now)
-        return self.engine.allocator.find_prefix(request).num_tokens
+        if not self._own_hashes:
+            return self.engine.allocator.find_prefix(request).num_tokens
+        shared, request.block_hashes = request.block_hashes, []
+        try:
+            return self.engine.allocator.find_prefix(request).num_tokens
+        finally:
+            request.block_hashes = shared
 
 
 class Router(ABC):

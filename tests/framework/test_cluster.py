@@ -197,6 +197,22 @@ def test_prefix_aware_routing_follows_the_cache_until_load_says_otherwise():
     assert [routed[r] for r in ("r2", "r3", "r4", "r5")] == [1, 1, 2, 2]
 
 
+@pytest.mark.parametrize("block_sizes", [(16, 32), (32, 16)])
+def test_prefix_aware_routing_sees_the_cache_of_replicas_of_another_block_size(block_sizes):
+    """The routed request's block hashes, cached by the replica asked first, were reused by a replica
+    of another block size: that one's cache never matched, and the request went elsewhere."""
+    import dataclasses
+
+    shared = list(range(100, 400))
+    engines = [LLMEngine(dataclasses.replace(CONFIG, block_size=b)) for b in block_sizes]
+    routed = {}
+    # r1 goes to replica 0 (no hit anywhere), r2 to idle replica 1; r3 shares only r2's prefix.
+    Cluster(engines, "prefix_aware").run(
+        [req(0.0, "r1", out=300, tokens=list(range(1000, 1300)) + [1]), req(0.5, "r2", out=300, tokens=shared + [2]),
+         req(1.0, "r3", out=2, tokens=shared + [3])], on_output=lambda i, o: routed.__setitem__(o.request_id, i))
+    assert routed == {"r1": 0, "r2": 1, "r3": 1}
+
+
 class ArgminRouter(Router):
     """Fewest outstanding requests by numpy, as a researcher's router would: an np.int64 index."""
 
