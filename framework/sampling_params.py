@@ -40,6 +40,8 @@ class SamplingParams:
         # The seed feeds a 64-bit torch generator: a larger one would fail mid-step, not here.
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if self.seed is not None:  # a numpy integer fails torch's manual_seed and overflows seed + i
+            self.seed = int(self.seed)
         listed = isinstance(self.stop_token_ids, Iterable) and not isinstance(self.stop_token_ids, (str, bytes))
         ids = list(self.stop_token_ids) if listed else []
         if not listed or not all(is_int(t) for t in ids):

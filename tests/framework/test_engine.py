@@ -143,6 +143,18 @@ def test_numpy_numbers_are_good_sampling_params():
     assert p.top_k == 3 and p.stop_token_ids == [5] and type(p.stop_token_ids[0]) is int
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_numpy_seed_samples_as_the_same_int_seed(n):
+    # Accepted by SamplingParams, a numpy seed used to fail add_request with a TypeError from
+    # torch's manual_seed (n=1) or an OverflowError from seed + i wrapping at 2**63 (n > 1).
+    llm = small_llm()
+    numpy_seeded, int_seeded = (
+        [c.token_ids for c in llm.generate([[4, 5, 6]], SamplingParams(
+            n=n, max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True))[0].outputs]
+        for seed in (np.int64(11), 11))
+    assert numpy_seeded == int_seeded
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda llm: llm.generate([[4, 5], [6, 7]], GREEDY, priority=[0, "high"]), "priority must be a finite number"),
     (lambda llm: llm.generate([[4, 5], [6, 7]], GREEDY, priority=[0, float("nan")]), "priority"),
