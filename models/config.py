@@ -67,6 +67,9 @@ class ModelConfig:
             raise ValueError(f"model config: num_attention_heads={heads} must be a multiple of "
                              f"num_key_value_heads={kv_heads} (each KV head serves a group of query heads)")
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        if head_dim % 2:  # as transformers, which refuses such a config; it used to fail mid-forward
+            raise ValueError(f"model config: head_dim={head_dim} must be even (rotary embeddings turn pairs of "
+                             f"dimensions); give an even head_dim or hidden_size / num_attention_heads")
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
         scaling = rope or d.get("rope_scaling") or None

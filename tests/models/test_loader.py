@@ -104,6 +104,10 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
     ({**SHAPE, "head_dim": 2.5}, "head_dim must be a positive integer, got 2.5"),
     ({**SHAPE, "num_key_value_heads": 3}, "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),  # was taken
     ([1, 2], "must be a mapping of Hugging Face config keys, got list"),                      # was AttributeError
+    # Rotary embeddings need an even head_dim (transformers refuses the config): was a RuntimeError
+    # at the first forward pass.
+    ({**SHAPE, "head_dim": 3}, "head_dim=3 must be even"),
+    ({**SHAPE, "hidden_size": 12}, "head_dim=3 must be even"),
 ])
 def test_bad_configs_are_named(config, message):
     with pytest.raises(ValueError, match=message):
