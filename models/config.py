@@ -86,8 +86,12 @@ class ModelConfig:
                 if top is not None:
                     scaling["original_max_position_embeddings"] = top
                 scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+        # As transformers reads it: Mistral's and Qwen2's configs default the window to 4096 when
+        # the key is absent (Qwen2 uses it only with use_sliding_window).
         if model_type == "qwen2":
-            window = d.get("sliding_window") if d.get("use_sliding_window") else None
+            window = d.get("sliding_window", 4096) if d.get("use_sliding_window") else None
+        elif model_type == "mistral":
+            window = d.get("sliding_window", 4096)
         else:
             window = d.get("sliding_window")
         eos = d.get("eos_token_id")

@@ -121,3 +121,18 @@ def test_a_bad_config_json_is_named_with_its_path(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in SHAPE.items() if k != "vocab_size"}))
     with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: model config lacks vocab_size"):
         resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("arch, extra", [("mistral", {}), ("mistral", {"sliding_window": None}),
+                                         ("mistral", {"sliding_window": 64}), ("qwen2", {"use_sliding_window": True}),
+                                         ("qwen2", {"sliding_window": 64})])
+def test_sliding_window_reads_as_transformers(arch, extra):
+    """A Mistral config.json without sliding_window has transformers' default window of 4096 (the
+    engine caps max_model_len there, not implementing the window); it used to read as none, so
+    longer sequences attended further back than transformers."""
+    import transformers
+
+    hf_class = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[arch]
+    d = {**SHAPE, "model_type": arch, **extra}
+    expected = hf_class(**{k: v for k, v in d.items() if k != "model_type"}).sliding_window
+    assert ModelConfig.from_hf(d).sliding_window == expected
