@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
@@ -167,6 +168,27 @@ def _compare_stopped_sweep() -> None:
         print(f"comparison of the runs so far: {table}", file=sys.stderr)
 
 
+def _null_default_groups() -> set[str]:
+    """Groups whose entry in ``conf/config.yaml``'s defaults list is null (``executor``)."""
+    defaults = (yaml.safe_load((Path(CONF_DIR) / "config.yaml").read_text()) or {}).get("defaults") or []
+    return {g for d in defaults if isinstance(d, dict) for g, v in d.items() if v is None}
+
+
+def _null_default_overrides(argv: list[str]) -> list[str]:
+    """``GROUP=null`` for a group whose default is null (``executor=null``) means that default:
+    the override is dropped, with any earlier choice for the group (the last value given wins,
+    as for any other). Hydra itself refuses a null group override."""
+    nulls = _null_default_groups()
+    out: list[str] = []
+    for arg in argv:
+        group, sep, value = arg.partition("=")
+        if sep and value == "null" and group in nulls:
+            out = [a for a in out if a.partition("=")[0] != group]
+        else:
+            out.append(arg)
+    return out
+
+
 def _null_group_override(argv: list[str]) -> str | None:
     """The error for ``GROUP=null`` (``workload=null``), or None. Hydra fails on it with a
     traceback from its own internals ("Config group override must be a string or a list"); a
@@ -196,7 +218,7 @@ def _hydra_config_error(exc: SystemExit) -> bool:
 
 def cli() -> None:
     """``python -m framework.run`` and the ``servelab-run`` script."""
-    sys.argv = _legacy_overrides(sys.argv)
+    sys.argv = [sys.argv[0], *_null_default_overrides(_legacy_overrides(sys.argv)[1:])]
     error = _null_group_override(sys.argv[1:])
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
