@@ -11,13 +11,15 @@ DIR given, else ``./comparison``):
 A configuration is labelled by the config keys whose values differ between the runs (other
 than ``--x``), e.g. ``policy=chunked`` or ``enable_prefix_caching=False``; a group whose
 config file differs but not its part's name is labelled by the file (``workload=chat``, not
-its prompt and output options); ``--label`` picks the keys instead. A multirun writes its own
-comparison at the end (``CompareCallback``).
+its prompt and output options); a run that left a group out (no ``+policy``) counts as the
+part it ran, with that part's defaults (``policy=fcfs``); ``--label`` picks the keys instead. A
+multirun writes its own comparison at the end (``CompareCallback``).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import logging
 import sys
@@ -84,6 +86,7 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     config without ``+policy`` has no policy node."""
     summary = json.loads((run_dir / "summary.json").read_text())
     flat = config_keys(run_dir)
+    written = set(flat)
     for part in PART_NAMES:
         if summary.get(part) is not None:
             flat[f"{part}.name"] = summary[part]
@@ -93,9 +96,34 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     # summary names.
     if summary.get("hardware") is not None and "hardware.name" not in flat:
         flat["hardware.name"] = summary["hardware"]
-    for group, choice in _choices(run_dir).items():
+    choices = _choices(run_dir)
+    for group, choice in choices.items():
         flat[f"{group}{PRESET}"] = choice
+    # A group left out (no +policy; executor's null default) ran the part the summary names, with
+    # its defaults: labelled by that part and those options, as a run that chose them
+    # (+policy=fcfs) is, not as policy=None beside policy=fcfs.
+    for part in PART_NAMES:
+        if summary.get(part) is not None and not any(k.startswith(f"{part}.") for k in written):
+            if choices:
+                flat.setdefault(f"{part}{PRESET}", summary[part])
+            for key, value in _default_options(part, summary[part]).items():
+                flat.setdefault(f"{part}.{key}", value)
     return summary, flat
+
+
+def _default_options(part: str, name: str) -> dict[str, Any]:
+    """The options a ``part`` named ``name`` runs with when its group is left out: its
+    constructor's defaults. Only a policy has any (the executor's default, ``model``, takes none);
+    an unknown or broken plugin gives none."""
+    if part != "policy":
+        return {}
+    from framework.scheduler import POLICIES  # light, and only where a run left its policy out
+
+    try:
+        cls = POLICIES.get(name)
+    except (ValueError, ImportError):
+        return {}
+    return {p.name: p.default for p in inspect.signature(cls).parameters.values() if p.default is not p.empty}
 
 
 #: Key suffix of the config file a Hydra run chose for a group (``workload.preset`` = ``chat``).

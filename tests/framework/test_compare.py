@@ -327,3 +327,30 @@ def test_a_parallel_sweep_terminated_through_its_parent_stops_as_on_ctrl_c(tmp_p
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+@pytest.mark.parametrize("hydra", [True, False], ids=["cli", "python-api"])
+@pytest.mark.parametrize("others", [[], ["chunked"]], ids=["alone", "beside-chunked"])
+def test_a_run_without_a_policy_is_labelled_by_the_policy_it_ran(tmp_path, hydra, others):
+    # Without +policy a run's config has no policy node (and Hydra no choice for the group), yet
+    # it ran fcfs with fcfs's defaults: the configuration +policy=fcfs runs. It was labelled
+    # policy=None beside policy=fcfs (preemption_mode=None beside recompute without Hydra).
+    def run(name, policy):
+        path = tmp_path / name
+        path.mkdir()
+        node = {"policy": {"name": policy, "preemption_mode": "recompute"}} if policy else {}
+        (path / "config.yaml").write_text(yaml.safe_dump({"workload": {"name": "synthetic", "rate": 2}, **node}))
+        (path / "summary.json").write_text(json.dumps(
+            {"status": "completed", "policy": policy or "fcfs", "backend": "naive", "rate": 2, "completed": 8}))
+        if hydra:
+            (path / ".hydra").mkdir()
+            choices = {"workload": "default", "executor": None, **({"policy": policy} if policy else {})}
+            (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
+
+    run("default", None)
+    run("fcfs", "fcfs")
+    for policy in others:
+        run(policy, policy)
+    labels = {Path(r["run_dir"]).name: r["label"] for r in comparison_rows([tmp_path])}
+    assert labels["default"] == labels["fcfs"]
+    assert all(labels[p] != labels["fcfs"] for p in others)
