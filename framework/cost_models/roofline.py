@@ -136,7 +136,9 @@ class RooflineCostModel(CostModel):
         self._lin_m_tok = L * gemm_io * b / B
         self._head_c_row = 2 * h * vocab / F
         self._head_m_fixed = h * vocab * b / B
-        self._head_m_row = (h * b + vocab * 4) / B               # float32 logits
+        # Logits come out of the LM head in the model's dtype, as in vLLM (the sampler's float32
+        # copy is part of the per-request sampling overhead).
+        self._head_m_row = (h + vocab) * b / B
         self._elem_m_tok = (L * elementwise_io + h) * b / B      # + the embedding gather
         self._copy_m_block = 2 * self.block_bytes / B
         self._pre_c_pair = 4 * L * qs / F
@@ -152,7 +154,8 @@ class RooflineCostModel(CostModel):
             # Two per layer (after attention's o and the MLP's down projection) and one after the
             # vocabulary-parallel embedding, whose devices each look up only their share of the ids.
             self._ar_tok = (2 * L + 1) * ring * h * b / hw.interconnect_bandwidth
-            self._ar_row = (tp - 1) / tp * m.vocab_size * 4 / hw.interconnect_bandwidth
+            # vLLM gathers the logits as the LM head wrote them, in the model's dtype.
+            self._ar_row = (tp - 1) / tp * m.vocab_size * b / hw.interconnect_bandwidth
             self._ar_fixed = (2 * L + 2) * hw.interconnect_latency  # the all-reduces and the logits gather
             kernels += 2 * L + 2
         self._launch = kernels * hw.launch_overhead

@@ -68,9 +68,9 @@ def test_decode_batch_amortises_weights_until_compute_bound():
 def test_tensor_parallel_splits_weights_and_adds_all_reduces():
     # Batch 1 at 1024 tokens on 2 GPUs: each reads half the weights and half the KV cache, then
     # two ring all-reduces of 4096 bf16 values per layer and one after the embedding over 300 GB/s
-    # NVLink (each GPU sends 2 (p-1)/p of the data, 8 us latency each) and a gather of the float32 logits.
+    # NVLink (each GPU sends 2 (p-1)/p of the data, 8 us latency each) and a gather of the bf16 logits.
     all_reduce = (32 * 2 + 1) * (2 * (1 / 2) * 4096 * 2 / 300e9 + 8e-6)
-    gather = (1 / 2) * 128256 * 4 / 300e9 + 8e-6
+    gather = (1 / 2) * 128256 * 2 / 300e9 + 8e-6
     expected = (2 * (LINEAR_PARAMS + HEAD_PARAMS) + 1024 * KV_BYTES_PER_TOKEN) / 2 / BW + all_reduce + gather
     assert model(tp=2).step_time(decode(1, 1024)) == pytest.approx(expected, rel=3e-3)
     # 8 KV heads over 16 GPUs: each holds one, replicated (vLLM's rule), so the KV read halves only 8x.
@@ -94,12 +94,26 @@ def test_tensor_parallel_communication_counts_every_collective(tp):
     latency = model(tp, link(interconnect_latency_us=1e6)).step_time(shape) - model(tp, link()).step_time(shape)
     assert latency == pytest.approx((2 * layers + 2) * (1.0 - 8e-6), rel=1e-12)
     collectives = ((2 * layers + 1) * 2 * (tp - 1) / tp * n * 4096 * 2   # all-reduces of bf16 hidden states
-                   + (tp - 1) / tp * sampled * 128256 * 4)               # gather of float32 logits
+                   + (tp - 1) / tp * sampled * 128256 * 2)               # gather of bf16 logits (vLLM's)
     slower = model(tp, link(interconnect_gb_s=30)).step_time(shape) - model(tp, link()).step_time(shape)
     assert slower == pytest.approx(collectives * (1 / 30e9 - 1 / 300e9), rel=1e-9)
     # One kernel per collective: the launch cost grows by as many launches.
     launches = model(tp, link(launch_overhead_us=2.0)).step_time(shape) - model(tp, link()).step_time(shape)
     assert launches == pytest.approx((layers * 12 + 6 + 2 * layers + 2) * 1e-6, rel=1e-9)
+
+
+def test_logits_rows_are_written_in_the_model_dtype():
+    # vLLM's LM head writes its logits in the model's dtype (bf16 here); only the sampler makes a
+    # float32 copy. Each sampled row reads its 4096 hidden values and writes its 128256 logits;
+    # 65 rows against 1 (the head's weights read once either way, still memory bound).
+    def head(sampled):
+        shape = BatchShape()
+        for i in range(65):
+            shape.add_row(100, 1, i < sampled)
+        return model().step_time(shape)
+
+    assert 2 * 65 * HEAD_PARAMS / PEAK < (2 * HEAD_PARAMS + 65 * (4096 + 128256) * 2) / BW  # memory bound
+    assert head(65) - head(1) == pytest.approx(64 * (4096 + 128256) * 2 / BW, rel=1e-9)
 
 
 def test_swaps_cross_pcie_and_copies_stay_in_device_memory():
