@@ -1,0 +1,109 @@
+"""``sjf``: the waiting queue kept in prompt-length order across steps (a heap fed by
+``on_waiting``), with the schedules of sorting the whole queue every step."""
+import random
+
+import pytest
+
+from framework import EngineConfig, LLMEngine, SamplingParams
+from framework.request import Request
+from policies.sjf import ShortestPromptFirstPolicy
+
+
+class SortEveryStep(ShortestPromptFirstPolicy):
+    """``sjf`` as it was written before it kept a heap: the whole waiting queue sorted every step
+    (``sorted`` is stable: equal keys keep the queue's order, preempted requests first)."""
+
+    def waiting_order(self, waiting):
+        return sorted(waiting, key=lambda r: (r.num_prompt_tokens, r.arrival_time))
+
+
+def sim_engine(policy=None, mode="recompute", **kw):
+    args = dict(model="llama-3-8b", executor="sim", policy="sjf", block_size=16, max_model_len=512,
+                num_gpu_blocks_override=40, max_num_seqs=8, max_num_batched_tokens=128, swap_space=0.05,
+                policy_options={"preemption_mode": mode}, executor_options={"fast_forward": False})
+    args.update(kw)
+    e = LLMEngine(EngineConfig(**args))
+    if policy is not None:
+        e.policy = e.scheduler.policy = policy
+    return e
+
+
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("seed", range(3))
+def test_steps_are_those_of_sorting_the_queue_every_step(preparer, mode, seed):
+    # Replays one random workload through both: arrivals between steps (several in one step share
+    # their arrival time, and prompt lengths repeat, so keys tie), preemptions, swaps, aborts,
+    # parallel samples (v0: forked from their leader, into the front of the waiting queue when
+    # no seat is free). Every step must be the same.
+    def trace(policy):
+        rng = random.Random(seed)
+        e = sim_engine(policy, mode, check_invariants=True, preparer=preparer)
+        steps = []
+        e.step_callbacks.append(lambda stats, out: steps.append((
+            [(r.request_id, out.num_scheduled_tokens[r.request_id]) for r in out.scheduled],
+            [r.request_id for r in out.preempted + out.swapped_out + out.swapped_in])))
+        for i in range(70):
+            prompt = [7] * rng.choice([0, 32]) + [rng.randrange(10, 1000) for _ in range(rng.choice([5, 40, 90, 150]))]
+            e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 80), ignore_eos=True,
+                                                          n=rng.choice([1, 1, 1, 3])))
+            if i % 9 == 8:
+                e.abort_request(f"r{rng.randrange(i)}")
+            for _ in range(rng.choice([0, 0, 0, 1, 4])):
+                e.step()
+        while e.has_unfinished_requests():
+            e.step()
+        return steps, e.scheduler
+
+    got, scheduler = trace(None)
+    assert got == trace(SortEveryStep(mode))[0]
+    assert scheduler.num_preemptions > 0
+
+
+def test_a_step_reads_the_requests_it_reaches_not_the_whole_queue(monkeypatch):
+    # Every step sorted the whole waiting queue: a burst of 16k requests took a minute of sorting.
+    # Now the prompt lengths read in a step do not depend on how many requests wait behind the
+    # ones the step reaches.
+    reads = []
+    length = Request.num_prompt_tokens
+    monkeypatch.setattr(Request, "num_prompt_tokens", property(lambda r: reads.append(r) or length.fget(r)))
+
+    def reads_in_a_step(num_requests):
+        e = sim_engine()
+        for i in range(num_requests):
+            e.add_request(f"r{i}", [10 + i % 50] * (100 + i % 7), SamplingParams(max_tokens=50, ignore_eos=True))
+        for _ in range(3):
+            e.step()
+        reads.clear()
+        e.step()
+        assert e.scheduler.waiting and e.scheduler.running
+        return len(reads)
+
+    assert reads_in_a_step(400) == reads_in_a_step(40)
+
+
+def test_a_subclass_overriding_waiting_order_gets_its_own_order():
+    class LongestFirst(ShortestPromptFirstPolicy):
+        def waiting_order(self, waiting):
+            return sorted(waiting, key=lambda r: -r.num_prompt_tokens)
+
+    e = sim_engine(LongestFirst(), max_num_seqs=1)
+    lengths = [30, 5, 17, 9, 12]
+    for i, n in enumerate(lengths):
+        e.add_request(str(i), [3] * n, SamplingParams(max_tokens=2, ignore_eos=True))
+    admitted = []
+    e.step_callbacks.append(lambda stats, out: admitted.extend(r.num_prompt_tokens for r in out.new_requests))
+    while e.has_unfinished_requests():
+        e.step()
+    assert admitted == sorted(lengths, reverse=True)
+
+
+def test_an_on_waiting_override_that_skips_the_index_is_reported():
+    class Forgetful(ShortestPromptFirstPolicy):
+        def on_waiting(self, request):
+            pass
+
+    e = sim_engine(Forgetful())
+    e.add_request("a", [3] * 10, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match=r"must call super\(\).on_waiting"):
+        e.step()
