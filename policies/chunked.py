@@ -83,34 +83,48 @@ class ChunkedPolicy(SchedulerPolicy):
         admitting a request removes it from the queue), or with a ``waiting_key`` the heap's."""
         if not self._keyed:
             return list(self.waiting_order(scheduler.waiting))
+        self._check_indexed(scheduler)
+        return self._in_key_order()
+
+    def _check_indexed(self, scheduler: Scheduler) -> None:
         if len(self._entries) < len(scheduler.waiting):  # every waiting request has a live entry
             raise RuntimeError(f"policy {self.name!r}: {len(scheduler.waiting)} requests wait but "
                                f"{len(self._entries)} were indexed; an on_waiting override must call "
                                f"super().on_waiting(request)")
-        return self._in_key_order()
 
     def _in_key_order(self) -> Iterator[Request]:
         """The waiting requests in heap order, each taken off the heap as it is given; those still
         waiting go back on it at the next call (the admission loop stopped at them)."""
+        self._requeue(self._given)
+        self._given = []
+        while (entry := self._first_waiting()) is not None:
+            heapq.heappop(self._heap)
+            self._given.append(entry)
+            yield entry[2]
+
+    def _first_waiting(self) -> tuple[Any, int, Request] | None:
+        """The heap's first live entry of a waiting request, left on the heap (stale entries, and
+        those of requests aborted while waiting, are dropped)."""
         heap, entries = self._heap, self._entries
-        for entry in self._given:
+        while heap:
+            entry = heap[0]
             req = entry[2]
             if entries.get(req) is entry:
                 if req.status == RequestStatus.WAITING:
-                    heapq.heappush(heap, entry)
-                else:
-                    del entries[req]
-        self._given = []
-        while heap:
-            entry = heapq.heappop(heap)
-            req = entry[2]
-            if entries.get(req) is not entry:
-                continue
-            if req.status != RequestStatus.WAITING:  # aborted while waiting
+                    return entry
                 del entries[req]
-                continue
-            self._given.append(entry)
-            yield req
+            heapq.heappop(heap)
+        return None
+
+    def _requeue(self, taken: Iterable[tuple[Any, int, Request]]) -> None:
+        """Puts entries taken off the heap back, those of requests still waiting; forgets the rest."""
+        for entry in taken:
+            req = entry[2]
+            if self._entries.get(req) is entry:
+                if req.status == RequestStatus.WAITING:
+                    heapq.heappush(self._heap, entry)
+                else:
+                    del self._entries[req]
 
     def num_new_tokens(self, request: Request, token_budget: int, num_prefix_tokens: int = 0) -> int:
         n = super().num_new_tokens(request, token_budget, num_prefix_tokens)

@@ -3,7 +3,6 @@ on top of chunked prefill."""
 from __future__ import annotations
 
 import heapq
-import itertools
 from operator import itemgetter
 
 from framework.request import Request, RequestStatus
@@ -38,24 +37,18 @@ class PrioritySwapPolicy(ChunkedPolicy):
     samples of one request share priority and arrival) would each give way to the other, and
     could take turns preempting themselves forever.
 
-    Waiting requests are kept in a heap by rank across steps (as vLLM v1's priority queue), so a
-    step visits only the waiting requests it reaches before the first one that cannot get on the
-    device, however long the queue.
+    Waiting requests are kept in ``ChunkedPolicy``'s heap (``waiting_key``: rank, then arrival
+    order) across steps, as in vLLM v1's priority queue, so a step visits only the waiting
+    requests it reaches before the first one that cannot get on the device, however long the
+    queue.
     """
 
     def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:
         super().__init__(preemption_mode, long_prefill_token_threshold)
-        # Waiting requests by _order: heap entries (order, tie, request), and each request's live
-        # entry (one that left the queue, or entered it again, leaves a stale entry behind,
-        # dropped when it comes up).
-        self._heap: list[tuple[tuple, int, Request]] = []
-        self._entries: dict[Request, tuple[tuple, int, Request]] = {}
-        self._ties = itertools.count()
+        self._keyed = True  # a step visits waiting requests in the heap's order, by _order, always
 
-    def on_waiting(self, request: Request) -> None:
-        entry = (self._order(request), next(self._ties), request)
-        self._entries[request] = entry
-        heapq.heappush(self._heap, entry)
+    def waiting_key(self, request: Request) -> tuple:
+        return self._order(request)
 
     def rank(self, request: Request) -> tuple:
         """Sort key, lowest first: what "priority" means. Override it (e.g. with a deadline) and
@@ -69,9 +62,6 @@ class PrioritySwapPolicy(ChunkedPolicy):
         before "9")."""
         return self.rank(request), request.arrival_order
 
-    def waiting_order(self, waiting):
-        return sorted(waiting, key=self._order)
-
     def select_victim(self, candidates: list[Request], requester: Request) -> Request | None:
         lowest = max(candidates, key=self._order, default=None)
         return lowest if lowest is not None and self._order(lowest) > self._order(requester) else None
@@ -81,19 +71,14 @@ class PrioritySwapPolicy(ChunkedPolicy):
         # them all would give; once nothing more may come on the device (blocked, or ranking
         # below a victim: both hold for every later request too), only running requests act.
         first = itemgetter(0)
+        self._check_indexed(scheduler)
         running = sorted([(self._order(r), r) for r in scheduler.running], key=first)
         swapped = sorted([(self._order(r), r) for r in scheduler.swapped], key=first)
         taken: list[tuple[tuple, int, Request]] = []  # heap entries visited in this step
         try:
             self._visit(scheduler, step, running, swapped, taken)
         finally:  # also after a failure: the requests visited and still waiting stay indexed
-            for entry in taken:
-                req = entry[2]
-                if self._entries.get(req) is entry:
-                    if req.status == RequestStatus.WAITING:
-                        heapq.heappush(self._heap, entry)
-                    else:
-                        del self._entries[req]
+            self._requeue(taken)
 
     def _visit(self, scheduler: Scheduler, step: Step, running: list, swapped: list, taken: list) -> None:
         ri = si = 0
@@ -131,19 +116,6 @@ class PrioritySwapPolicy(ChunkedPolicy):
                 break
             if req.status == RequestStatus.RUNNING and not step.is_scheduled(req):
                 scheduler.schedule_or_preempt(step, req, self.num_new_tokens(req, step.token_budget))
-
-    def _first_waiting(self) -> tuple[tuple, int, Request] | None:
-        """The heap's first live entry of a waiting request (stale ones dropped)."""
-        heap, entries = self._heap, self._entries
-        while heap:
-            entry = heap[0]
-            req = entry[2]
-            if entries.get(req) is entry:
-                if req.status == RequestStatus.WAITING:
-                    return entry
-                del entries[req]
-            heapq.heappop(heap)
-        return None
 
     def _ranks_below_a_victim(self, step: Step, req: Request) -> bool:
         # A request preempted in this step cannot come back before the next one; nothing of lower

@@ -221,3 +221,16 @@ def test_a_step_reads_ranks_of_the_requests_it_reaches_not_of_the_whole_queue():
         return len(calls)
 
     assert ranks_read_in_a_step(400) == ranks_read_in_a_step(40)
+
+
+def test_an_on_waiting_override_that_skips_the_index_is_reported():
+    """The waiting heap is fed by on_waiting: without it no waiting request would ever be seen."""
+    class Forgetful(PrioritySwapPolicy):
+        def on_waiting(self, request):
+            pass
+
+    e = LLMEngine(EngineConfig(model="tiny-llama", executor="sim", max_model_len=128))
+    e.policy = e.scheduler.policy = Forgetful()
+    e.add_request("a", [3] * 10, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match=r"must call super\(\).on_waiting"):
+        e.step()
