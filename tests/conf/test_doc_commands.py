@@ -92,3 +92,17 @@ def test_every_documented_script_option_exists(script, options):
 def test_the_docs_show_commands():
     """The patterns above still find what they check (a change of wording would leave them idle)."""
     assert len(list(run_commands())) >= 20 and len(list(script_commands())) >= 10
+
+
+
+def test_every_named_experiment_is_documented_as_what_it_is():
+    """experiments/README.md names every file of conf/experiment/, and says of one that runs a
+    single job that it does (its section used to say that each launches a sweep)."""
+    readme = (ROOT / "experiments" / "README.md").read_text()
+    section = readme[readme.index("## Named experiments"):]
+    for path in sorted((ROOT / "conf" / "experiment").glob("*.yaml")):
+        mention = re.search(rf"`{path.stem}`[^\n]*", section)
+        assert mention, f"experiments/README.md does not name +experiment={path.stem}"
+        cfg = compose_config(f"+experiment={path.stem}", return_hydra_config=True)
+        if cfg.hydra.mode is None or cfg.hydra.mode.name != "MULTIRUN":
+            assert "one run" in mention.group(0), f"+experiment={path.stem} is one run, not a sweep"
