@@ -196,6 +196,11 @@ class BlockAllocator(ABC):
         """(src, dst) device block copies queued since the last call."""
         return []
 
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Make these blocks unfindable by ``find_prefix`` (their KV may be missing: a step that
+        was to fill them failed); they stay held by whoever holds them. Default: nothing (an
+        allocator without a prefix cache)."""
+
     # -- swap ------------------------------------------------------------------------------------
     @abstractmethod
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:

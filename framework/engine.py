@@ -231,7 +231,11 @@ class LLMEngine:
         then skips building a cumulative output per running request every step."""
         start = self.clock.now()
         out = self.scheduler.schedule()
-        sampled = self.executor.execute(out).sampled if out.runs else {}
+        try:
+            sampled = self.executor.execute(out).sampled if out.runs else {}
+        except BaseException:
+            self.scheduler.step_failed(out)
+            raise
         # One time for the step's tokens, forks' first tokens included: a streaming client gets
         # them together, and RequestMetrics.token_times counts one entry per step.
         now = self.clock.now()

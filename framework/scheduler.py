@@ -283,6 +283,23 @@ class Scheduler:
             self.check_invariants(out)
         return out
 
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """The executor failed on ``out`` (an exception, Ctrl-C), after this scheduler committed
+        it: the KV the step was to write or swap in may be missing or partial. Those blocks
+        leave the prefix cache, or a later request with the same prefix would read them as
+        computed. The step's requests should then be aborted (``LLM.generate`` does): its swaps
+        and copies are not redone."""
+        bs = self.block_size
+        written: list[int] = []
+        for req in out.swapped_in:
+            written += req.block_ids
+        for req in out.scheduled:
+            # Its computed tokens did not advance, so the step's blocks start there (a prefix
+            # taken in this step counts as computed; if this step was filling it, the request
+            # filling it lists it here).
+            written += req.block_ids[req.num_computed_tokens // bs:]
+        self.allocator.uncache(written)
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
                            now: float | None = None) -> list[Request]:
         """Advance every scheduled request by its tokens and append its sampled token (if it

@@ -291,6 +291,11 @@ class PagedBlockAllocator(BlockAllocator):
 
     def _evict(self, block: _Block) -> None:
         """Forget what a free block caches, as it is taken for new tokens."""
+        self._unindex(block)
+        self.stats.evictions += 1
+
+    def _unindex(self, block: _Block) -> None:
+        """Forget what a cached block holds: out of the prefix index, its hash cleared."""
         h, bid = block.hash, block.block_id
         copies = self._hash_copies.get(h)
         if copies is not None and bid in copies:
@@ -302,7 +307,6 @@ class PagedBlockAllocator(BlockAllocator):
         if copies is not None and not copies:
             del self._hash_copies[h]
         block.hash = block.token_ids = None
-        self.stats.evictions += 1
 
     def _pop_free(self) -> int:
         return self._pop_free_blocks(1)[0]
@@ -337,6 +341,15 @@ class PagedBlockAllocator(BlockAllocator):
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
         return copies
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        blocks, free = self._blocks, self._free
+        for bid in block_ids:
+            block = blocks[bid]
+            if block.hash is not None:
+                self._unindex(block)
+                if block.ref_count == 0:  # free: handed out before cached blocks, as never-cached ones are
+                    free.move_to_end(bid, last=False)
 
     # -- swap ------------------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:

@@ -3,6 +3,7 @@ import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameError
 from framework.clock import VirtualClock
+from tests.conftest import hf_greedy
 
 
 def small_llm(**kw):
@@ -410,6 +411,32 @@ def test_an_interrupted_generate_leaves_nothing_running():
     (out,) = llm.generate([5, 6, 7], GREEDY)
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
     assert len(steps) == GREEDY.max_tokens and max(steps) == 1  # only its own request ran
+
+
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("interrupted_forward", [1, 2])
+def test_prompts_rerun_after_a_forward_pass_interrupted_match_transformers(llama_ckpt, preparer, interrupted_forward):
+    """Ctrl-C inside a forward pass: the step had already entered the blocks it was filling in the
+    prefix cache, so running the same prompts again read their never-computed KV as cached."""
+    path, hf_model = llama_ckpt
+    llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+              max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4, check_invariants=True)
+    prompts = [list(range(10, 40)), list(range(40, 60)), list(range(60, 65)), list(range(70, 100))]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    model, calls = llm.engine.executor.runner.model, []
+
+    def interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == interrupted_forward:
+            raise KeyboardInterrupt
+        return type(model).forward(model, *args, **kwargs)
+
+    model.forward = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    del model.forward
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 4) for p in prompts]
 
 
 def test_generate_builds_each_output_once_as_stepping_would(llama_ckpt, monkeypatch):
