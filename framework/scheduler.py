@@ -198,6 +198,7 @@ class Scheduler:
         self._dropped_rows: set[str] = set()
         self._finished_outside_step: list[Request] = []
         self._forked: list[Request] = []
+        self._rebuilt: list[Request] = []  # rows to rebuild after a step the executor failed on
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_steps = 0
@@ -272,6 +273,8 @@ class Scheduler:
         runs = out.runs
         if self._forked and runs:
             self._announce_forks(out)
+        if self._rebuilt and runs:
+            self._announce_rebuilt(out)
         for req in out.preempted + out.swapped_out:
             self._dropped_rows.add(req.request_id)
         if runs:
@@ -287,8 +290,10 @@ class Scheduler:
         """The executor failed on ``out`` (an exception, Ctrl-C), after this scheduler committed
         it: the KV the step was to write or swap in may be missing or partial. Those blocks
         leave the prefix cache, or a later request with the same prefix would read them as
-        computed. The step's requests should then be aborted (``LLM.generate`` does): its swaps
-        and copies are not redone."""
+        computed. The runner may not have dropped the rows the step listed, and may have built
+        or advanced others: the next output that runs lists them again, and rebuilds the rows of
+        the step's requests still running. The step's requests should then be aborted
+        (``LLM.generate`` does): its swaps and copies are not redone."""
         bs = self.block_size
         written: list[int] = []
         for req in out.swapped_in:
@@ -299,6 +304,8 @@ class Scheduler:
             # filling it lists it here).
             written += req.block_ids[req.num_computed_tokens // bs:]
         self.allocator.uncache(written)
+        self._dropped_rows |= out.finished_req_ids
+        self._rebuilt.extend(out.scheduled + out.new_requests + out.resumed_requests)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
                            now: float | None = None) -> list[Request]:
@@ -521,6 +528,16 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING and req not in out.resumed_requests:
                 out.new_requests.append(req)
         self._forked = []
+
+    def _announce_rebuilt(self, out: SchedulerOutput) -> None:
+        # After a failed step: its requests still running get their rows rebuilt, as resumed
+        # ones do (unless this output already lists them as new or resumed).
+        listed = {r.request_id for r in out.new_requests + out.resumed_requests}
+        for req in self._rebuilt:
+            if req.status == RequestStatus.RUNNING and req.request_id not in listed:
+                listed.add(req.request_id)
+                out.resumed_requests.append(req)
+        self._rebuilt = []
 
     # -- invariants ------------------------------------------------------------------------------
     def check_invariants(self, out: SchedulerOutput) -> None:

@@ -423,20 +423,70 @@ def test_prompts_rerun_after_a_forward_pass_interrupted_match_transformers(llama
               max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4, check_invariants=True)
     prompts = [list(range(10, 40)), list(range(40, 60)), list(range(60, 65)), list(range(70, 100))]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    model, calls = llm.engine.executor.runner.model, []
-
-    def interrupt(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == interrupted_forward:
-            raise KeyboardInterrupt
-        return type(model).forward(model, *args, **kwargs)
-
-    model.forward = interrupt
+    _interrupt(llm.engine.executor.runner.model, "forward", when={interrupted_forward})
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params)
-    del model.forward
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 4) for p in prompts]
+
+
+def _interrupt(obj, method, when):
+    """Make the ``when``-th calls (1-based, counted across steps) of ``obj.method`` raise
+    KeyboardInterrupt, as a Ctrl-C landing there would."""
+    calls, original = [], getattr(obj, method)
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) in when:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    setattr(obj, method, interrupted)
+
+
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+def test_generate_works_after_steps_interrupted_again_and_again(llama_ckpt, preparer):
+    """The rows a step interrupted before its inputs were prepared listed to drop never reached
+    the runner: v1's persistent batch kept them, and after a few Ctrl-Cs failed with "persistent
+    batch is full"."""
+    path, hf_model = llama_ckpt
+    llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+              max_model_len=64, max_num_batched_tokens=32, max_num_seqs=2, enable_prefix_caching=False,
+              check_invariants=True)
+    prompts = [list(range(10, 13)), list(range(40, 60)), list(range(60, 65))]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (2, 8, 8)]
+    # Each interrupted call stops in its third step, the first to drop a row (the first request
+    # finished in the second).
+    _interrupt(llm.engine.executor.runner.preparer, "prepare", when={3, 6, 9})
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, s.max_tokens) for p, s in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+def test_stepping_on_after_a_failed_forward_pass_matches_transformers(llama_ckpt, preparer):
+    """An engine whose step raised mid-forward can step on: the runner's rows, which the failed
+    step had advanced, are rebuilt from their requests (whose computed tokens did not move)."""
+    path, hf_model = llama_ckpt
+    llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+              max_model_len=64, max_num_batched_tokens=16, max_num_seqs=3, check_invariants=True)
+    engine = llm.engine
+    prompts = [list(range(10, 13)), list(range(40, 60)), list(range(60, 65)), list(range(40, 62))]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (2, 8, 8, 5)]
+    for i, (p, s) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, s)
+    _interrupt(llm.engine.executor.runner.model, "forward", when={3})
+    outs, failed = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        except KeyboardInterrupt:
+            failed += 1
+    assert failed == 1
+    assert [outs[str(i)].outputs[0].token_ids for i in range(4)] == [
+        hf_greedy(hf_model, p, s.max_tokens) for p, s in zip(prompts, params)]
 
 
 def test_generate_builds_each_output_once_as_stepping_would(llama_ckpt, monkeypatch):
