@@ -135,3 +135,55 @@ def test_output_text_keeps_the_leading_space_of_a_sentencepiece_word(tmp_path):
         whole = tok.decode(prompt + completion.token_ids, skip_special_tokens=True)
         assert tok.decode(prompt, skip_special_tokens=True) + completion.text == whole
     assert outs[0].outputs[0].text.startswith(" w")
+
+
+def awkward_workload(block_size: int, max_model_len: int, vocab: int = 512, seed: int = 0):
+    """Prompts sharing a prefix of exactly one block, or one token more or less; a duplicate with
+    n=2 and a shared one with n=3; prompts that reach max_model_len exactly (after 4 tokens, and
+    at once); one that can never fit."""
+    rng = random.Random(seed)
+    base = [rng.randrange(3, vocab) for _ in range(4 * block_size + 2)]
+    tail = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
+    bs = block_size
+    return [(base[:bs] + tail(5), 7, 1), (base[:bs] + tail(3), 6, 1), (base[:bs + 1] + tail(4), 5, 1),
+            (base[:max(bs - 1, 1)] + tail(6), 6, 1), (base[:2 * bs], 5, 1), (base[:2 * bs], 5, 2),
+            (base[:bs] + tail(2), 6, 3), (tail(max_model_len - 4), 10, 1), (tail(max_model_len), 5, 1),
+            (tail(max_model_len + 1), 5, 1), (base[:3 * bs + 1], 8, 1)]
+
+
+#: A sample of the policy x backend x preparer x prefix caching x block size x preemption mode
+#: matrix (the whole of it, Triton included, passes; this keeps a few seconds of it).
+AWKWARD = [("chunked", "naive", "v0", True, 1, "swap"), ("sjf", "torch_paged", "v1", True, 1, "recompute"),
+           ("least_computed", "naive", "v1", True, 2, "recompute"), ("priority_swap", "torch_paged", "v0", True, 2, "swap"),
+           ("fcfs", "torch_paged", "v0", True, 16, "swap"), ("fcfs", "naive", "v1", False, 1, "recompute"),
+           ("chunked", "triton", "v1", True, 2, "swap")]
+
+
+@pytest.mark.parametrize("policy, backend, preparer, caching, block_size, mode", AWKWARD)
+def test_awkward_settings_match_transformers_and_free_every_block(llama_ckpt, policy, backend, preparer, caching,
+                                                                  block_size, mode):
+    path, hf_model = llama_ckpt
+    max_model_len = {1: 24, 2: 26, 16: 40}[block_size]
+    # Token budgets that split prompts at odd places (fcfs does not chunk: it takes whole prompts),
+    # and a KV pool a few blocks over one max_model_len request, so requests get preempted.
+    budget = max_model_len + 3 if policy == "fcfs" else {1: 13, 2: 29, 16: 37}[block_size]
+    blocks = -(-max_model_len // block_size) + {1: 10, 2: 6, 16: 2}[block_size]
+    llm = LLM(model=str(path), policy=policy, backend=backend, preparer=preparer, enable_prefix_caching=caching,
+              block_size=block_size, max_model_len=max_model_len, max_num_batched_tokens=budget, max_num_seqs=4,
+              num_gpu_blocks_override=blocks, policy_options={"preemption_mode": mode}, check_invariants=True)
+    work = awkward_workload(block_size, max_model_len)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in work],
+                        [SamplingParams(max_tokens=m, n=n, temperature=0.0, ignore_eos=True) for _, m, n in work],
+                        priority=[i % 3 for i in range(len(work))])
+    assert llm.engine.scheduler.num_preemptions > 0
+    for (prompt, max_tokens, n), out in zip(work, outs):
+        if len(prompt) > max_model_len:
+            assert [c.token_ids for c in out.outputs] == [[]] * n and f"max_model_len={max_model_len}" in out.status_message
+            continue
+        # A prompt of max_model_len tokens still gets its one token (as vLLM).
+        want = hf_greedy(hf_model, prompt, min(max_tokens, max(max_model_len - len(prompt), 1)))
+        assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [(want, "length")] * n
+    alloc = llm.engine.allocator
+    assert alloc.num_free_blocks == alloc.num_usable_blocks and alloc.num_free_cpu_blocks == alloc.num_cpu_blocks
+    assert caching or alloc.num_cached_blocks == 0
+    alloc.check_invariants([])
