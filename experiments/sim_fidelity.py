@@ -75,61 +75,16 @@ class PausableCPUClock(CPUClock):
         self._skipped -= time.process_time() - self._paused_at
 
 
-class RepeatedForward:
-    """Stands in for a model runner's model and runs every forward pass ``times`` times on the
-    same inputs, keeping each pass's seconds in ``last``: a step's forward pass is then measured
-    ``times`` times, not once. Repeating a pass changes nothing: it writes the same K/V values to
-    the same slots and returns the same hidden states. The repeats run with ``clock`` paused, so
-    the run's own latencies are those of single passes; ``hidden`` accumulates, for a timer that
-    should see each step as if its pass took the median of its repeats, the seconds to subtract."""
-
-    def __init__(self, model, times: int, clock: PausableCPUClock | None = None) -> None:
-        self.model, self.times, self.clock = model, times, clock
-        self.last: list[float] = []
-        self.hidden = 0.0
-
-    def __call__(self, *args):
-        t0 = time.process_time()
-        hidden = self.model(*args)
-        self.last = [time.process_time() - t0]
-        if self.times > 1:
-            if self.clock is not None:
-                self.clock.pause()
-            for _ in range(self.times - 1):
-                t = time.process_time()
-                self.model(*args)
-                self.last.append(time.process_time() - t)
-            if self.clock is not None:
-                self.clock.resume()
-            self.hidden += sum(self.last) - statistics.median(self.last)
-        return hidden
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
-
-    @staticmethod
-    def install(engine: LLMEngine, times: int, clock: PausableCPUClock | None = None) -> RepeatedForward:
-        runner = engine.executor.runner
-        runner.model = RepeatedForward(runner.model, times, clock)
-        return runner.model
-
-
-def serve(engine: LLMEngine, seed: int, between_steps=None,
-          forward: RepeatedForward | None = None) -> tuple[dict, list[tuple[BatchShape, float, float]]]:
-    """Serve the workload; for the model executor also record (shape, measured seconds, the same
-    with the forward pass's median over ``forward``'s repeats) per step, and call
-    ``between_steps()`` after every step."""
-    steps: list[tuple[BatchShape, float, float]] = []
+def serve(engine: LLMEngine, seed: int, between_steps=None) -> tuple[dict, list[tuple[BatchShape, float]]]:
+    """Serve the workload; for the model executor also record (shape, measured seconds) per step
+    and call ``between_steps()`` after every step."""
+    steps: list[tuple[BatchShape, float]] = []
     if engine.config.executor == "model":
         shapes = record_shapes(engine)
 
         def on_step(stats, out):
             if out.scheduled:
-                passes = forward.last if forward is not None else []
-                retimed = stats.duration - passes[0] + statistics.median(passes) if passes else stats.duration
-                steps.append((shapes[-1], stats.duration, retimed))
-            if forward is not None:
-                forward.last = []
+                steps.append((shapes[-1], stats.duration))
             if between_steps is not None:
                 between_steps()
 
@@ -144,18 +99,12 @@ def serve(engine: LLMEngine, seed: int, between_steps=None,
 
 
 def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, statistic: str = "median",
-                              model: str = "tiny-llama", timings: int = 1) -> tuple[dict, list, dict]:
+                              model: str = "tiny-llama") -> tuple[dict, list, dict]:
     """The real run, with the profile grid's cells run between its steps (its clock paused);
-    each grid shape's repeats reduce to ``statistic`` (``framework.profile.STATISTICS``). With
-    ``timings`` > 1 every forward pass, the real run's and the grid's, is timed that many times
-    (``RepeatedForward``); the grid is fitted to the medians."""
+    each grid shape's repeats reduce to ``statistic`` (``framework.profile.STATISTICS``)."""
     cells = grid_cells("default", LENGTHS, COUNTS)
     profile_engine = LLMEngine(profile_engine_config(cells, model, num_threads=1))
-    if clock == "cpu":
-        profile_forward = RepeatedForward.install(profile_engine, timings)
-        timer = lambda: time.process_time() - profile_forward.hidden  # noqa: E731
-    else:
-        timer = time.perf_counter
+    timer = time.process_time if clock == "cpu" else time.perf_counter
     profiler = Profiler(profile_engine, seed, timer)
     for cell in cells:  # warm-up pass, not recorded
         profiler.run_cell(*cell, record=False)
@@ -172,9 +121,7 @@ def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, stati
             profiler.run_cell(*queue.pop())
             real_clock.resume()
 
-    real_engine = LLMEngine(engine_config("model", model), clock=real_clock)
-    forward = RepeatedForward.install(real_engine, timings, real_clock) if clock == "cpu" else None
-    real, steps = serve(real_engine, seed, between_steps, forward)
+    real, steps = serve(LLMEngine(engine_config("model", model), clock=real_clock), seed, between_steps)
     while queue:
         profiler.run_cell(*queue.pop())
     profiler.close()
@@ -184,8 +131,7 @@ def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, stati
     params, fit = calibrate(samples, profile_engine.model_config, hardware, dtype_bytes)
     calibration = calibration_record("roofline", model, hardware, dtype_bytes, 16, params, fit, samples,
                                      {"clock": clock, "cells": [list(c) for c in cells], "repeats": profile_repeats, "statistic": statistic,
-                                      "interleaved_with_real_run": clock == "cpu", "timings_per_forward": timings},
-                                     profile_engine.model_config)
+                                      "interleaved_with_real_run": clock == "cpu"}, profile_engine.model_config)
     return real, steps, calibration
 
 
@@ -213,15 +159,8 @@ def main() -> None:
                          "predicts TPOT ~16%% low (docs/simulator.md)")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--model", default="tiny-llama", help="preset or Hugging Face checkpoint directory")
-    ap.add_argument("--timings", type=int, default=1,
-                    help="time every forward pass this many times (real run and grid) and also report the "
-                         "step error against steps re-timed with their passes' median (needs --clock cpu)")
     ap.add_argument("--save-calibration", default=None, help="write the last interleaved calibration here")
     args = ap.parse_args()
-    if args.timings < 1:
-        ap.error(f"--timings must be at least 1, got {args.timings}")
-    if args.timings > 1 and (args.clock != "cpu" or args.calibration is not None):
-        ap.error("--timings > 1 needs --clock cpu and the interleaved calibration (no --calibration)")
     try:  # a bad --model or --calibration fails here, not after a real run of tens of seconds
         LLMEngine(engine_config("sim", args.model, hardware="cpu",
                                 cost_model={"name": "roofline", "calibration": args.calibration}))
@@ -232,7 +171,7 @@ def main() -> None:
         started = time.perf_counter()
         if args.calibration is None:
             real, steps, calibration = real_run_with_calibration(args.seed, args.profile_repeats, args.clock,
-                                                                 args.statistic, args.model, args.timings)
+                                                                 args.statistic, args.model)
             if args.save_calibration:
                 import yaml
 
@@ -246,30 +185,21 @@ def main() -> None:
                                              cost_model={"name": "roofline", "calibration": calibration}))
         sim, _ = serve(sim_engine, args.seed)
         cost = sim_engine.executor.cost_model
-        errors = sorted(abs(cost.step_time(shape) / t - 1) for shape, t, _ in steps)
+        errors = sorted(abs(cost.step_time(shape) / t - 1) for shape, t in steps)
         row = {"step_time_median_abs_err": statistics.median(errors), "step_time_p90_abs_err": errors[int(0.9 * len(errors))],
-               "noise_floor_median_abs": noise_floor([(shape, t) for shape, t, _ in steps]),
-               "steps": len(steps)}
-        if args.timings > 1:
-            retimed = sorted(abs(cost.step_time(shape) / t - 1) for shape, _, t in steps)
-            row |= {"retimed_step_time_median_abs_err": statistics.median(retimed),
-                    "retimed_noise_floor_median_abs": noise_floor([(shape, t) for shape, _, t in steps]),
-                    # how much slower a step's first pass runs than the median of its repeats
-                    "first_over_retimed_median": statistics.median(t / r for _, t, r in steps)}
-        row |= {**{f"{k}_rel_err": sim[k] / real[k] - 1 for k in ("ttft_p50", "tpot_p50", "ttft_p90", "tpot_p90")},
-                "fit_median_abs_err": cost.calibration["fit"]["median_abs_rel_error"] if cost.calibration else None,
-                "real": real, "sim": sim, "seconds": time.perf_counter() - started}
+               "noise_floor_median_abs": noise_floor(steps),
+               "steps": len(steps),
+               **{f"{k}_rel_err": sim[k] / real[k] - 1 for k in ("ttft_p50", "tpot_p50", "ttft_p90", "tpot_p90")},
+               "fit_median_abs_err": cost.calibration["fit"]["median_abs_rel_error"] if cost.calibration else None,
+               "real": real, "sim": sim, "seconds": time.perf_counter() - started}
         rows.append(row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                           if not isinstance(v, dict)}), flush=True)
         print("   real", json.dumps({k: round(v, 5) for k, v in real.items()}))
         print("   sim ", json.dumps({k: round(v, 5) for k, v in sim.items()}), flush=True)
-    keys = ["step_time_median_abs_err", "noise_floor_median_abs", "ttft_p50_rel_err", "tpot_p50_rel_err"]
-    if args.timings > 1:
-        keys[2:2] = ["retimed_step_time_median_abs_err", "retimed_noise_floor_median_abs", "first_over_retimed_median"]
-    for key in keys:
+    for key in ("step_time_median_abs_err", "noise_floor_median_abs", "ttft_p50_rel_err", "tpot_p50_rel_err"):
         # The floor is None when no batch shape repeats often enough to have one.
-        print(f"{key:34s} " + "  ".join("     -" if r[key] is None else f"{r[key]:+.3f}" for r in rows))
+        print(f"{key:26s} " + "  ".join("     -" if r[key] is None else f"{r[key]:+.3f}" for r in rows))
     sys.stdout.flush()
 
 

@@ -94,7 +94,6 @@ def test_the_docs_show_commands():
     assert len(list(run_commands())) >= 20 and len(list(script_commands())) >= 10
 
 
-
 def test_every_named_experiment_is_documented_as_what_it_is():
     """experiments/README.md names every file of conf/experiment/, and says of one that runs a
     single job that it does (its section used to say that each launches a sweep)."""
