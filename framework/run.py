@@ -168,39 +168,30 @@ def _compare_stopped_sweep() -> None:
         print(f"comparison of the runs so far: {table}", file=sys.stderr)
 
 
-def _null_default_groups() -> set[str]:
-    """Groups whose entry in ``conf/config.yaml``'s defaults list is null (``executor``)."""
-    defaults = (yaml.safe_load((Path(CONF_DIR) / "config.yaml").read_text()) or {}).get("defaults") or []
-    return {g for d in defaults if isinstance(d, dict) for g, v in d.items() if v is None}
-
-
-def _null_default_overrides(argv: list[str]) -> list[str]:
-    """``GROUP=null`` for a group whose default is null (``executor=null``) means that default:
-    the override is dropped, with any earlier choice for the group (the last value given wins,
-    as for any other). Hydra itself refuses a null group override."""
-    nulls = _null_default_groups()
+def _null_group_overrides(argv: list[str]) -> tuple[list[str], str | None]:
+    """``GROUP=null`` overrides, which Hydra fails on with a traceback from its own internals
+    ("Config group override must be a string or a list"). For a group whose default in
+    ``conf/config.yaml`` is null (``executor``) it means that default: the override is dropped,
+    with any earlier choice for the group (the last value given wins, as for any other). Any
+    other group of conf/ needs one of its options (or ``~GROUP`` to drop an optional one).
+    Returns the arguments to hand Hydra, and the error naming those options, or None."""
+    conf = Path(CONF_DIR)
+    defaults = (yaml.safe_load((conf / "config.yaml").read_text()) or {}).get("defaults") or []
+    null_defaults = {g for d in defaults if isinstance(d, dict) for g, v in d.items() if v is None}
     out: list[str] = []
     for arg in argv:
         group, sep, value = arg.partition("=")
-        if sep and value == "null" and group in nulls:
+        if not (sep and value == "null"):
+            out.append(arg)
+        elif group in null_defaults:
             out = [a for a in out if a.partition("=")[0] != group]
+        # Hydra's own groups (hydra/launcher=...) have options outside conf/: left to Hydra.
+        elif "/" not in group and (conf / group.lstrip("+")).is_dir():
+            options = sorted(p.stem for p in (conf / group.lstrip("+")).glob("*.yaml"))
+            return out, f"{arg}: the config group '{group.lstrip('+')}' needs one of its options: {', '.join(options)}"
         else:
             out.append(arg)
-    return out
-
-
-def _null_group_override(argv: list[str]) -> str | None:
-    """The error for ``GROUP=null`` (``workload=null``), or None. Hydra fails on it with a
-    traceback from its own internals ("Config group override must be a string or a list"); a
-    group always needs one of its options (or ``~GROUP`` to drop an optional one)."""
-    conf = Path(CONF_DIR)
-    for arg in argv:
-        group, sep, value = arg.lstrip("+").partition("=")
-        # Hydra's own groups (hydra/launcher=...) have options outside conf/: left to Hydra.
-        if sep and value == "null" and "/" not in group and (conf / group).is_dir():
-            options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
-            return f"{arg}: the config group '{group}' needs one of its options: {', '.join(options)}"
-    return None
+    return out, None
 
 
 def _hydra_config_error(exc: SystemExit) -> bool:
@@ -218,8 +209,8 @@ def _hydra_config_error(exc: SystemExit) -> bool:
 
 def cli() -> None:
     """``python -m framework.run`` and the ``servelab-run`` script."""
-    sys.argv = [sys.argv[0], *_null_default_overrides(_legacy_overrides(sys.argv)[1:])]
-    error = _null_group_override(sys.argv[1:])
+    argv, error = _null_group_overrides(_legacy_overrides(sys.argv)[1:])
+    sys.argv = [sys.argv[0], *argv]
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)

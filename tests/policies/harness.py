@@ -146,3 +146,16 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], max_steps: int, on_step=No
                 run.outputs[o.request_id] = o
         step += 1
     return run
+
+
+def sim_engine(policy_name: str, policy: object = None, mode: str = "recompute", **kw) -> LLMEngine:
+    """A simulated ``llama-3-8b`` engine stepped one step at a time (no fast-forward) under
+    ``policy_name`` with ``preemption_mode=mode``; ``policy``, an instance (a subclass under
+    test), replaces the one the engine built. ``kw`` overrides the ``EngineConfig`` fields."""
+    args = dict(model="llama-3-8b", executor="sim", policy=policy_name, block_size=16, max_model_len=512,
+                swap_space=0.05, policy_options={"preemption_mode": mode}, executor_options={"fast_forward": False})
+    args.update(kw)
+    e = LLMEngine(EngineConfig(**args))
+    if policy is not None:
+        e.policy = e.scheduler.policy = policy
+    return e

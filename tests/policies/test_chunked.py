@@ -74,3 +74,20 @@ def test_max_num_seqs_and_admission_order():
 def test_bad_threshold_is_rejected(threshold):
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
         engine(policy_options={"long_prefill_token_threshold": threshold})
+
+
+@pytest.mark.parametrize("policy_name", ["sjf", "priority_swap"])
+def test_an_on_waiting_override_that_skips_the_waiting_heap_is_reported(policy_name):
+    """The waiting heap (``waiting_key``) is fed by ``on_waiting``: an override that does not
+    call it would leave every waiting request unseen, so the policy says so instead."""
+    from framework.scheduler import POLICIES
+    from tests.policies.harness import sim_engine
+
+    class Forgetful(POLICIES.get(policy_name)):
+        def on_waiting(self, request):
+            pass
+
+    e = sim_engine(policy_name, Forgetful(), max_model_len=128)
+    e.add_request("a", [3] * 10, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match=r"must call super\(\).on_waiting"):
+        e.step()

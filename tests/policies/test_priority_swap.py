@@ -8,6 +8,7 @@ import torch
 from framework import EngineConfig, LLMEngine, SamplingParams
 from framework.request import RequestStatus
 from policies.priority_swap import PrioritySwapPolicy
+from tests.policies import harness
 from tests.policies.harness import Arrival, drive, reference_output, shadow_engine
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -163,14 +164,8 @@ class SortEveryStep(PrioritySwapPolicy):
 
 
 def sim_engine(policy=None, mode="swap", **kw):
-    args = dict(model="llama-3-8b", executor="sim", policy="priority_swap", block_size=16, max_model_len=512,
-                num_gpu_blocks_override=48, max_num_seqs=16, max_num_batched_tokens=256, swap_space=0.05,
-                policy_options={"preemption_mode": mode}, executor_options={"fast_forward": False})
-    args.update(kw)
-    e = LLMEngine(EngineConfig(**args))
-    if policy is not None:
-        e.policy = e.scheduler.policy = policy
-    return e
+    return harness.sim_engine("priority_swap", policy, mode, **{"num_gpu_blocks_override": 48, "max_num_seqs": 16,
+                                                                 "max_num_batched_tokens": 256, **kw})
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -221,16 +216,3 @@ def test_a_step_reads_ranks_of_the_requests_it_reaches_not_of_the_whole_queue():
         return len(calls)
 
     assert ranks_read_in_a_step(400) == ranks_read_in_a_step(40)
-
-
-def test_an_on_waiting_override_that_skips_the_index_is_reported():
-    """The waiting heap is fed by on_waiting: without it no waiting request would ever be seen."""
-    class Forgetful(PrioritySwapPolicy):
-        def on_waiting(self, request):
-            pass
-
-    e = LLMEngine(EngineConfig(model="tiny-llama", executor="sim", max_model_len=128))
-    e.policy = e.scheduler.policy = Forgetful()
-    e.add_request("a", [3] * 10, SamplingParams(max_tokens=2))
-    with pytest.raises(RuntimeError, match=r"must call super\(\).on_waiting"):
-        e.step()

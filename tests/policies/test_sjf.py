@@ -4,9 +4,10 @@ import random
 
 import pytest
 
-from framework import EngineConfig, LLMEngine, SamplingParams
+from framework import SamplingParams
 from framework.request import Request
 from policies.sjf import ShortestPromptFirstPolicy
+from tests.policies import harness
 
 
 class SortEveryStep(ShortestPromptFirstPolicy):
@@ -18,14 +19,8 @@ class SortEveryStep(ShortestPromptFirstPolicy):
 
 
 def sim_engine(policy=None, mode="recompute", **kw):
-    args = dict(model="llama-3-8b", executor="sim", policy="sjf", block_size=16, max_model_len=512,
-                num_gpu_blocks_override=40, max_num_seqs=8, max_num_batched_tokens=128, swap_space=0.05,
-                policy_options={"preemption_mode": mode}, executor_options={"fast_forward": False})
-    args.update(kw)
-    e = LLMEngine(EngineConfig(**args))
-    if policy is not None:
-        e.policy = e.scheduler.policy = policy
-    return e
+    return harness.sim_engine("sjf", policy, mode, **{"num_gpu_blocks_override": 40, "max_num_seqs": 8,
+                                                       "max_num_batched_tokens": 128, **kw})
 
 
 @pytest.mark.parametrize("preparer", ["v1", "v0"])
@@ -96,14 +91,3 @@ def test_a_subclass_overriding_waiting_order_gets_its_own_order():
     while e.has_unfinished_requests():
         e.step()
     assert admitted == sorted(lengths, reverse=True)
-
-
-def test_an_on_waiting_override_that_skips_the_index_is_reported():
-    class Forgetful(ShortestPromptFirstPolicy):
-        def on_waiting(self, request):
-            pass
-
-    e = sim_engine(Forgetful())
-    e.add_request("a", [3] * 10, SamplingParams(max_tokens=2))
-    with pytest.raises(RuntimeError, match=r"must call super\(\).on_waiting"):
-        e.step()
