@@ -288,24 +288,43 @@ class Scheduler:
 
     def step_failed(self, out: SchedulerOutput) -> None:
         """The executor failed on ``out`` (an exception, Ctrl-C), after this scheduler committed
-        it: the KV the step was to write or swap in may be missing or partial. Those blocks
+        it: the KV the step was to write, swap in or copy may be missing or partial, and its
+        requests hold blocks for tokens they did not compute. The blocks the step was to fill
         leave the prefix cache, or a later request with the same prefix would read them as
-        computed. The runner may not have dropped the rows the step listed, and may have built
-        or advanced others: the next output that runs lists them again, and rebuilds the rows of
-        the step's requests still running. The step's requests should then be aborted
-        (``LLM.generate`` does): its swaps and copies are not redone."""
+        computed. The step's scheduled and swapped-out requests, and any other that counts a
+        block it was to fill as computed (one swapped in but not scheduled), go back to waiting,
+        their blocks freed, to be recomputed. The runner may not have dropped the rows the step
+        listed, and may have built or advanced others: the next output that runs lists them
+        again, and rebuilds the rows of the step's requests still running."""
         bs = self.block_size
-        written: list[int] = []
-        for req in out.swapped_in:
-            written += req.block_ids
+        written = [dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy]
         for req in out.scheduled:
-            # Its computed tokens did not advance, so the step's blocks start there (a prefix
-            # taken in this step counts as computed; if this step was filling it, the request
-            # filling it lists it here).
+            # Its computed tokens did not advance, so the blocks it was filling start at the one
+            # holding its first new token (sealed for the prefix cache when it was scheduled).
             written += req.block_ids[req.num_computed_tokens // bs:]
+        unwritten = set(written)
+        broken = out.scheduled + out.swapped_out + [
+            r for r in self.running if unwritten.intersection(r.block_ids[:-(-r.num_computed_tokens // bs)])]
         self.allocator.uncache(written)
         self._dropped_rows |= out.finished_req_ids
         self._rebuilt.extend(out.scheduled + out.new_requests + out.resumed_requests)
+        for req in dict.fromkeys(broken):
+            self._recompute_after_failure(req)
+
+    def _recompute_after_failure(self, request: Request) -> None:
+        # Not counted as a preemption: the policy did not choose it.
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            return  # finished or aborted since: nothing of it is left to read
+        self.allocator.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.policy.on_waiting(request)
+        self._dropped_rows.add(request.request_id)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
                            now: float | None = None) -> list[Request]:

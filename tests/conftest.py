@@ -138,3 +138,16 @@ def no_kv_block_leaks(monkeypatch):
             f"KV blocks leaked: {alloc.num_usable_blocks - alloc.num_free_blocks} of {alloc.num_usable_blocks} still held")
         assert alloc.num_free_cpu_blocks == alloc.num_cpu_blocks, "swap blocks leaked"
         alloc.check_invariants([])
+
+
+def step_through_interrupts(engine) -> tuple[dict, int]:
+    """Step ``engine`` until it has no unfinished request, stepping on after each step that
+    raised KeyboardInterrupt. Returns the final outputs by request id and the number of
+    interrupted steps."""
+    outs, interrupted = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        except KeyboardInterrupt:
+            interrupted += 1
+    return outs, interrupted

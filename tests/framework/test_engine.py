@@ -3,7 +3,7 @@ import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameError
 from framework.clock import VirtualClock
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, step_through_interrupts
 
 
 def small_llm(**kw):
@@ -478,15 +478,47 @@ def test_stepping_on_after_a_failed_forward_pass_matches_transformers(llama_ckpt
     for i, (p, s) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, s)
     _interrupt(llm.engine.executor.runner.model, "forward", when={3})
-    outs, failed = {}, 0
-    while engine.has_unfinished_requests():
-        try:
-            outs.update({o.request_id: o for o in engine.step() if o.finished})
-        except KeyboardInterrupt:
-            failed += 1
+    outs, failed = step_through_interrupts(engine)
     assert failed == 1
     assert [outs[str(i)].outputs[0].token_ids for i in range(4)] == [
         hf_greedy(hf_model, p, s.max_tokens) for p, s in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("preparer, mode", [("v0", "swap"), ("v1", "swap"), ("v0", "recompute")])
+def test_stepping_on_after_steps_that_failed_before_their_swaps_and_copies_matches_transformers(
+        llama_ckpt, preparer, mode):
+    """A step that failed before its swaps and copies were applied left the requests it swapped
+    in (device blocks never filled), swapped out (swap blocks never filled) or gave a private
+    copy of a shared block (never copied) reading KV that was never written; they are now
+    recomputed."""
+    path, hf_model = llama_ckpt
+    llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+              max_model_len=48, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=14,
+              policy_options={"preemption_mode": mode}, check_invariants=True)
+    engine, runner = llm.engine, llm.engine.executor.runner
+    prompts = [list(range(10, 30)), list(range(40, 58)), list(range(60, 75)), list(range(80, 101))]
+    params = [SamplingParams(max_tokens=m, n=n, temperature=0.0, ignore_eos=True)
+              for m, n in ((20, 1), (16, 2 if preparer == "v0" else 1), (18, 1), (14, 1))]
+    for i, (p, s) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, s)
+    apply, failed = runner.apply_block_ops, [0, 0, 0]
+
+    def fail_before_block_ops(out):
+        # The first two steps that swap in, swap out or copy fail (each kind counted apart).
+        kinds = [bool(out.blocks_to_swap_in), bool(out.blocks_to_swap_out), bool(out.blocks_to_copy)]
+        if any(k and n < 2 for k, n in zip(kinds, failed)):
+            failed[:] = [n + k for n, k in zip(failed, kinds)]
+            raise KeyboardInterrupt
+        return apply(out)
+
+    runner.apply_block_ops = fail_before_block_ops
+    outs, _ = step_through_interrupts(engine)
+    assert (failed[0] and failed[1]) if mode == "swap" else failed[2], failed
+    assert failed[2] or preparer == "v1"
+    assert [[c.token_ids for c in outs[str(i)].outputs] for i in range(4)] == [
+        [hf_greedy(hf_model, p, s.max_tokens)] * s.n for p, s in zip(prompts, params)]
+    alloc = engine.allocator
+    assert alloc.num_free_blocks == alloc.num_usable_blocks and alloc.num_free_cpu_blocks == alloc.num_cpu_blocks
 
 
 def test_generate_builds_each_output_once_as_stepping_would(llama_ckpt, monkeypatch):

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from framework import LLM, POLICIES, PREPARERS, SamplingParams
-from tests.conftest import TINY_HF, hf_greedy, make_hf_checkpoint, runnable_backends
+from tests.conftest import TINY_HF, hf_greedy, make_hf_checkpoint, runnable_backends, step_through_interrupts
 
 MAX_TOKENS = 24
 BLOCK_SIZE = 8
@@ -186,4 +186,49 @@ def test_awkward_settings_match_transformers_and_free_every_block(llama_ckpt, po
     alloc = llm.engine.allocator
     assert alloc.num_free_blocks == alloc.num_usable_blocks and alloc.num_free_cpu_blocks == alloc.num_cpu_blocks
     assert caching or alloc.num_cached_blocks == 0
+    alloc.check_invariants([])
+
+
+#: Where a step fails (Ctrl-C or an exception): before its swaps and copies, in the forward pass,
+#: or while its inputs are prepared; each with settings that swap, copy (v0 forks) or share prefixes.
+FAILING = [("chunked", "v0", 1, "swap", True, "apply_block_ops"), ("fcfs", "v0", 2, "swap", True, "apply_block_ops"),
+           ("priority_swap", "v1", 1, "swap", True, "forward"), ("priority_swap", "v0", 4, "swap", False, "prepare"),
+           ("sjf", "v1", 2, "recompute", True, "apply_block_ops"), ("chunked", "v1", 4, "swap", True, "forward")]
+
+
+@pytest.mark.parametrize("policy, preparer, block_size, mode, caching, where", FAILING)
+def test_steps_failing_at_random_still_match_transformers_and_free_every_block(llama_ckpt, policy, preparer,
+                                                                               block_size, mode, caching, where):
+    """An engine stepped on after failed steps recomputes what the failure left unwritten: the
+    blocks a failed step was to swap in, copy or fill, and the swap blocks it was to write."""
+    path, hf_model = llama_ckpt
+    max_model_len = {1: 24, 2: 26, 4: 28}[block_size]
+    budget = max_model_len + 3 if policy == "fcfs" else max_model_len // 2 + 3
+    llm = LLM(model=str(path), policy=policy, backend="naive", preparer=preparer, enable_prefix_caching=caching,
+              block_size=block_size, max_model_len=max_model_len, max_num_batched_tokens=budget, max_num_seqs=4,
+              num_gpu_blocks_override=-(-max_model_len // block_size) + 4, policy_options={"preemption_mode": mode},
+              check_invariants=True)
+    engine, runner, rng = llm.engine, llm.engine.executor.runner, random.Random(block_size)
+    work = [(p, m, n if preparer == "v0" else 1) for p, m, n in awkward_workload(block_size, max_model_len)
+            if len(p) <= max_model_len]
+    for i, (prompt, max_tokens, n) in enumerate(work):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0, ignore_eos=True),
+                           priority=i % 3)
+    target = {"apply_block_ops": runner, "forward": runner.model, "prepare": runner.preparer}[where]
+    original, failed = getattr(target, where), []
+
+    def sometimes_fails(*args, **kwargs):
+        if rng.random() < 0.3 and len(failed) < 20:
+            failed.append(engine.num_steps)
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    setattr(target, where, sometimes_fails)
+    outs, interrupted = step_through_interrupts(engine)
+    assert interrupted == len(failed) >= 5 and engine.scheduler.num_preemptions > 0
+    for i, (prompt, max_tokens, n) in enumerate(work):
+        want = hf_greedy(hf_model, prompt, min(max_tokens, max(max_model_len - len(prompt), 1)))
+        assert [c.token_ids for c in outs[str(i)].outputs] == [want] * n, i
+    alloc = llm.engine.allocator
+    assert alloc.num_free_blocks == alloc.num_usable_blocks and alloc.num_free_cpu_blocks == alloc.num_cpu_blocks
     alloc.check_invariants([])
