@@ -57,8 +57,10 @@ def find_runs(dirs: Sequence[str | Path]) -> list[Path]:
     return list(dict.fromkeys(runs))
 
 
-def _natural(p: Path) -> list[Any]:
-    return [int(part) if part.isdigit() else part for part in p.parts]
+def _natural(p: Path) -> list[tuple[int, Any]]:
+    """Sort key: numbered folders (Hydra's jobs) by number, before named ones at the same level
+    (a number and a name are never compared with each other)."""
+    return [(0, int(part)) if part.isdecimal() else (1, part) for part in p.parts]
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:

@@ -45,6 +45,15 @@ def test_rows_are_labelled_by_what_differs(sweep):
         ("policy=a", 2, 100.0), ("policy=a", 4, 150.0), ("policy=b", 2, 110.0), ("policy=b", 4, 190.0)]
 
 
+def test_a_folder_of_numbered_and_named_runs_is_compared(tmp_path):
+    # Sorting the runs compared a folder number with a folder name: a TypeError traceback.
+    for name, policy in [("10", "a"), ("baseline", "b"), ("2", "a")]:
+        fake_run(tmp_path / name, policy, 4, 1.0, 1.0)
+    assert main([str(tmp_path), "--out", str(tmp_path / "cmp")]) == 0
+    assert [Path(r["run_dir"]).name for r in comparison_rows([tmp_path], label=["workload.seed"])] == \
+        ["2", "10", "baseline"]  # numbers in numeric order, before names
+
+
 def test_label_keys_skip_options_of_a_part_whose_name_differs():
     flats = [{"policy.name": "a", "policy.budget": None, "workload.rate": 2, "hydra.x": 1, "engine.e": True},
              {"policy.name": "b", "policy.budget": 3, "workload.rate": 4, "hydra.x": 2, "engine.e": False}]
