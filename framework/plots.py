@@ -2,6 +2,7 @@
 request rate, one line per configuration). Headless: matplotlib's Agg backend."""
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -153,11 +154,13 @@ def _carry_forward(values: np.ndarray) -> np.ndarray:
 def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[str, str]], path: str | Path,
                 title: str, xlabel: str | None = None) -> Path:
     """One panel per ``(key, label)`` metric: a line per ``rows[i]['label']`` against ``x``
-    (when no row has a numeric ``x``, a bar per row, named by its label and its ``x``: runs that
-    share a label differ in ``x``, or are repeats). ``title`` names what is plotted."""
+    (when some row has no finite numeric ``x``, a bar per row, named by its label and its ``x``:
+    runs that share a label differ in ``x``, or are repeats). ``title`` names what is plotted."""
     plt = _pyplot()
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    numeric = [r for r in rows if isinstance(r.get(x), (int, float)) and not isinstance(r.get(x), bool)]
+    # Lines only when every run has a place on the x axis: a run without one (a trace's rate of
+    # None, rate=inf) would silently be missing from the figure.
+    numeric = list(rows) if all(_finite_number(r.get(x)) for r in rows) else []
     names = [r["label"] if r.get(x) is None else f"{r['label']}, {xlabel or x}={r[x]}" for r in rows]
     lines = sum(len(textwrap.wrap(name, 48)) or 1 for name in names)
     height = 4 if numeric else 1.5 + 0.25 * lines + 0.15 * len(names)
@@ -184,6 +187,10 @@ def metric_vs_x(rows: Sequence[dict[str, Any]], x: str, metrics: Sequence[tuple[
         axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{title} against {xlabel or x}" if numeric else f"{title} by configuration")
     return _save(fig, path)
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _save(fig: Any, path: str | Path) -> Path:

@@ -1,5 +1,7 @@
 """Plots of long and multi-replica runs: CDFs drawn at evenly spaced ranks, timelines cut into
 time bins whose values are checked by hand."""
+import math
+
 import numpy as np
 import pytest
 
@@ -80,4 +82,26 @@ def test_bar_charts_show_every_run_named_by_its_x(monkeypatch, tmp_path):
         "fcfs/naive, engine.enable_prefix_caching=True", "fcfs/naive, engine.enable_prefix_caching=False"]
     import matplotlib.pyplot as plt
 
+    plt.close(figures[0])
+
+
+@pytest.mark.parametrize("other_x", [None, math.inf], ids=["no rate (a trace)", "rate=inf"])
+def test_a_run_off_the_x_axis_still_shows(monkeypatch, tmp_path, other_x):
+    """A run whose x is no finite number beside runs whose x is (a trace among Poisson runs, a
+    rate=inf run in a rate sweep) was silently missing from the line plots."""
+    import matplotlib.pyplot as plt
+
+    import framework.plots as plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    rows = [{"label": "fcfs", "x": 2, "output_throughput": 100.0},
+            {"label": "fcfs", "x": 4, "output_throughput": 200.0},
+            {"label": "trace" if other_x is None else "fcfs", "x": other_x, "output_throughput": 300.0}]
+    plots.metric_vs_x(rows, "x", [("output_throughput", "output tokens/s")], tmp_path / "t.png", "Throughput",
+                      xlabel="workload.rate")
+    ax = figures[0].axes[0]
+    shown = [bar.get_width() for bar in ax.patches]
+    shown += [y for line in ax.lines for x, y in zip(line.get_xdata(), line.get_ydata()) if math.isfinite(x)]
+    assert sorted(shown) == [100.0, 200.0, 300.0]
     plt.close(figures[0])
