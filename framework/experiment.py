@@ -281,11 +281,18 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
     for engine, callback in callbacks:
         engine.step_callbacks.append(callback)
 
+    # An engine on a real clock that runs out of work sleeps until the next arrival, with no step
+    # to flush the recorder: what it finished goes to the disk first, or a run killed in a long
+    # gap between arrivals would lose rows made long before.
+    waits = [not isinstance(e.clock, VirtualClock) for e in engines]
+
     def on_output(replica: int, out: RequestOutput) -> None:
         record = RequestRecord.from_output(out, start)
         records.append(record)
         replica_of.append(replica)
         recorder.add_request(record, replica)
+        if waits[replica] and not engines[replica].has_unfinished_requests():
+            recorder.flush()
         if progress is not None:
             progress.update(1)
 

@@ -12,7 +12,8 @@ A cluster run's ``requests.csv`` and ``steps.csv`` have a ``replica`` column (af
 Per step and per request the work is O(1): a step's row is formatted as it comes (a decode run's
 rows in one go), a request's row holds no per-token lists, and the run's step totals are kept as
 running sums. Rows are buffered and written at least every ``flush_interval`` seconds of wall
-time (and every ``CHUNK_ROWS`` steps), so a killed run loses at most that much.
+time (and every ``CHUNK_ROWS`` steps), so a killed run loses at most that much; the run also
+flushes (``flush``) when a real engine runs out of work and waits for the next arrival.
 """
 from __future__ import annotations
 

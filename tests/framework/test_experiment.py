@@ -1,4 +1,5 @@
 """One run end to end: the files in the run directory, the summary, interrupts and config errors."""
+import functools
 import json
 import os
 import re
@@ -10,10 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from framework.clock import VirtualClock, WallClock
+from framework import experiment
+from framework.clock import Clock, VirtualClock, WallClock
 from framework.cluster import check_num_replicas
 from framework.executor import EXECUTORS, Executor, ExecutorOutput
 from framework.experiment import make_clock, run_experiment
+from framework.recorder import RunRecorder
 from framework.workload import WorkloadContext
 from framework.workloads.trace import load_trace
 from tests.hydra_support import compose_config, read_csv
@@ -84,6 +87,40 @@ def test_interrupt_keeps_finished_rows_and_marks_the_summary(tmp_path):
     assert 0 < len(rows) < 8
     assert saved["completed"] == len(rows) and saved["num_unfinished"] == 8 - len(rows) == summary["num_unfinished"]
     assert all(r["status"] == "length" and int(r["output_len"]) <= 5 for r in rows)
+
+
+def test_rows_reach_the_disk_before_a_real_engine_waits_for_the_next_arrival(tmp_path, monkeypatch):
+    """A real engine that runs out of work sleeps until the next arrival, and nothing flushed the
+    rows of the requests it had finished: a run killed (SIGKILL, OOM) in a long gap between
+    arrivals lost rows made long before, not at most flush_interval's worth."""
+    seen = []
+
+    class GapClock(Clock):  # a real engine's clock (not simulated time) that looks at the files when idle
+        def __init__(self):
+            self.t = 0.0
+
+        def now(self):
+            return self.t
+
+        def advance(self, dt):
+            self.t += dt
+
+        def wait_until(self, t):
+            if t > self.t + 10:  # the engine has nothing to do until the late arrival
+                seen.append((len(read_csv(tmp_path / "run" / "requests.csv")),
+                             len(read_csv(tmp_path / "run" / "steps.csv"))))
+            self.t = max(self.t, t)
+
+    monkeypatch.setattr(experiment, "RunRecorder", functools.partial(RunRecorder, flush_interval=3600.0))
+    trace = tmp_path / "gap.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_time": a, "prompt_len": 12, "output_len": 3}) + "\n"
+                             for a in (0.0, 0.0, 60.0)))
+    clock = GapClock()
+    summary = run_experiment(config("workload=trace", f"workload.path={trace}", "plots=false", workload=[]),
+                             tmp_path / "run", clock=clock, on_engine=timed(clock))
+    assert summary["completed"] == 3
+    # Both early requests took a prefill step and two decode steps together before the gap.
+    assert seen == [(2, 3)]
 
 
 def test_trace_workload_with_text_prompts_runs(tmp_path):
