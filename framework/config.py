@@ -98,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("seed", "model_seed"):
             check_seed(name, getattr(self, name))
+            # torch's manual_seed refuses a numpy integer ("an integer is required"), mid-build.
+            setattr(self, name, int(getattr(self, name)))
         check_positive_int("num_threads", self.num_threads, optional=True)
         for name in ("enable_prefix_caching", "check_invariants"):
             check_bool(name, getattr(self, name))

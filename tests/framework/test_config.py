@@ -40,3 +40,20 @@ def test_a_token_budget_below_max_num_seqs_is_rejected():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(2\) must be >= max_num_seqs \(4\)"):
         EngineConfig(max_num_seqs=4, max_num_batched_tokens=2)
     EngineConfig(max_num_seqs=4, max_num_batched_tokens=4)
+
+
+def test_numpy_seeds_build_and_sample_as_the_same_int_seeds():
+    """A numpy integer passes the seed checks; it used to fail building the engine with torch's
+    "an integer is required" (``seed`` seeds the sampler's generator, ``model_seed`` a preset's
+    random weights)."""
+    import numpy as np
+
+    from framework import LLM, SamplingParams
+
+    def tokens(**seeds):
+        llm = LLM(model="tiny-llama", max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8, **seeds)
+        return llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))[0].outputs[0].token_ids
+
+    assert tokens(seed=np.int64(3), model_seed=np.uint32(4)) == tokens(seed=3, model_seed=4)
+    config = EngineConfig(seed=np.int64(3), model_seed=np.int32(4))
+    assert type(config.seed) is int and type(config.model_seed) is int
