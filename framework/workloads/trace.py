@@ -57,7 +57,10 @@ def read_entries(path: Path) -> list[tuple[str, dict[str, Any]]]:
     text = path.read_text()
     if path.suffix == ".jsonl":
         entries = []
-        for lineno, line in enumerate(text.splitlines(), 1):
+        # Lines end at "\n" alone (a "\r" before it is whitespace to JSON): splitlines() would also
+        # split at U+2028, U+0085 and the like, which JSON strings may hold unescaped (orjson and
+        # json.dumps(ensure_ascii=False) write them as they are).
+        for lineno, line in enumerate(text.split("\n"), 1):
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
             try:

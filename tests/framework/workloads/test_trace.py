@@ -37,6 +37,17 @@ def test_prompts_as_numpy_arrays_strided_or_unsigned_round_trip(tmp_path, ids):
     assert back.prompt_token_ids == ids.tolist() and all(type(t) is int for t in back.prompt_token_ids)
 
 
+@pytest.mark.parametrize("sep", ["\u2028", "\u2029", "\x85"])
+def test_jsonl_text_may_hold_unicode_line_separators(tmp_path, sep):
+    # JSON strings may hold these unescaped, and orjson writes them so; a JSONL line ends at "\n".
+    text = f"first line{sep}second line"
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": text, "output_len": 2}, ensure_ascii=False) + "\n"
+                    + json.dumps({"prompt_len": 3, "output_len": 1}) + "\r\n")
+    first, second = load_trace(path, CTX)
+    assert first.prompt == text and second.prompt_len == 3
+
+
 def test_entry_forms_and_sorting(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [
         "# comment lines and blank lines are skipped", "",
