@@ -18,7 +18,7 @@ from framework.config import check_positive_int, check_seed
 from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.workloads.arrivals import arrival_times, check_rate
 from framework.workloads.text import tokenize
-from framework.workloads.trace import resolve_path
+from framework.workloads.trace import read_text, resolve_path
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ShareGPTWorkload(Workload):
     def _conversations(self) -> list[dict[str, Any]]:
         path = resolve_path(self.path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_text(path))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, list):

@@ -6,7 +6,8 @@ ids of that length, drawn from the workload's seed), and optionally ``arrival_ti
 default 0), ``priority`` (default 0) and ``request_id`` (default: the entry's position).
 
 A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
-skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Every run
+skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Files are
+UTF-8, as JSON is. Every run
 saves the requests it sent as ``workload.jsonl`` in this format (their token ids, arrival times,
 priorities and output lengths; not a text prompt's text), so any workload can be replayed
 exactly.
@@ -52,9 +53,16 @@ def resolve_path(path: str | Path) -> Path:
     raise ValueError(f"workload file {str(path)!r} not found (looked in {places})")
 
 
+def read_text(path: Path) -> str:
+    """A workload file's text, decoded as UTF-8 (JSON's encoding; a byte-order mark is skipped),
+    not in the locale's encoding, which reads the same file differently on another machine (and
+    not at all under ``LC_ALL=C`` once it holds a non-ASCII character)."""
+    return path.read_text(encoding="utf-8-sig")
+
+
 def read_entries(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """``(where, entry)`` pairs, ``where`` naming the line (JSONL) or entry (JSON) for errors."""
-    text = path.read_text()
+    text = read_text(path)
     if path.suffix == ".jsonl":
         entries = []
         # Lines end at "\n" alone (a "\r" before it is whitespace to JSON): splitlines() would also

@@ -1,6 +1,10 @@
 """Trace replay: round trips, the entry forms, rescaling, and errors that name the line."""
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,6 +50,30 @@ def test_jsonl_text_may_hold_unicode_line_separators(tmp_path, sep):
                     + json.dumps({"prompt_len": 3, "output_len": 1}) + "\r\n")
     first, second = load_trace(path, CTX)
     assert first.prompt == text and second.prompt_len == 3
+
+
+@pytest.mark.parametrize("name", ["trace", "sharegpt"])
+def test_files_are_read_as_utf8_whatever_the_locale(tmp_path, name):
+    text = "Résumé: naïve café, 東京 ünd ßo weiter"
+    if name == "trace":
+        path = tmp_path / "t.jsonl"
+        body = json.dumps({"prompt": text, "output_len": 2}, ensure_ascii=False)
+    else:
+        path = tmp_path / "s.json"
+        body = json.dumps([{"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": text}]}],
+                          ensure_ascii=False)
+    path.write_bytes(body.encode())
+    options = {"name": name, "path": str(path), **({"num_requests": 1} if name == "sharegpt" else {})}
+    expected = tokenize(text, CTX)
+    # Under LC_ALL=C (no UTF-8 mode) Python's default text encoding is ASCII.
+    code = ("import json, sys; from framework.workload import WorkloadContext, create_workload; "
+            "print(json.dumps(create_workload(json.loads(sys.argv[1]))[0].generate(WorkloadContext(1024))[0].prompt_token_ids))")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(options)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == expected
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())  # a byte-order mark, as some Windows editors write
+    assert create_workload(options)[0].generate(CTX)[0].prompt_token_ids == expected
 
 
 def test_entry_forms_and_sorting(tmp_path):
