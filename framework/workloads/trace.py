@@ -45,19 +45,32 @@ def resolve_path(path: str | Path) -> Path:
     if p.exists() or p.is_absolute():
         if not p.exists():
             raise ValueError(f"workload file {str(p)!r} does not exist")
-        return p
+        return _a_file(p)
     alt = PROJECT_ROOT / p
     if alt.exists():
-        return alt
+        return _a_file(alt)
     places = " and ".join(dict.fromkeys(map(str, (Path.cwd(), PROJECT_ROOT))))  # once when they are the same
     raise ValueError(f"workload file {str(path)!r} not found (looked in {places})")
+
+
+def _a_file(path: Path) -> Path:
+    if path.is_dir():  # found when the workload is configured, not by open() once an engine is built
+        raise ValueError(f"workload file {str(path)!r} is a directory")
+    return path
 
 
 def read_text(path: Path) -> str:
     """A workload file's text, decoded as UTF-8 (JSON's encoding; a byte-order mark is skipped),
     not in the locale's encoding, which reads the same file differently on another machine (and
-    not at all under ``LC_ALL=C`` once it holds a non-ASCII character)."""
-    return path.read_text(encoding="utf-8-sig")
+    not at all under ``LC_ALL=C`` once it holds a non-ASCII character). A file that cannot be
+    read, or is not text, is a ValueError naming it."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                         "a compressed file must be decompressed first") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
 
 
 def read_entries(path: Path) -> list[tuple[str, dict[str, Any]]]:

@@ -1,4 +1,5 @@
 """Trace replay: round trips, the entry forms, rescaling, and errors that name the line."""
+import gzip
 import json
 import os
 import re
@@ -150,6 +151,19 @@ def test_file_level_errors(tmp_path):
     flat = write_jsonl(tmp_path / "flat.jsonl", [{"prompt_len": 2, "output_len": 1}])
     with pytest.raises(ValueError, match="no rate to rescale"):
         create_workload({"name": "trace", "path": str(flat), "rate": 2.0})[0].generate(CTX)
+
+
+@pytest.mark.parametrize("name", ["trace", "sharegpt"])
+def test_a_directory_or_a_compressed_file_is_a_one_line_error_naming_it(tmp_path, name):
+    folder = tmp_path / "t.jsonl"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(str(folder)))} is a directory$"):
+        create_workload({"name": name, "path": str(folder)})
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(json.dumps({"prompt_len": 4, "output_len": 2}).encode()))
+    workload, _ = create_workload({"name": name, "path": str(gz)})
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(gz))}: not UTF-8 text .*decompressed first$"):
+        workload.generate(CTX)
 
 
 def test_the_shipped_sample_trace_loads():
