@@ -3,7 +3,8 @@
 Each entry is an object with ``output_len`` (required), one of ``prompt_token_ids`` (a list of
 ids), ``prompt`` (text, tokenised with the checkpoint's tokenizer) or ``prompt_len`` (random
 ids of that length, drawn from the workload's seed), and optionally ``arrival_time`` (seconds,
-default 0), ``priority`` (default 0) and ``request_id`` (default: the entry's position).
+default 0), ``priority`` (default 0) and ``request_id`` (a string or an integer;
+default: the entry's position).
 
 A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
 skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Files are
@@ -136,7 +137,11 @@ def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
         if not is_int(n) or n < 1:
             raise TraceError(f"{where}: prompt_len must be an integer >= 1, got {n!r}")
         ids = rng.integers(ctx.first_token_id, ctx.vocab_size, size=n).tolist()
-    rid = str(entry.get("request_id", index))
+    rid = entry.get("request_id", index)
+    # str() would turn null into "None" and a list into "[1, 2]", silently.
+    if not (isinstance(rid, str) and rid or is_int(rid)):
+        raise TraceError(f"{where}: request_id must be a non-empty string or an integer, got {rid!r}")
+    rid = str(rid)
     return WorkloadRequest(rid, [int(t) for t in ids], int(output_len), float(arrival), int(priority), text)
 
 

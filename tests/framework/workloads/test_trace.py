@@ -117,6 +117,10 @@ def test_json_array_form_and_rescaling(tmp_path):
     ({"prompt_len": 4, "output_len": 2, "colour": "red"}, "unknown key"),
     ({"prompt_len": 4, "output_len": 2, "priority": "high"}, "priority must be an integer"),
     ('[1, 2]', "expected a JSON object"),
+    ({"prompt_len": 4, "output_len": 2, "request_id": None}, "request_id must be a non-empty string or an integer"),
+    ({"prompt_len": 4, "output_len": 2, "request_id": True}, "request_id must be a non-empty string or an integer"),
+    ({"prompt_len": 4, "output_len": 2, "request_id": ["a"]}, "request_id must be a non-empty string or an integer"),
+    ({"prompt_len": 4, "output_len": 2, "request_id": ""}, "request_id must be a non-empty string or an integer"),
 ])
 def test_malformed_line_is_named(tmp_path, bad, match):
     good = {"prompt_len": 4, "output_len": 2}
