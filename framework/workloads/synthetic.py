@@ -2,6 +2,7 @@
 shared prefixes and priority classes."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,9 @@ class SyntheticWorkload(Workload):
         check_positive_int("num_requests", num_requests)
         check_rate(rate, burstiness)
         self.num_requests = num_requests
-        self.rate = rate
+        # An infinite rate is all at once, as null is: priority classes then mix as they do for null
+        # (as streams at inf they would all tie at t=0, and the first class would take every request).
+        self.rate = None if rate is not None and math.isinf(rate) else rate
         self.burstiness = burstiness
         self.prompt_len = LengthDist.parse(prompt_len, "prompt_len")
         self.output_len = LengthDist.parse(output_len, "output_len")

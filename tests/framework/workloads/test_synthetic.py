@@ -51,6 +51,14 @@ def test_a_rate_sweep_including_null_changes_only_the_times_of_priority_classes(
     assert all(r.arrival_time == 0 for r in runs[0])
 
 
+def test_an_infinite_rate_is_all_at_once_as_null_is_priority_classes_included():
+    # vllm bench serve's --request-rate inf; an infinite rate used to give every request to the
+    # first class (its stream's zeros sorted first).
+    classes = [{"priority": 0, "share": 1}, {"priority": 1, "share": 5}]
+    null, inf = (generate(num_requests=60, rate=rate, priority_classes=classes) for rate in (None, float("inf")))
+    assert inf == null and {r.priority for r in inf} == {0, 1}
+
+
 def test_shared_prefix_fraction_and_length():
     n, prefix_len = 40, 32
     reqs = generate(num_requests=n, prompt_len=[5, 10], seed=3,
