@@ -3,6 +3,7 @@ shared prefixes and priority classes."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,8 @@ class SharedPrefix:
 
     @classmethod
     def parse(cls, spec: dict[str, Any]) -> SharedPrefix:
+        if not isinstance(spec, Mapping):  # set(True) is a TypeError; set("abc") three "keys"
+            raise ValueError(f"shared_prefix must be a mapping {{fraction, num_prefixes, prefix_len}} or null, got {spec!r}")
         unknown = set(spec) - {"fraction", "num_prefixes", "prefix_len"}
         if unknown:
             raise ValueError(f"shared_prefix: unknown key(s) {sorted(unknown)}; valid: fraction, num_prefixes, prefix_len")
