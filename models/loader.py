@@ -57,7 +57,8 @@ def resolve_model(name_or_path: str) -> ModelSource:
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from a checkpoint directory, one tensor at a time."""
+    """Yield (name, tensor) from a checkpoint directory, one tensor at a time. Raises ValueError
+    when the directory has no weights or lacks a shard its index lists."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         with open(index) as f:
@@ -69,6 +70,11 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if files:
+        # Checked before reading any: a missing shard is a broken checkpoint directory, named as
+        # such in one line (a configuration error) rather than a traceback after the others load.
+        absent = [name for name in files if not (path / name).is_file()]
+        if absent:
+            raise ValueError(f"checkpoint {path} lacks {', '.join(absent)} (listed in model.safetensors.index.json)")
         from safetensors import safe_open
 
         for name in files:
@@ -78,7 +84,9 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         return
     bins = sorted(path.glob("pytorch_model*.bin"))
     if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+        # A ValueError, as every other bad model option: the command line shows it in one line.
+        raise ValueError(f"model {str(path)!r} has a config.json but no weights (*.safetensors or "
+                         f"pytorch_model*.bin); executor=sim runs a model from its config.json alone")
     for file in bins:
         import torch  # only for .bin checkpoints; describing a model needs no torch
 

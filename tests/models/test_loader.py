@@ -61,6 +61,24 @@ def test_missing_tensor_is_named(tmp_path):
         LLM(model=str(bad), max_model_len=64)
 
 
+def test_a_checkpoint_without_its_weights_is_a_one_line_configuration_error(tmp_path):
+    """A directory with config.json but no weights, or without a shard its index lists, was a
+    FileNotFoundError, which the command line shows as a traceback (the missing shard only
+    after reading the ones before it); both are now ValueErrors naming what is missing."""
+    hf = make_hf_checkpoint(tmp_path / "ok", "llama", seed=4)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    with pytest.raises(ValueError, match="has a config.json but no weights"):
+        LLM(model=str(bare), max_model_len=64)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[-1].unlink()
+    with pytest.raises(ValueError, match=f"lacks {shards[-1].name}"):
+        LLM(model=str(tmp_path / "sharded"), max_model_len=64)
+
+
 def test_unknown_model_names_presets(tmp_path):
     with pytest.raises(ValueError, match="tiny-llama"):
         resolve_model(str(tmp_path / "nowhere"))
