@@ -10,6 +10,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 #: Optional shape keys: a positive integer when given (and not null).
 OPTIONAL_SHAPE_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+#: The scaling keys each RoPE type needs, as transformers requires them (llama3 and yarn's
+#: original_max_position_embeddings has a default).
+ROPE_REQUIRED_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
 @dataclass
@@ -76,6 +80,11 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             scaling.setdefault("rope_type", scaling.pop("type", "default"))
+            # Checked here, as transformers does: it used to be a KeyError when the model was built.
+            lacking = [k for k in ROPE_REQUIRED_KEYS.get(scaling["rope_type"], ()) if k not in scaling]
+            if lacking:
+                raise ValueError(f"model config: rope_type {scaling['rope_type']!r} scaling lacks "
+                                 f"{', '.join(lacking)} (rope_scaling or rope_parameters must give it)")
             if scaling["rope_type"] == "default" and len(scaling) == 1:
                 scaling = None
             elif scaling["rope_type"] in ("llama3", "yarn"):

@@ -126,6 +126,12 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
     # at the first forward pass.
     ({**SHAPE, "head_dim": 3}, "head_dim=3 must be even"),
     ({**SHAPE, "hidden_size": 12}, "head_dim=3 must be even"),
+    # Scaling without the keys its rope type needs (transformers refuses them): was a KeyError
+    # when the model executor built the rotary embedding, and accepted by executor=sim.
+    ({**SHAPE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_type 'llama3' scaling lacks low_freq_factor, high_freq_factor"),
+    ({**SHAPE, "rope_scaling": {"type": "linear"}}, "rope_type 'linear' scaling lacks factor"),
+    ({**SHAPE, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn' scaling lacks factor"),
 ])
 def test_bad_configs_are_named(config, message):
     with pytest.raises(ValueError, match=message):
