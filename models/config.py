@@ -96,9 +96,16 @@ class ModelConfig:
                     scaling["original_max_position_embeddings"] = top
                 scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
         # As transformers reads it: Mistral's and Qwen2's configs default the window to 4096 when
-        # the key is absent (Qwen2 uses it only with use_sliding_window).
+        # the key is absent (Qwen2 uses it only with use_sliding_window, and only in the layers
+        # layer_types marks sliding: by default those from max_window_layers (28) on, often none).
         if model_type == "qwen2":
             window = d.get("sliding_window", 4096) if d.get("use_sliding_window") else None
+            first_sliding = d.get("max_window_layers")
+            first_sliding = 28 if first_sliding is None else first_sliding
+            layer_types = d.get("layer_types") or [
+                "sliding_attention" if i >= first_sliding else "full_attention" for i in range(d["num_hidden_layers"])]
+            if "sliding_attention" not in layer_types:
+                window = None
         elif model_type == "mistral":
             window = d.get("sliding_window", 4096)
         else:

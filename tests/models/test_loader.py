@@ -149,14 +149,32 @@ def test_a_bad_config_json_is_named_with_its_path(tmp_path):
 
 @pytest.mark.parametrize("arch, extra", [("mistral", {}), ("mistral", {"sliding_window": None}),
                                          ("mistral", {"sliding_window": 64}), ("qwen2", {"use_sliding_window": True}),
+                                         ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}),
+                                         ("qwen2", {"use_sliding_window": True, "sliding_window": 64,
+                                                    "layer_types": ["sliding_attention"]}),
                                          ("qwen2", {"sliding_window": 64})])
 def test_sliding_window_reads_as_transformers(arch, extra):
     """A Mistral config.json without sliding_window has transformers' default window of 4096 (the
     engine caps max_model_len there, not implementing the window); it used to read as none, so
-    longer sequences attended further back than transformers."""
+    longer sequences attended further back than transformers. A Qwen2 window counts only where
+    transformers gives some layer a sliding window."""
     import transformers
 
     hf_class = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[arch]
     d = {**SHAPE, "model_type": arch, **extra}
-    expected = hf_class(**{k: v for k, v in d.items() if k != "model_type"}).sliding_window
+    hf = hf_class(**{k: v for k, v in d.items() if k != "model_type"})
+    layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    expected = hf.sliding_window if "sliding_attention" in layer_types else None
     assert ModelConfig.from_hf(d).sliding_window == expected
+
+
+def test_qwen2_window_that_no_layer_uses_leaves_max_model_len_alone(tmp_path):
+    """A Qwen2 config.json with use_sliding_window whose layers all come before max_window_layers
+    (28 by default) slides in no layer, so transformers attends over the whole sequence; the
+    engine used to refuse any max_model_len past the window."""
+    hf = make_hf_checkpoint(tmp_path, "qwen2", seed=7, use_sliding_window=True, sliding_window=16)
+    assert "sliding_attention" not in hf.config.layer_types
+    prompt = list(range(3, 43))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = LLM(model=str(tmp_path), max_model_len=64).generate({"prompt_token_ids": prompt}, params)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)
