@@ -74,7 +74,7 @@ class Cluster:
         if len({id(e.clock) for e in engines}) != len(engines):
             raise ValueError("each replica needs its own clock")
         self.engines = list(engines)
-        self.router = ROUTERS.create(router, **(router_options or {})) if isinstance(router, str) else router
+        self.router = ROUTERS.create_with(router, router_options or {}) if isinstance(router, str) else router
         self.replicas = [Replica(i, e) for i, e in enumerate(self.engines)]
         for replica in self.replicas:  # replicas may differ (block size included): see Replica.prefix_tokens
             replica._own_hashes = replica.engine.allocator.block_size != self.engines[0].allocator.block_size

@@ -81,8 +81,8 @@ class LLMEngine:
 
             BACKENDS.get(config.backend)
             preparer_forks = PREPARERS.get(config.preparer).forks_parallel_samples
-        self.policy = POLICIES.create(config.policy, **config.policy_options)
-        self.executor = EXECUTORS.create(config.executor, config, self.source, self.clock, **config.executor_options)
+        self.policy = POLICIES.create_with(config.policy, config.policy_options)
+        self.executor = EXECUTORS.create_with(config.executor, config.executor_options, config, self.source, self.clock)
         num_blocks, num_cpu_blocks = self.executor.kv_block_counts()
         usable = max(num_blocks - 1, 0)  # a budget below one block sizes no block, not the null block
         capacity = usable * config.block_size
@@ -92,10 +92,9 @@ class LLMEngine:
                 f"less than one request of max_model_len={config.max_model_len}; raise {_kv_cache_setting(config)} "
                 f"or lower max_model_len")
         self.executor.initialize(num_blocks, num_cpu_blocks)
-        self.allocator = ALLOCATORS.create(config.allocator, num_blocks=num_blocks, block_size=config.block_size,
-                                           num_cpu_blocks=num_cpu_blocks,
-                                           enable_prefix_caching=config.enable_prefix_caching,
-                                           **config.allocator_options)
+        self.allocator = ALLOCATORS.create_with(config.allocator, config.allocator_options, num_blocks=num_blocks,
+                                                block_size=config.block_size, num_cpu_blocks=num_cpu_blocks,
+                                                enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.policy, self.allocator, self.clock)
         self.tokenizer = self.executor.tokenizer
         self._eos = frozenset(self.model_config.eos_token_ids)

@@ -179,7 +179,7 @@ def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = N
     if clock is not None and num_replicas > 1:
         raise ValueError("a given clock drives one replica; each of several replicas needs its own")
     check_num_replicas(num_replicas, config.executor)
-    router = ROUTERS.create(router, **router_options)  # a bad router fails before any engine is built
+    router = ROUTERS.create_with(router, router_options)  # a bad router fails before any engine is built
     engines = [LLMEngine(dataclasses.replace(config), clock=clock or make_clock(cfg.get("clock", "auto"), config.executor))
                for _ in range(num_replicas)]
     return Cluster(engines, router)

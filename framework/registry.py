@@ -147,9 +147,29 @@ class Registry(Generic[T]):
         """An instance of ``name``. Arguments its constructor does not take (an unknown or
         missing option, as from a config file) raise ``BadOptionsError`` naming the part and the
         problem; a ``TypeError`` raised inside the constructor is the constructor's own."""
+        return self.create_with(name, {}, *args, **kwargs)
+
+    def create_with(self, name: str, options: Mapping[str, Any], *args: Any, **given: Any) -> T:
+        """An instance of ``name`` from the caller's own arguments (``args`` and ``given``, such
+        as the engine's ``num_blocks`` for an allocator) and a user's ``options`` (a config
+        node's keys, ``EngineConfig.*_options``). An option that is one of the caller's
+        arguments, or one the constructor does not take (unknown or missing), raises
+        ``BadOptionsError`` naming the part and the problem, as ``create`` does."""
         cls = self.get(name)
+        # An option of the same name as a given keyword would fail as Python's "got multiple
+        # values" TypeError before the constructor is reached; one naming a positional argument
+        # would read "multiple values for argument", naming no option. Both say what they are.
+        signature = inspect.signature(cls)
+        positional = [p.name for p in signature.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
+        taken = sorted(set(options) & ({*positional, *given}))
+        if taken:
+            raise BadOptionsError(f"{self.kind} {name!r}: {', '.join(map(str, taken))} "
+                                  f"{'is' if len(taken) == 1 else 'are'} given by the framework from its own "
+                                  f"settings, not {'an option' if len(taken) == 1 else 'options'} of the {self.kind}")
+        kwargs = {**given, **options}
         try:
-            inspect.signature(cls).bind(*args, **kwargs)
+            signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise BadOptionsError(f"{self.kind} {name!r}: {exc}") from None
         return cls(*args, **kwargs)
@@ -160,7 +180,7 @@ class Registry(Generic[T]):
         name, options = split_spec(spec, default)
         if name is None:
             raise ValueError(f"a {self.kind} needs a 'name' (one of {', '.join(self.list())})")
-        return self.create(name, *args, **options)
+        return self.create_with(name, options, *args)
 
     def __contains__(self, name: str) -> bool:
         return name in self.list()

@@ -53,10 +53,10 @@ class ModelExecutor(Executor):
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self._device)
         assert config.max_model_len is not None
-        self.backend = BACKENDS.create(
-            config.backend, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5, block_size=config.block_size,
-            dtype=self.dtype, device=self._device, **config.backend_options)
+        self.backend = BACKENDS.create_with(
+            config.backend, config.backend_options, num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
+            block_size=config.block_size, dtype=self.dtype, device=self._device)
         self.model = LlamaForCausalLM(cfg, self.backend, config.max_model_len, self.dtype)
         if source.path is None:
             self.model.init_random(config.model_seed, cfg.initializer_range)
@@ -94,10 +94,10 @@ class ModelExecutor(Executor):
         cfg, config = self.source.config, self.config
         kv_cache = torch.zeros(2, cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads,
                                cfg.head_dim, dtype=self.dtype, device=self._device)
-        preparer = PREPARERS.create(
-            config.preparer, max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
-            device=self._device, **{"check": config.check_invariants, **config.preparer_options})
+        preparer = PREPARERS.create_with(
+            config.preparer, {"check": config.check_invariants, **config.preparer_options},
+            max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len, block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens, device=self._device)
         generator = torch.Generator(device=self._device).manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator), kv_cache, num_cpu_blocks)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), swap space %d blocks", num_blocks,

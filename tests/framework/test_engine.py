@@ -3,6 +3,7 @@ import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameError
 from framework.clock import VirtualClock
+from framework.registry import BadOptionsError
 from tests.conftest import hf_greedy, step_through_interrupts
 
 
@@ -121,6 +122,27 @@ def test_unknown_component_names_list_registered_ones(kwargs, match):
 def test_bad_engine_config_fails_at_construction(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         small_llm(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"allocator_options": {"block_size": 8}}, r"allocator 'paged': block_size is given by the framework"),
+    ({"allocator_options": {"enable_prefix_caching": False, "num_blocks": 9}},
+     r"allocator 'paged': enable_prefix_caching, num_blocks are given by the framework"),
+    ({"backend_options": {"block_size": 8}}, r"backend 'torch_paged': block_size is given by the framework"),
+    ({"preparer_options": {"max_model_len": 64}}, r"preparer 'v1': max_model_len is given by the framework"),
+    ({"executor_options": {"config": None}}, r"executor 'model': config is given by the framework"),
+])
+def test_an_option_the_engine_sets_itself_is_a_one_line_configuration_error(kwargs, match):
+    """``+allocator.block_size=8`` failed with Python's "got multiple values for keyword argument"
+    TypeError and a traceback, naming neither the part nor why."""
+    with pytest.raises(BadOptionsError, match=match):
+        small_llm(**kwargs)
+
+
+def test_a_cost_model_option_the_simulator_sets_itself_is_named_as_such():
+    with pytest.raises(BadOptionsError, match=r"cost model 'roofline': block_size is given by the framework"):
+        LLMEngine(model="tiny-llama", executor="sim",
+                  executor_options={"cost_model": {"name": "roofline", "block_size": 32}})
 
 
 @pytest.mark.parametrize("kwargs, match", [
