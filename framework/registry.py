@@ -146,15 +146,16 @@ class Registry(Generic[T]):
     def create(self, name: str, *args: Any, **kwargs: Any) -> T:
         """An instance of ``name``. Arguments its constructor does not take (an unknown or
         missing option, as from a config file) raise ``BadOptionsError`` naming the part and the
-        problem; a ``TypeError`` raised inside the constructor is the constructor's own."""
-        return self.create_with(name, {}, *args, **kwargs)
+        problem and the options it takes; a ``TypeError`` raised inside the constructor is the
+        constructor's own."""
+        return self.create_with(name, kwargs, *args)
 
     def create_with(self, name: str, options: Mapping[str, Any], *args: Any, **given: Any) -> T:
         """An instance of ``name`` from the caller's own arguments (``args`` and ``given``, such
         as the engine's ``num_blocks`` for an allocator) and a user's ``options`` (a config
         node's keys, ``EngineConfig.*_options``). An option that is one of the caller's
         arguments, or one the constructor does not take (unknown or missing), raises
-        ``BadOptionsError`` naming the part and the problem, as ``create`` does."""
+        ``BadOptionsError`` naming the part, the problem and the options it takes."""
         cls = self.get(name)
         # An option of the same name as a given keyword would fail as Python's "got multiple
         # values" TypeError before the constructor is reached; one naming a positional argument
@@ -162,16 +163,24 @@ class Registry(Generic[T]):
         signature = inspect.signature(cls)
         positional = [p.name for p in signature.parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
-        taken = sorted(set(options) & ({*positional, *given}))
+        fixed = {*positional, *given}
+        # What the user may set, so that a typo (long_prefil) is answered with the right spelling.
+        valid = [p.name for p in signature.parameters.values()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
+        if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+            valid.append("(other keywords it checks itself)")
+        its_options = f"its options: {', '.join(valid)}" if valid else "it takes no options"
+        taken = sorted(set(options) & fixed)
         if taken:
             raise BadOptionsError(f"{self.kind} {name!r}: {', '.join(map(str, taken))} "
                                   f"{'is' if len(taken) == 1 else 'are'} given by the framework from its own "
-                                  f"settings, not {'an option' if len(taken) == 1 else 'options'} of the {self.kind}")
+                                  f"settings, not {'an option' if len(taken) == 1 else 'options'} of the {self.kind}; "
+                                  f"{its_options}")
         kwargs = {**given, **options}
         try:
             signature.bind(*args, **kwargs)
         except TypeError as exc:
-            raise BadOptionsError(f"{self.kind} {name!r}: {exc}") from None
+            raise BadOptionsError(f"{self.kind} {name!r}: {exc}; {its_options}") from None
         return cls(*args, **kwargs)
 
     def create_from(self, spec: str | Mapping[str, Any] | None, *args: Any, default: str | None = None) -> T:

@@ -148,6 +148,21 @@ def test_create_turns_a_bad_option_into_a_value_error_naming_the_part():
         reg.create("knob", size=-1)
 
 
+def test_a_bad_option_is_answered_with_the_options_the_part_takes():
+    """A typo in an option's name said only "unexpected keyword argument 'long_prefil'": the
+    researcher had to read the constructor to find the spelling."""
+    with pytest.raises(BadOptionsError, match=r"policy 'chunked': .*'long_prefil'; "
+                                              r"its options: preemption_mode, long_prefill_token_threshold$"):
+        POLICIES.create("chunked", long_prefil=64)
+    # The engine's own arguments are no options of the allocator's.
+    with pytest.raises(BadOptionsError, match=r"allocator 'paged': .*'colour'; it takes no options$"):
+        ALLOCATORS.create_with("paged", {"colour": "red"}, num_blocks=8, block_size=16, num_cpu_blocks=0,
+                               enable_prefix_caching=True)
+    with pytest.raises(BadOptionsError, match=r"missing a required argument: 'block_size'; its options: "
+                                              r"block_size, num_cpu_blocks, enable_prefix_caching$"):
+        ALLOCATORS.create("paged", 8)
+
+
 def test_engine_reports_an_unknown_policy_option_as_a_value_error():
     from framework import LLMEngine
     from framework.config import EngineConfig

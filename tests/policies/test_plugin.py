@@ -1,6 +1,7 @@
 """A policy shipped in its own package and found through the ``framework.policies`` entry point,
 exactly as docs/writing-a-policy.md tells a researcher to do it: the package is built and
 installed (offline, into a temporary folder) and then used by name."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,8 +11,9 @@ import textwrap
 import pytest
 import yaml
 
-from framework import POLICIES, SamplingParams
+from framework import POLICIES, LLMEngine, SamplingParams
 from framework.plugin_configs import store_plugin_options
+from framework.registry import BadOptionsError
 from framework.run import engine_config
 from tests.conf.test_compose import compose_with
 from tests.hydra_support import CONF
@@ -98,6 +100,13 @@ def test_the_entry_point_policy_is_a_policy_option_of_its_own(installed_plugin):
     config = engine_config(compose_with(["+policy=srpt", "+policy.long_prefill_token_threshold=64"]))
     policy = POLICIES.create(config.policy, **config.policy_options)
     assert type(policy).__name__ == "ShortestOutputFirst" and policy.long_prefill_token_threshold == 64
+
+
+def test_a_misspelt_option_of_the_plugin_lists_the_ones_it_takes(installed_plugin):
+    config = engine_config(compose_with(["+policy=srpt", "+policy.long_prefil=64"]))
+    with pytest.raises(BadOptionsError, match="policy 'srpt': .*'long_prefil'; its options: preemption_mode, "
+                                              "long_prefill_token_threshold"):
+        LLMEngine(dataclasses.replace(config, executor="sim"))
 
 
 def test_other_kinds_of_plugin_are_options_of_their_groups_too(installed_plugin):
