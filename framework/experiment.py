@@ -58,10 +58,10 @@ def _check_keys(node: str, options: Any, valid: tuple[str, ...]) -> None:
         raise ValueError(f"{node}: unknown key(s) {', '.join(map(str, unknown))}; valid: {', '.join(valid)}")
 
 
-def _split(group: Any, default_name: str) -> tuple[str, dict[str, Any]]:
-    """A config group node is ``{name: ..., **options}``."""
+def _split(group: Any, default_name: str, node: str) -> tuple[str, dict[str, Any]]:
+    """A config group node (``node``) is ``{name: ..., **options}``."""
     return split_spec(OmegaConf.to_container(group, resolve=True) if isinstance(group, DictConfig) else group,
-                      default_name)
+                      default_name, node)
 
 
 def engine_config(cfg: DictConfig) -> EngineConfig:
@@ -71,7 +71,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     for part, default in PARTS.items():
         if part == "executor" and cfg.get(part) is None:
             continue  # executor: null (the default): the engine's default, the real forward pass
-        name, options = _split(cfg.get(part), default)
+        name, options = _split(cfg.get(part), default, part)
         kwargs[part], kwargs[f"{part}_options"] = name, options
     # The simulated device and cost model are groups of their own, for any executor that runs on
     # simulated time (the sim executor, or a registered subclass of it).
@@ -82,7 +82,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
             # A null option is the cost model's default: so the roofline's `calibration: null` in
             # conf/executor/sim.yaml does not reach a cost model without one (cost_model.name=replay).
             # `cost_model=NAME` on the command line replaces the node with its name.
-            name, options = _split(cfg.cost_model, "roofline")
+            name, options = _split(cfg.cost_model, "roofline", "cost_model")
             kwargs["executor_options"]["cost_model"] = {
                 "name": name, **{k: v for k, v in options.items() if v is not None}}
     else:
@@ -95,7 +95,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
                              f"simulated runs only (the device and cost model that time their steps): add "
                              f"executor=sim, or leave {'it' if len(simulated_only) == 1 else 'them'} out; "
                              f"executor={executor} runs on engine.device")
-    model, model_options = _split(cfg.get("model"), "tiny-llama")
+    model, model_options = _split(cfg.get("model"), "tiny-llama", "model")
     _check_keys("model", model_options, MODEL_KEYS)
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     _check_keys("engine", engine, tuple(sorted(ENGINE_KEYS)))

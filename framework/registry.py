@@ -46,10 +46,18 @@ class BadOptionsError(ValueError, TypeError):
     as every configuration error, and a TypeError, as Python reports a bad call."""
 
 
-def split_spec(spec: str | Mapping[str, Any] | None, default: str | None = None) -> tuple[str | None, dict[str, Any]]:
+def split_spec(spec: str | Mapping[str, Any] | None, default: str | None = None,
+               node: str = "part") -> tuple[str | None, dict[str, Any]]:
     """A config node's part name and options: the node is a name, or ``{name: ..., **options}``;
-    ``default`` when it names none."""
+    ``default`` when it names none. A node naming its class by Hydra's ``_target_`` instead is a
+    ValueError naming ``node``: parts are picked by registered name."""
     options = {"name": spec} if isinstance(spec, str) else dict(spec or {})
+    if not options.get("name") and "_target_" in options:
+        # Taken for an option, it ran the default part instead (or failed naming it: "policy
+        # 'fcfs': unexpected keyword argument '_target_'"), never the class the node names.
+        raise ValueError(f"{node}: _target_={options['_target_']!r} does not pick a {node} here (Hydra's "
+                         f"instantiate is not used): give the name the class is registered under, name: NAME "
+                         f"(a class is registered with its registry's register(NAME), or an entry point)")
     return options.pop("name", None) or default, options
 
 
@@ -186,7 +194,7 @@ class Registry(Generic[T]):
     def create_from(self, spec: str | Mapping[str, Any] | None, *args: Any, default: str | None = None) -> T:
         """An instance from a config node: a name, or ``{name: ..., **options}`` (``default``
         when it names none; a ValueError listing the registered names when there is neither)."""
-        name, options = split_spec(spec, default)
+        name, options = split_spec(spec, default, self.kind)
         if name is None:
             raise ValueError(f"a {self.kind} needs a 'name' (one of {', '.join(self.list())})")
         return self.create_with(name, options, *args)

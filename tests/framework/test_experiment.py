@@ -218,6 +218,13 @@ def cli(*args, cwd):
     # Both were TypeErrors from pathlib ("expected str, bytes or os.PathLike object, not int").
     (["model.name=5"], "model must be a preset .*tiny-llama.* or a checkpoint directory, got 5"),
     (["executor=sim", "cost_model.calibration=5"], "calibration must be the path of a YAML .*got 5"),
+    # A part named the Hydra way failed naming the default part it fell back to ("policy 'fcfs':
+    # unexpected keyword argument '_target_'"), never the class the node names.
+    (["+policy=chunked", "~policy.name", "+policy._target_=policies.chunked.ChunkedPolicy"],
+     r"policy: _target_='policies.chunked.ChunkedPolicy' does not pick a policy here .*name: NAME"),
+    (["executor=sim", "~cost_model.name", "+cost_model._target_=my.CostModel"],
+     r"cost_model: _target_='my.CostModel' does not pick a cost_model here"),
+    (["~logger.name", "+logger._target_=my.Logger"], r"logger: _target_='my.Logger' does not pick a logger here"),
 ])
 def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
     if overrides[0].startswith("policy."):
