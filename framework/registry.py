@@ -143,6 +143,10 @@ class Registry(Generic[T]):
                 cls = ep.load()
             except Exception as exc:  # a broken plugin must say which one it is
                 raise ImportError(f"{self.kind} plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
+            if not (isinstance(cls, type) and issubclass(cls, self.base)):
+                # As register's TypeError it came with a traceback and named no entry point.
+                raise ValueError(f"{self.kind} plugin {name!r} ({ep.value}) is {cls!r}, not a subclass of "
+                                 f"{self.base.__name__}: its entry point must name the class (module:Class)")
             if name not in self._classes:
                 self.register(name)(cls)
             self._plugin_names.add(name)

@@ -118,6 +118,27 @@ def test_a_plugin_declaring_a_taken_name_is_refused_not_ignored(tmp_path, monkey
     assert reg.get("own") is gadget
 
 
+def test_a_plugin_naming_something_other_than_a_class_of_the_kind_says_which_plugin(tmp_path, monkeypatch):
+    """An entry point naming the module (``srpt = my_policies.srpt``, the ``:Class`` forgotten)
+    failed with register's TypeError and a traceback, naming no entry point."""
+    pkg = tmp_path / "odd_widget_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("class NotAWidget:\n    pass\n")
+    info = tmp_path / "odd_widget-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: odd-widget\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[tests.odd-widgets]\nmodule = odd_widget_pkg\n"
+                                           "other = odd_widget_pkg:NotAWidget\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "odd_widget_pkg", raising=False)
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.odd-widgets")
+    with pytest.raises(ValueError, match=r"widget plugin 'module' \(odd_widget_pkg\) is <module 'odd_widget_pkg'.*, "
+                                         r"not a subclass of SchedulerPolicy: its entry point must name the class"):
+        reg.get("module")
+    with pytest.raises(ValueError, match=r"widget plugin 'other' \(odd_widget_pkg:NotAWidget\) is <class .*NotAWidget'>"):
+        reg.get("other")
+
+
 def test_importing_framework_does_not_import_triton_or_flash_attn():
     code = ("import sys, framework, policies, backends, models; "
             "from framework import BACKENDS; BACKENDS.list(); "
