@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -43,8 +44,8 @@ from policies.chunked import ChunkedPolicy
 class ShortestOutputFirst(ChunkedPolicy):
     """`chunked`, admitting the waiting request that asks for the fewest tokens first."""
 
-    def waiting_order(self, waiting):
-        return sorted(waiting, key=lambda r: (r.sampling_params.max_tokens, r.arrival_time))
+    def waiting_key(self, request):
+        return request.sampling_params.max_tokens, request.arrival_time
 
 
 def __getattr__(name):  # the preparer loads torch: only when asked for
@@ -132,6 +133,15 @@ def test_the_entry_point_policy_runs_from_the_command_line(installed_plugin, tmp
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] == 8
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["policy"] == {"name": "srpt"}
+
+
+def test_the_package_is_the_one_the_walkthrough_shows():
+    """docs/writing-a-policy.md says this exact package is the one tested here."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "writing-a-policy.md").read_text()
+    shown = doc.split("# my_policies/srpt.py\n", 1)[1].split("```", 1)[0]
+    assert shown.strip() in POLICY
+    assert PYPROJECT.split("[project.entry-points.\"framework.policies\"]\n")[1].startswith(
+        doc.split("[project.entry-points.\"framework.policies\"]\n")[1].split("```")[0])
 
 
 def test_without_the_package_the_name_is_unknown():
