@@ -76,17 +76,8 @@ class RooflineCostModel(CostModel):
                              f"{sorted(PARAMS) + sorted(STRUCTURE) + [CURVE, 'calibration']}")
         self.calibration = load_calibration(calibration) if calibration is not None else None
         fitted = self.calibration["params"] if self.calibration else {}
-        fitted_on = (self.calibration or {}).get("hardware", {}).get("name")
-        if fitted_on is not None and fitted_on != hardware.name:
-            logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
-                           fitted_on, hardware.name)
-        # Likewise a model of another shape: GEMMs of other sizes reach other fractions of the peaks.
-        shape = (self.calibration or {}).get("model_shape")
-        if isinstance(shape, dict):
-            differ = [f"{k} {shape[k]} vs {v}" for k, v in model_shape(model).items() if k in shape and shape[k] != v]
-            if differ:
-                logger.warning("calibration fitted on model %r applied to a model of another shape (%s): its "
-                               "efficiency factors may not carry over", self.calibration.get("model"), ", ".join(differ))
+        if self.calibration:
+            self._warn_if_fitted_elsewhere(self.calibration)
         source = "calibration" if isinstance(calibration, dict) else f"calibration {str(calibration)!r}"
         self.params = {**PARAMS, **{k: _number(k, v, source) for k, v in fitted.items() if k in PARAMS},
                        **{k: _number(k, v) for k, v in options.items() if k in PARAMS}}
@@ -226,6 +217,28 @@ class RooflineCostModel(CostModel):
                 elif w:
                     groups.append([(6 + k, w * self._lin_m_fixed)])
         return offset, groups
+
+    def _warn_if_fitted_elsewhere(self, calibration: Mapping[str, Any]) -> None:
+        """Log a warning for each way the calibration's measurements differ from this simulation:
+        another device, a model of another shape (GEMMs of other sizes reach other fractions of
+        the peaks), another dtype, tensor-parallel degree (smaller GEMMs per device) or KV block
+        size. Provenance a calibration leaves out is not checked."""
+        fitted_on = calibration.get("hardware", {}).get("name")
+        if fitted_on is not None and fitted_on != self.hardware.name:
+            logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
+                           fitted_on, self.hardware.name)
+        shape = calibration.get("model_shape")
+        if isinstance(shape, dict):
+            differ = [f"{k} {shape[k]} vs {v}" for k, v in model_shape(self.model).items() if k in shape and shape[k] != v]
+            if differ:
+                logger.warning("calibration fitted on model %r applied to a model of another shape (%s): its "
+                               "efficiency factors may not carry over", calibration.get("model"), ", ".join(differ))
+        settings = {"dtype_bytes": self.dtype_bytes, "tensor_parallel_size": self.tp, "block_size": self.block_size}
+        differ = [f"{k} {calibration[k]} vs {v}" for k, v in settings.items()
+                  if calibration.get(k) is not None and calibration[k] != v]
+        if differ:
+            logger.warning("calibration measured with other settings than this simulation's (%s): its efficiency "
+                           "factors may not carry over", ", ".join(differ))
 
     def fit_vector(self) -> list[float]:
         return self._inv + [self.params[name] for name in _OVERHEADS] + [float(v) for v in self._passes[1:]]

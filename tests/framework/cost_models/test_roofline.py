@@ -223,8 +223,9 @@ def test_calibration_parameters_apply_under_explicit_options(tmp_path):
         RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
 
 
-def test_a_calibration_applied_to_another_model_or_device_is_warned_about(tmp_path, caplog):
-    """A fit on tiny-llama loaded into a Llama-3-8B simulation without a word (another device was warned about)."""
+def test_a_calibration_applied_to_another_model_device_or_setting_is_warned_about(tmp_path, caplog):
+    """A fit on tiny-llama loaded into a Llama-3-8B simulation (or one in another dtype, tensor-parallel
+    degree or block size) without a word (another device was warned about)."""
     import yaml
 
     from framework.profile import calibration_record
@@ -246,6 +247,15 @@ def test_a_calibration_applied_to_another_model_or_device_is_warned_about(tmp_pa
         RooflineCostModel(tiny, load_hardware("h100-sxm"), calibration=str(path))
         assert [r.getMessage() for r in caplog.records] == [
             "calibration fitted on hardware 'a100-80gb' applied to 'h100-sxm': its efficiency factors may not carry over"]
+        caplog.clear()
+        # Measured in 2-byte weights at TP 1 in 16-token blocks: each other setting is named.
+        RooflineCostModel(tiny, A100, dtype_bytes=4, tensor_parallel_size=2, block_size=32, calibration=str(path))
+        assert [r.getMessage() for r in caplog.records] == [
+            "calibration measured with other settings than this simulation's (dtype_bytes 2 vs 4, tensor_parallel_size "
+            "1 vs 2, block_size 16 vs 32): its efficiency factors may not carry over"]
+        caplog.clear()
+        RooflineCostModel(tiny, A100, calibration={"params": {}})  # a calibration without provenance
+        assert not caplog.records
 
 
 def test_no_pcie_makes_swaps_infinitely_slow_but_nothing_else():
