@@ -20,8 +20,9 @@ class EngineConfig:
 
     The pluggable parts are picked by registry name (``policy``, ``allocator``, ``backend``,
     ``preparer``, ``executor``) and receive their ``*_options`` as keyword arguments.
-    ``max_model_len=None`` takes the model's ``max_position_embeddings`` (capped at 8192 so the
-    persistent batch stays small on a laptop). The KV block count comes from
+    ``max_model_len=None`` takes the model's longest context (``ModelConfig.max_context``:
+    ``max_position_embeddings``, stretched by linear or YaRN RoPE scaling), capped at 8192 so the
+    persistent batch stays small on a laptop. The KV block count comes from
     ``num_gpu_blocks_override`` when set, else from ``kv_cache_memory_gb``, else (CUDA) from
     ``gpu_memory_utilization`` of the card, else (CPU) from ``cpu_kv_cache_gb``. ``swap_space``
     is the CPU swap space in GiB, as in vLLM.

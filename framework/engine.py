@@ -110,11 +110,7 @@ class LLMEngine:
         self._stalled_steps = 0
 
     def _resolve_max_model_len(self) -> int:
-        cfg = self.model_config
-        limit = cfg.max_position_embeddings
-        why = "max_position_embeddings"
-        if cfg.sliding_window and cfg.sliding_window < limit:
-            limit, why = cfg.sliding_window, "sliding_window (sliding-window attention is not implemented)"
+        limit, why = self.model_config.max_context()
         if self.config.max_model_len is None:
             return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
         if self.config.max_model_len > limit:

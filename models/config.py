@@ -155,6 +155,26 @@ class ModelConfig:
         it (as transformers' LlamaAttention), Qwen2's q/k/v biases do not."""
         return self.attention_bias and self.model_type != "qwen2"
 
+    def max_context(self) -> tuple[int, str]:
+        """The longest sequence this model serves, and what sets it, as vLLM derives it: the
+        trained length (``max_position_embeddings``), stretched by linear RoPE scaling's factor,
+        or for YaRN ``original_max_position_embeddings`` times its factor (both scale the
+        frequencies alike at every position, as transformers computes them). llama3 scaling's
+        ``max_position_embeddings`` already counts its extension; dynamic NTK stays at the
+        trained length, inside which it is the default RoPE (models/rope.py computes no more).
+        Sliding-window attention is not implemented, so a window shorter than that caps it."""
+        limit, why = self.max_position_embeddings, "max_position_embeddings"
+        rope_type = (self.rope_scaling or {}).get("rope_type")
+        if rope_type == "linear":
+            factor = self.rope_scaling["factor"]
+            limit, why = int(limit * factor), f"linear-RoPE-scaled context (max_position_embeddings {limit} x factor {factor:g})"
+        elif rope_type == "yarn":
+            original, factor = self.rope_scaling["original_max_position_embeddings"], self.rope_scaling["factor"]
+            limit, why = int(original * factor), f"YaRN-scaled context (original_max_position_embeddings {original} x factor {factor:g})"
+        if self.sliding_window and self.sliding_window < limit:
+            limit, why = self.sliding_window, "sliding_window (sliding-window attention is not implemented)"
+        return limit, why
+
     def num_params(self) -> int:
         """Parameters of the model ``models/llama.py`` builds for this config, biases included."""
         return self.num_params_per_device(1)

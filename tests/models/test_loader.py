@@ -178,3 +178,19 @@ def test_qwen2_window_that_no_layer_uses_leaves_max_model_len_alone(tmp_path):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = LLM(model=str(tmp_path), max_model_len=64).generate({"prompt_token_ids": prompt}, params)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}])
+def test_linear_and_yarn_scaled_models_serve_past_their_trained_length_as_transformers(tmp_path, scaling):
+    """As vLLM derives it, linear RoPE scaling serves max_position_embeddings x factor tokens and
+    YaRN original_max_position_embeddings x factor (transformers computes both at any position);
+    the engine used to refuse any max_model_len past max_position_embeddings."""
+    hf = make_hf_checkpoint(tmp_path, seed=3, max_position_embeddings=32, rope_parameters={"rope_theta": 1e4, **scaling})
+    prompt = list(range(3, 53))  # 50 tokens: past the trained 32
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(tmp_path), max_model_len=64)
+    assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 10)
+    with pytest.raises(ValueError, match=r"max_model_len=65 exceeds the model's (linear-RoPE|YaRN)-scaled context "
+                                         r"\(.* 32 x factor 2\) of 64"):
+        LLM(model=str(tmp_path), max_model_len=65)
