@@ -95,9 +95,15 @@ def measure(model: str, seconds: float, max_tokens: int = 400, seed: int = 0) ->
 
 def at_typical_context(step: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """``step`` divided by the median of the steps at the same position and multiplied by the
-    median of all. No steps give no steps (a run too short for one)."""
+    median of all. No steps give no steps (a run too short for one). A position that only one
+    request reached has nothing to be compared with (its step would come out exactly typical,
+    and a run of one request a flat table): a ValueError."""
     if not len(step):
         return step
+    once = int((np.bincount(positions) < 2).sum())
+    if once:
+        raise ValueError(f"{once} of {positions.max() + 1} step positions were reached by one request only, "
+                         f"so those steps have nothing to be compared with: measure longer or lower --max-tokens")
     typical = np.zeros(positions.max() + 1)
     for pos in np.unique(positions):
         typical[pos] = np.median(step[positions == pos])
@@ -130,10 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--max-tokens must be >= 2 and --window >= 1")
     if not (0 < args.seconds < float("inf")):
         ap.error(f"--seconds must be a positive number, got {args.seconds}")
-    times = measure(args.model, args.seconds, args.max_tokens)
     try:
+        times = measure(args.model, args.seconds, args.max_tokens)
         summary = summarize(times, args.window)
-    except ValueError as exc:  # too few steps for the windows: the arguments' fault, not a crash
+    except ValueError as exc:  # too few steps or requests for the windows: the arguments' fault, not a crash
         ap.error(f"{exc} (--seconds {args.seconds:g}, --window {args.window})")
     names = list(summary)
     print(f"{len(times['step'])} decode steps of {args.model}; medians (ms) of windows of {args.window}:")

@@ -34,6 +34,10 @@ def test_steps_are_taken_at_a_typical_context():
     step[4:8] *= 1.2  # the machine slowed during the second request
     normal = machine_noise.at_typical_context(step, positions)
     assert np.allclose(normal[4:8], normal[4:8][0]) and normal[4] > normal[0] == normal[8]
+    # One request and the start of a second: the positions only the first reached would come
+    # out exactly typical whatever the machine did (a whole run of one request, a flat table).
+    with pytest.raises(ValueError, match="2 of 4 step positions were reached by one request only"):
+        machine_noise.at_typical_context(step[:6], positions[:6])
 
 
 def test_a_short_run_times_decode_steps_and_every_probe(capsys):
@@ -52,6 +56,8 @@ def test_a_short_run_times_decode_steps_and_every_probe(capsys):
     (["--seconds", "-1"], "--seconds must be a positive number"),
     (["--seconds", "nan"], "--seconds must be a positive number"),
     (["--seconds", "0.5", "--window", "100000", "--max-tokens", "4"], "fewer than two windows of 100000"),
+    # A run of one long request used to print a table of identical medians, with no word.
+    (["--seconds", "0.5", "--window", "5", "--max-tokens", "3000"], "reached by one request only"),
 ])
 def test_bad_arguments_are_usage_errors(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
