@@ -1,8 +1,9 @@
 """First come, first served with prefill priority (vLLM v0's default, nano-vllm's scheduler)."""
 from __future__ import annotations
 
+from framework.config import is_finite_number
 from framework.request import RequestStatus
-from framework.scheduler import POLICIES, Scheduler, SchedulerPolicy, Step
+from framework.scheduler import POLICIES, RECOMPUTE, Scheduler, SchedulerPolicy, Step
 
 
 @POLICIES.register("fcfs")
@@ -17,15 +18,46 @@ class FCFSPolicy(SchedulerPolicy):
     With ``preemption_mode=swap``, as in vLLM v0: no new prompt is admitted while requests are
     swapped out; swapped requests come back (oldest first, while blocks allow) in a decode step
     that preempted nobody, and decode in that same step.
+
+    ``watermark`` (vLLM v0's block-manager watermark, 0.01 there; 0 here, as before it existed):
+    a prompt that has not run yet is admitted only if the free KV blocks, less all of its
+    prompt's blocks (cache hits not deducted, as in vLLM v0), stay at or above that fraction of
+    the cache, so running requests keep blocks to decode into. A prompt that could never be
+    admitted so is finished as ignored, with the reason.
     """
 
     steady_decode = True  # with nothing waiting, the decode loop below schedules every running request
+
+    def __init__(self, preemption_mode: str = RECOMPUTE, watermark: float = 0.0) -> None:
+        super().__init__(preemption_mode)
+        if not is_finite_number(watermark) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be a fraction of the KV blocks in [0, 1) (vLLM v0: 0.01), "
+                             f"got {watermark!r}")
+        self.watermark = float(watermark)
+
+    def _below_watermark(self, scheduler: Scheduler, step: Step, request) -> bool:
+        """Whether admitting ``request``, a prompt not yet run, would leave fewer free blocks than
+        the watermark (a prompt that never could is ignored here)."""
+        alloc = scheduler.allocator
+        keep = int(self.watermark * alloc.num_usable_blocks)
+        need = alloc.blocks_needed(request.num_tokens)
+        if need > alloc.num_usable_blocks - keep:
+            scheduler.ignore(step, request, f"prompt of {request.num_prompt_tokens} tokens needs {need} KV blocks but "
+                                            f"policy {self.name!r} admits at most {alloc.num_usable_blocks - keep} "
+                                            f"(watermark={self.watermark:g} keeps {keep} of {alloc.num_usable_blocks} free)")
+            return False
+        return alloc.num_free_blocks - need < keep
 
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
         # Swapped requests (preemption_mode="swap") come back, at the end, before any admission.
         # A copy: admitting a request removes it from the queue that waiting_order may iterate.
         waiting = [] if scheduler.swapped else list(self.waiting_order(scheduler.waiting))
         for req in waiting:
+            if self.watermark and req.first_scheduled_time is None:
+                if self._below_watermark(scheduler, step, req):
+                    break
+                if req.is_finished:  # ignored: it never fits under the watermark
+                    continue
             prefix = scheduler.find_prefix(req)
             n = req.num_tokens - req.num_computed_tokens - prefix.num_tokens
             if n > step.token_budget:

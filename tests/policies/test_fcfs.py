@@ -1,4 +1,6 @@
 """FCFS: prefill-first batches, arrival order, newest-first recompute preemption."""
+import pytest
+
 from framework import EngineConfig, LLMEngine, SamplingParams
 from framework.request import RequestStatus
 from framework.scheduler import POLICIES
@@ -68,3 +70,39 @@ def test_waiting_order_may_return_a_view_of_the_queue(monkeypatch):
     drain(e, steps)
     admitted = [[r.request_id for r in out.new_requests] for out in steps if out.new_requests]
     assert admitted == [["4", "3"], ["2", "1"], ["0"]]  # newest first, two at a time
+
+
+def test_a_watermark_holds_back_prompts_that_would_leave_too_few_free_blocks():
+    """vLLM v0's admission watermark: with 19 usable blocks and watermark 0.3 (5 kept free), a
+    third 20-token prompt (5 blocks) waits while two run (10 blocks held, 9 free), though it
+    fits; without the watermark all three start at once. A 68-token prompt (17 blocks, more than
+    the 14 the watermark ever admits) is finished as ignored, naming the watermark."""
+    admitted = {}
+    for watermark in (0.0, 0.3):
+        e = engine(num_gpu_blocks_override=20, max_model_len=72, policy_options={"watermark": watermark})
+        for i in range(3):
+            e.add_request(str(i), list(range(3 + 20 * i, 23 + 20 * i)), greedy(4))  # no shared blocks
+        steps = []
+        drain(e, steps)
+        admitted[watermark] = [[r.request_id for r in out.new_requests] for out in steps if out.new_requests]
+        alloc = e.allocator
+        assert alloc.num_free_blocks == alloc.num_usable_blocks == 19
+    assert admitted[0.0] == [["0", "1", "2"]]
+    assert admitted[0.3] == [["0", "1"], ["2"]]
+    e = engine(num_gpu_blocks_override=20, max_model_len=72, max_num_batched_tokens=72,
+               policy_options={"watermark": 0.3})
+    e.add_request("long", list(range(3, 71)), greedy(4))
+    e.add_request("short", list(range(3, 11)), greedy(4))
+    outs = {}
+    while e.has_unfinished_requests():
+        outs.update({o.request_id: o for o in e.step() if o.finished})
+    assert outs["long"].outputs[0].token_ids == []  # ignored, as vLLM ignores a prompt that never fits
+    assert "needs 17 KV blocks but policy 'fcfs' admits at most 14 (watermark=0.3 keeps 5 of 19 free)" in \
+        outs["long"].status_message
+    assert len(outs["short"].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("watermark", [-0.1, 1.0, float("nan"), "0.1", True])
+def test_a_bad_watermark_is_named(watermark):
+    with pytest.raises(ValueError, match=r"watermark must be a fraction of the KV blocks in \[0, 1\)"):
+        POLICIES.create("fcfs", watermark=watermark)
