@@ -85,13 +85,17 @@ class SimExecutor(Executor):
             return config.cpu_kv_cache_gb * GiB
         weights = self.weight_bytes()
         activations = activation_peak_bytes(self.source.config, config, self.dtype_bytes, self.tp)
-        budget = hw.memory_bytes * config.gpu_memory_utilization - hw.runtime_reserved_gib * GiB - weights - activations
+        usable = hw.memory_bytes * config.gpu_memory_utilization - hw.runtime_reserved_gib * GiB
+        budget = usable - weights - activations
         if budget <= 0:
+            # The usable figure is what the weights and activations must fit in: the runtime's
+            # reserve is out of it (it used to be left in, so 15.5 GiB "did not fit" in 16.0).
             raise ValueError(
                 f"model {config.model!r} does not fit on {hw.name!r} with tensor_parallel_size={self.tp}: "
-                f"{weights / GiB:.1f} GiB of weights and {activations / GiB:.1f} GiB of activations per device, "
-                f"{hw.memory_gib * config.gpu_memory_utilization:.1f} GiB usable; raise tensor_parallel_size "
-                f"or pick larger hardware")
+                f"{weights / GiB:.2f} GiB of weights and {activations / GiB:.2f} GiB of activations per device, "
+                f"{usable / GiB:.2f} GiB usable (gpu_memory_utilization={config.gpu_memory_utilization} of "
+                f"{hw.memory_gib} GiB, less {hw.runtime_reserved_gib} GiB the runtime reserves); raise "
+                f"tensor_parallel_size or gpu_memory_utilization, or pick larger hardware")
         return budget
 
     def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:

@@ -1,6 +1,7 @@
 """The simulated executor: vLLM's KV sizing from the model and device description, virtual time
 from the cost model, and outputs whose lengths are the requests' own."""
 import math
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,20 @@ def test_kv_projections_are_replicated_past_the_kv_head_count():
 def test_a_model_that_does_not_fit_is_a_clear_error():
     with pytest.raises(ValueError, match="does not fit on 'l40s'.*raise tensor_parallel_size"):
         sim_engine(model="llama-3-70b", executor_options={"hardware": "l40s"})
+
+
+def test_the_does_not_fit_error_counts_the_runtime_reserve_out_of_the_usable_memory():
+    # Llama-3-8B on an L40S at 0.3545: 0.3545 x 45 GiB = 15.95 GiB, less the 0.75 GiB runtime
+    # reserve, is under the 15.0 GiB of weights and 0.5 GiB of activations. The message used to
+    # call the 15.95 GiB usable, so the model "did not fit" in more than it needs.
+    with pytest.raises(ValueError, match="does not fit") as err:
+        sim_engine(gpu_memory_utilization=0.3545, executor_options={"hardware": "l40s"})
+    message = str(err.value)
+    weights, activations, usable = (float(x) for x in re.findall(r"([\d.]+) GiB (?:of weights|of activations|usable)",
+                                                                  message))
+    assert weights + activations > usable
+    assert usable == pytest.approx(45.0 * 0.3545 - 0.75, abs=0.01)
+    assert "gpu_memory_utilization" in message
 
 
 def test_explicit_kv_sizes_and_the_cpu_device_follow_the_model_executor():
