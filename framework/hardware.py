@@ -113,6 +113,9 @@ def load_hardware(spec: str | dict[str, Any] | Hardware) -> Hardware:
         return spec
     if isinstance(spec, dict):
         return Hardware.from_dict(dict(spec))
+    if not isinstance(spec, (str, Path)):  # executor.hardware=null or =5 was a TypeError from Path()
+        raise ValueError(f"hardware must be a preset ({', '.join(hardware_presets())}), the path of a YAML file "
+                         f"or a mapping of its fields, got {spec!r}")
     path = Path(spec).expanduser()
     if not path.suffix:
         path = HARDWARE_DIR / f"{spec}.yaml"

@@ -159,6 +159,13 @@ def test_hardware_presets_and_errors():
         load_hardware({"name": "x", "peak_tflops": 0, "memory_bandwidth_gb_s": 1, "memory_gib": 1})
 
 
+@pytest.mark.parametrize("bad", [None, 5, ["a100-80gb"]])
+def test_hardware_that_names_nothing_is_a_one_line_error(bad):
+    # executor.hardware=null (or a number, or a list) failed with a TypeError from pathlib.
+    with pytest.raises(ValueError, match=r"hardware must be a preset \(a100-80gb, .*\), the path of a YAML file"):
+        sim_engine(executor_options={"hardware": bad})
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("launch_overhead_us", math.nan, "launch_overhead_us must be a finite number >= 0, got nan"),
     ("runtime_reserved_gib", math.nan, "runtime_reserved_gib must be a finite number >= 0"),
