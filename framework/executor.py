@@ -104,8 +104,10 @@ def size_kv_cache(config: EngineConfig, bytes_per_block: int, device_budget: Cal
 
 def activation_peak_bytes(model: ModelConfig, config: EngineConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
     """Activation memory of the largest step on one device: the widest per-token tensors (fused
-    gate/up, qkv, residual) for every batched token, twice, plus float32 logits for every sequence."""
+    gate/up, qkv, residual) for every batched token, twice, plus float32 logits for every sequence.
+    The logits span the whole vocabulary whatever ``tensor_parallel_size``: vLLM gathers the
+    devices' shares onto the device that samples, whose memory is the one that binds."""
     tp = tensor_parallel_size
     kv = model.kv_size_per_device(tp)
     per_token = (2 * model.intermediate_size // tp + model.q_size // tp + 2 * kv + 4 * model.hidden_size) * dtype_bytes
-    return config.max_num_batched_tokens * per_token * 2 + config.max_num_seqs * model.vocab_size // tp * 4
+    return config.max_num_batched_tokens * per_token * 2 + config.max_num_seqs * model.vocab_size * 4

@@ -38,6 +38,18 @@ def test_kv_blocks_are_what_vllm_leaves_after_weights_and_activations():
     assert h200.allocator.num_blocks > 1.9 * engine.allocator.num_blocks  # 140 GiB, same weights
 
 
+def test_under_tensor_parallelism_the_sampling_device_holds_the_whole_vocabularys_logits():
+    # Llama-3-8B at TP 2 on A100s: each device holds half the GEMM activations, but the logits
+    # are gathered onto the device that samples: 256 rows x 128256 float32, not half of them.
+    engine = sim_engine(max_num_batched_tokens=8192, max_num_seqs=256,
+                        executor_options={"hardware": "a100-80gb", "tensor_parallel_size": 2})
+    config = engine.executor.source.config
+    activations = 8192 * (2 * 14336 // 2 + 4096 // 2 + 2 * 512 + 4 * 4096) * 2 * 2 + 256 * 128256 * 4
+    budget = 80 * GiB * 0.9 - 0.75 * GiB - config.num_params_per_device(2) * 2 - activations
+    block = 16 * 32 * 2 * 4 * 128 * 2  # 8 KV heads / 2 devices = 4 each
+    assert engine.allocator.num_blocks == int(budget // block) < 256 * 8192 // 16  # not capped
+
+
 def test_tensor_parallelism_shards_weights_and_kv_heads():
     one = sim_engine(model="llama-3-70b", executor_options={"hardware": "h100-sxm", "tensor_parallel_size": 4})
     two = sim_engine(model="llama-3-70b", executor_options={"hardware": "h100-sxm", "tensor_parallel_size": 8})
