@@ -308,7 +308,9 @@ class Scheduler:
         self.allocator.uncache(written)
         self._dropped_rows |= out.finished_req_ids
         self._rebuilt.extend(out.scheduled + out.new_requests + out.resumed_requests)
-        for req in dict.fromkeys(broken):
+        # Each goes to the front of the waiting queue: the last one first, so that they wait in
+        # the order they ran (oldest first), not reversed.
+        for req in reversed(dict.fromkeys(broken)):
             self._recompute_after_failure(req)
 
     def _recompute_after_failure(self, request: Request) -> None:

@@ -272,3 +272,26 @@ def test_the_policy_is_told_of_every_request_that_enters_the_waiting_queue():
     while engine.has_unfinished_requests():
         engine.step()
     assert kinds.count("arrival") == 6 and "recompute" in kinds and "fork" in kinds, kinds
+
+
+@pytest.mark.parametrize("policy", ["chunked", "sjf"])
+def test_requests_of_a_failed_step_wait_in_the_order_they_ran(policy):
+    # A failed step sends its requests back to the front of the waiting queue to be recomputed;
+    # they went there reversed, so the newest was re-admitted first.
+    from framework.engine import LLMEngine
+    from framework.scheduler import POLICIES
+
+    config = EngineConfig(model="llama-3-8b", executor="sim", policy=policy, block_size=4, max_model_len=32,
+                          max_num_seqs=3, max_num_batched_tokens=32, check_invariants=True,
+                          executor_options={"fast_forward": False})
+    engine = LLMEngine(config)
+    assert isinstance(engine.policy, POLICIES.get(policy))
+    s = engine.scheduler
+    for i in range(5):  # equal prompts and arrival times: only the queue's order tells them apart
+        engine.add_request(str(i), [3] * 6, SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0)
+    out = s.schedule()
+    assert [r.request_id for r in out.scheduled] == ["0", "1", "2"]
+    s.step_failed(out)
+    assert [r.request_id for r in s.waiting] == ["0", "1", "2", "3", "4"]
+    admitted = [r.request_id for r in s.schedule().scheduled]
+    assert admitted == ["0", "1", "2"]
