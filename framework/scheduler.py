@@ -148,8 +148,9 @@ class SchedulerPolicy(ABC):
 
     def on_waiting(self, request: Request) -> None:
         """Called each time ``request`` enters the waiting queue (on arrival, preempted by
-        recompute, a forked sample waiting for a seat): for a policy that keeps its own index of
-        the waiting requests (``priority_swap``'s heap). Default: nothing."""
+        recompute, a forked sample waiting for a seat, told once the step's samples are all
+        forked, last first): for a policy that keeps its own index of the waiting requests
+        (``priority_swap``'s heap). Default: nothing."""
 
     def num_new_tokens(self, request: Request, token_budget: int, num_prefix_tokens: int = 0) -> int:
         """Tokens to compute for ``request`` now, given what is left of the step's budget."""
@@ -198,6 +199,7 @@ class Scheduler:
         self._dropped_rows: set[str] = set()
         self._finished_outside_step: list[Request] = []
         self._forked: list[Request] = []
+        self._forks_waiting: list[Request] = []  # forked in this step to wait, the policy not told yet
         self._rebuilt: list[Request] = []  # rows to rebuild after a step the executor failed on
         self.num_preemptions = 0
         self.num_swap_outs = 0
@@ -263,6 +265,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._tell_forks_waiting()  # forked without an update_from_output since (it tells them)
         step = Step(self.max_num_batched_tokens)
         self.policy.schedule(self, step)
         out = step.out
@@ -333,6 +336,7 @@ class Scheduler:
         """Advance every scheduled request by its tokens and append its sampled token (if it
         reached the end of its known tokens), timed ``now`` (default: the clock's now). Returns
         the requests that got a token."""
+        self._tell_forks_waiting()
         now = self.clock.now() if now is None else now
         progressed: list[Request] = []
         any_finished = False
@@ -512,8 +516,9 @@ class Scheduler:
         The child then runs on ``parent``'s device blocks (reference counts go up; its first write
         into the shared last block gets a private copy through ``blocks_to_copy``) and is listed in
         the next output's ``new_requests``. With ``max_num_seqs`` sequences already running it
-        waits instead, to be prefilled on its own (the prefix cache still finds the prompt's full
-        blocks). A child that its first token finishes never runs. ``now`` (default: the clock's
+        waits instead, at the front of the waiting queue behind the samples forked to wait
+        before it in this step, to be prefilled on its own (the prefix cache still finds the
+        prompt's full blocks). A child that its first token finishes never runs. ``now`` (default: the clock's
         now) times the first token: pass the step's ``update_from_output`` time, so the samples of
         one step share one time."""
         if parent.status != RequestStatus.RUNNING or parent.num_output_tokens:
@@ -533,14 +538,25 @@ class Scheduler:
             return
         self._receive(child)
         if len(self.running) >= self.max_num_seqs:
-            self.waiting.appendleft(child)
-            self.policy.on_waiting(child)
+            # At the front, behind the samples forked to wait before it in this step: putting
+            # each first would queue them last forked first (a later request's ahead of an
+            # earlier one's). The policy hears of them in update_from_output.
+            self.waiting.insert(len(self._forks_waiting), child)
+            self._forks_waiting.append(child)
             return
         self.allocator.fork(parent, child)
         child.num_computed_tokens = parent.num_prompt_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
         self._forked.append(child)
+
+    def _tell_forks_waiting(self) -> None:
+        # Last forked first, as if each had gone to the front of the queue in turn: a policy
+        # keeping its own index of the queue (ChunkedPolicy's heap) then orders them as it does.
+        for child in reversed(self._forks_waiting):
+            if child.status == RequestStatus.WAITING:
+                self.policy.on_waiting(child)
+        self._forks_waiting = []
 
     def _announce_forks(self, out: SchedulerOutput) -> None:
         # Forked requests enter the batch without passing through admission: list them as new

@@ -76,6 +76,33 @@ def test_a_child_without_a_seat_waits_and_one_finished_by_its_first_token_never_
     sched.check_invariants(sched.schedule())
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "chunked", "sjf", "priority_swap"])
+def test_samples_forked_to_wait_in_one_step_are_admitted_in_the_order_forked(policy):
+    # Each waiting sample was put first in the queue, so the step's samples waited (and were
+    # admitted) last forked first: the later request's samples ahead of the earlier one's.
+    config = EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                          check_invariants=True)
+    sched = Scheduler(config, POLICIES.create(policy), PagedBlockAllocator(num_blocks=40, block_size=4), VirtualClock())
+    leaders = [Request(f"{rid}#0", list(range(3, 9)), PARAMS, 0.0) for rid in "AB"]
+    for leader in leaders:
+        sched.add_request(leader)
+    out = sched.schedule()
+    assert out.scheduled == leaders
+    for leader in leaders:
+        for i in (1, 2):
+            sched.fork(leader, Request(f"{leader.request_id[0]}#{i}", list(leader.token_ids), PARAMS, 0.0), 77)
+    forked = ["A#1", "A#2", "B#1", "B#2"]
+    assert [r.request_id for r in sched.waiting] == forked
+    sched.update_from_output(out, {r.request_id: 50 for r in leaders})
+    admitted = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        admitted += [r.request_id for r in out.new_requests + out.resumed_requests]
+        sched.update_from_output(out, {r.request_id: 50 for r in out.scheduled
+                                       if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens})
+    assert admitted == forked
+
+
 @pytest.mark.parametrize("case", ["parent has output", "child known", "other prompt"])
 def test_fork_rejects_misuse(case):
     sched, _ = setup()
