@@ -31,7 +31,7 @@ def load_kernels(device: torch.device) -> ModuleType:
     compiled for CUDA in this process and ``device`` is not a CUDA device."""
     interpret = device.type != "cuda"
     module = sys.modules.get(_KERNELS)
-    if module is None and interpret and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if module is None and interpret and not _interpreter_requested():
         os.environ["TRITON_INTERPRET"] = "1"
         print(INTERPRETER_NOTICE, file=sys.stderr, flush=True)
     if interpret:
@@ -46,6 +46,20 @@ def load_kernels(device: torch.device) -> ModuleType:
             f"the triton kernels were already compiled for CUDA in this process, so they cannot run on "
             f"device {device}; use a CUDA device, or start a new process with TRITON_INTERPRET=1")
     return module
+
+
+def _interpreter_requested() -> bool:
+    """Whether ``TRITON_INTERPRET`` already turns the interpreter on, read as Triton reads it
+    (3.3 and later take 1/true/on/yes in any case and anything else as off, earlier versions
+    only "1"), so that any value Triton reads as off (0, false, off, ...) is switched on here.
+    False without triton: importing the kernels then reports it."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    if hasattr(triton, "knobs"):
+        return bool(triton.knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _single_threaded_numpy_blas() -> None:

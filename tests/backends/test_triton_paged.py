@@ -136,3 +136,23 @@ def test_without_a_gpu_it_switches_to_the_interpreter_once_with_a_notice():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
     assert out.stdout.split() == ["1", "True", "True"]
     assert out.stderr.count(INTERPRETER_NOTICE) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.parametrize("value", ["false", "Off"])
+def test_without_a_gpu_an_interpreter_switched_off_by_any_spelling_is_switched_on(value):
+    """Triton reads TRITON_INTERPRET=false or off as off, as it reads 0: the backend must switch
+    the interpreter on for those too, not refuse as if the kernels had been compiled for CUDA."""
+    code = ("import os, torch\n"
+            "from framework import BACKENDS\n"
+            "from tests.backends.batches import random_batch, relative_error\n"
+            "b = BACKENDS.create('triton', num_heads=2, num_kv_heads=1, head_dim=16, scale=0.25, block_size=16,\n"
+            "                    dtype=torch.float32, device='cpu')\n"
+            "x = random_batch([(20, 1), (0, 5)], 2, 1, 16, 16, torch.float32, seed=0)\n"
+            "assert relative_error(b.forward(x.q, x.k, x.v, x.kv_cache, b.build_metadata(x.meta)), x.expected) < 1e-4\n"
+            "print(os.environ['TRITON_INTERPRET'], b.kernels.INTERPRETED)\n")
+    env = {**os.environ, "TRITON_INTERPRET": value}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "True"]
+    assert out.stderr.count(INTERPRETER_NOTICE) == 1
