@@ -149,7 +149,9 @@ class TorchPagedBackend(AttentionBackend):
         """A contiguous ``shape`` view of a workspace that only ever grows."""
         numel = math.prod(shape)
         ws = self._workspace
-        if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
+        # One made under torch.inference_mode (as the engine runs) cannot be written outside it.
+        if (ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device
+                or (ws.is_inference() and not torch.is_inference_mode_enabled())):
             ws = self._workspace = torch.empty(numel, dtype=like.dtype, device=like.device)
         return ws[:numel].view(shape)
 

@@ -52,3 +52,16 @@ def test_a_lone_full_prefill_runs_causal_without_a_mask():
     assert group.mask is None
     before = batch.kv_cache.clone()
     check(run("torch_paged", batch, 4, 2, 16, 16, torch.float32, "cpu"), batch, before, torch.float32)
+
+
+def test_a_backend_used_under_inference_mode_still_runs_outside_it():
+    """The engine runs under torch.inference_mode; the gather workspace it leaves behind must not
+    make a later call outside that mode (a script, a benchmark under no_grad) fail."""
+    backend = BACKENDS.create("torch_paged", num_heads=4, num_kv_heads=2, head_dim=16, scale=16 ** -0.5,
+                              block_size=16, dtype=torch.float32, device="cpu")
+    for seed, mode in enumerate([torch.inference_mode, torch.no_grad, torch.inference_mode]):
+        batch = random_batch([(20, 1), (0, 5), (40, 7)], 4, 2, 16, 16, torch.float32, seed=seed)
+        before = batch.kv_cache.clone()
+        with mode():
+            out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
+        check(out, batch, before, torch.float32)
