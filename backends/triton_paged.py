@@ -75,7 +75,7 @@ def _single_threaded_numpy_blas() -> None:
 @dataclass
 class TritonMetadata:
     common: AttentionMetadata
-    launch: Any  # triton_kernels.LaunchPlan: tile sizes and work list, planned once per step
+    launch: Any  # triton_kernels.LaunchPlan: tile sizes and work list, planned once per step (None: empty)
 
 
 @BACKENDS.register("triton")
@@ -88,6 +88,8 @@ class TritonBackend(AttentionBackend):
         self.kernels = load_kernels(self.device)
 
     def build_metadata(self, meta: AttentionMetadata) -> TritonMetadata:
+        if not meta.num_reqs:  # an empty step: nothing to tile or launch
+            return TritonMetadata(meta, None)
         qsl = meta.query_start_loc_cpu[: meta.num_reqs + 1]
         launch = self.kernels.plan(qsl, meta.seq_lens_cpu[: meta.num_reqs], self.num_heads, self.num_kv_heads,
                                    self.head_dim, meta.block_table.device)
@@ -101,4 +103,6 @@ class TritonBackend(AttentionBackend):
         common = meta.common
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.kernels.store_kv(k, v, k_cache, v_cache, common.slot_mapping)
+        if meta.launch is None:
+            return out
         return self.kernels.paged_attention(out, q, k_cache, v_cache, common.block_table, self.scale, meta.launch)

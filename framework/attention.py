@@ -60,8 +60,8 @@ class AttentionMetadata:
             return torch.from_numpy(a).to(dev)
 
         return cls(
-            num_reqs=len(seq_lens), num_actual_tokens=int(query_start_loc[-1]), max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), block_size=block_size, query_start_loc=t(query_start_loc),
+            num_reqs=len(seq_lens), num_actual_tokens=int(query_start_loc[-1]), max_query_len=int(q_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)), block_size=block_size, query_start_loc=t(query_start_loc),
             seq_lens=t(seq_lens), num_computed_tokens=t(computed), block_table=t(block_table),
             slot_mapping=t(slot_mapping), query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
             num_computed_tokens_cpu=computed, block_table_cpu=block_table, num_prefills=int(prefill.sum()),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from framework import BACKENDS
+from framework.attention import AttentionMetadata
 from tests.backends.batches import Batch, mixed_specs, random_batch, relative_error
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -138,3 +139,23 @@ def test_a_request_alone_in_its_group(name, specs):
     before = batch.kv_cache.clone()
     result = run(name, batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu")
     check(result, batch, before, dtype)
+
+
+@pytest.mark.parametrize("name", ["naive", "torch_paged", "triton"])
+def test_an_empty_step(name):
+    """A step of no requests (from_host of empty arrays) computes nothing and writes nothing, on
+    every backend."""
+    skip_interpreter_on_cuda_machines(name, "cpu")
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
+    none = np.zeros(0, dtype=np.int64)
+    meta = AttentionMetadata.from_host(np.zeros(1, dtype=np.int64), none, np.zeros((0, 1), dtype=np.int64), none,
+                                       block_size)
+    assert (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (0, 0, 0, 0)
+    backend = BACKENDS.create(name, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              scale=head_dim ** -0.5, block_size=block_size, dtype=torch.float32, device="cpu")
+    cache = torch.randn(2, 3, block_size, num_kv_heads, head_dim)
+    before = cache.clone()
+    q, kv = torch.zeros(0, num_heads, head_dim), torch.zeros(0, num_kv_heads, head_dim)
+    out = backend.forward(q, kv, kv, cache, backend.build_metadata(meta))
+    assert out.shape == (0, num_heads, head_dim)
+    assert torch.equal(cache, before)
