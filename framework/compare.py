@@ -313,9 +313,13 @@ class CompareCallback(Callback):
 
     #: The sweep under way in this process, for ``compare_stopped_sweep``.
     sweep_dir: Path | None = None
+    #: Whether this process started a multirun (``-m``, or ``hydra.mode: MULTIRUN`` in a named
+    #: experiment's file): its exit status 1 is a failed job's, not a configuration error's.
+    multirun_started = False
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         CompareCallback.sweep_dir = Path(config.hydra.sweep.dir)
+        CompareCallback.multirun_started = True
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         CompareCallback.sweep_dir = None

@@ -200,10 +200,12 @@ def _hydra_config_error(exc: SystemExit) -> bool:
     override error (an unknown option, a key not in the config, an unparsable override), in a
     sweep as in a single run (a sweep's jobs may run in other processes, but their configs are
     composed where Hydra reports them). Any other error before a single run's job started is one
-    too (a Hydra internal such as a malformed defaults entry)."""
+    too (a Hydra internal such as a malformed defaults entry). A sweep's jobs may all have run in
+    other processes (joblib's workers), so a sweep that started counts as started jobs, whether
+    ``-m`` or a named experiment's ``hydra.mode: MULTIRUN`` made it one."""
     if isinstance(exc.__context__, (CompactHydraException, OmegaConfBaseException)):
         return True
-    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:]) or CompareCallback.multirun_started
     return _jobs_started == 0 and not multirun
 
 

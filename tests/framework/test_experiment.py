@@ -369,6 +369,19 @@ def test_a_sweep_goes_on_past_a_job_with_a_configuration_error(tmp_path):
     assert "error: slo.tpot_ms must be a positive number" in log and "Traceback" not in log
 
 
+def test_a_sweep_its_config_makes_exits_with_the_failed_job_status_in_parallel_too(tmp_path):
+    # A named experiment's file sets hydra.mode: MULTIRUN (no -m on the command line); with the
+    # jobs in joblib's workers this process started none, and a failed job's status 1 was taken
+    # for a configuration error Hydra reported itself (status 2).
+    sweep = tmp_path / "sweep"
+    done = cli("hydra.mode=MULTIRUN", "hydra/launcher=parallel", "executor=sim", *BASE, *TINY, "plots=false",
+               "slo.tpot_ms=0,50", f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert [json.loads((sweep / str(i) / "summary.json").read_text())["status"] for i in range(2)] == \
+        ["failed", "completed"]
+    assert "1 run(s) failed" in done.stderr
+
+
 @pytest.mark.parametrize("before, status, after", [
     (None, "interrupted", "interrupted"),      # Ctrl-C while the engine was built
     ("running", "interrupted", "interrupted"),
