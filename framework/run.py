@@ -155,14 +155,19 @@ def _legacy_overrides(argv: list[str]) -> list[str]:
     return [a[1:] if a.startswith("+executor=") else a for a in argv]
 
 
-def _compare_stopped_sweep() -> None:
+def _compare_stopped_sweep(failure: BaseException | None = None) -> None:
     """A sweep stopped by Ctrl-C still gets the comparison of the runs it made. A job whose summary
     still says ``running`` was killed where no handler runs (joblib's launcher SIGKILLs its workers
-    when only the parent is interrupted, and waits for them to die): it is marked ``interrupted``."""
+    when only the parent is interrupted, and waits for them to die): it is marked ``interrupted``;
+    or ``failed``, with ``failure``, when the launcher itself failed mid-sweep (a joblib worker
+    killed by the OS, which takes the other workers' jobs down with it)."""
     sweep_dir = CompareCallback.sweep_dir
     if sweep_dir is not None:
         for path in sorted(sweep_dir.glob("*/summary.json")):
-            _mark(path.parent, "interrupted")  # leaves a summary that says how its run ended
+            if failure is None:
+                _mark(path.parent, "interrupted")  # leaves a summary that says how its run ended
+            elif json.loads(path.read_text()).get("status") == "running":
+                _mark(path.parent, "failed", failure)
     table = compare_stopped_sweep()
     if table is not None:
         print(f"comparison of the runs so far: {table}", file=sys.stderr)
@@ -232,8 +237,12 @@ def cli() -> None:
             _compare_stopped_sweep()
         # Hydra prints its own errors and exits 1: configuration errors get the status every
         # other one gets.
-        if exc.code == 1 and _hydra_config_error(exc):
+        elif exc.code == 1 and _hydra_config_error(exc):
             sys.exit(EXIT_CONFIG_ERROR)
+        elif exc.code and CompareCallback.sweep_dir is not None:
+            # The sweep neither ended (its end clears sweep_dir) nor was stopped: its launcher
+            # failed, and Hydra printed the error. The jobs it took down say "running" no more.
+            _compare_stopped_sweep(exc.__context__ or RuntimeError(f"the sweep failed (status {exc.code})"))
         raise
 
 

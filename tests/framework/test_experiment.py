@@ -382,6 +382,48 @@ def test_a_sweep_its_config_makes_exits_with_the_failed_job_status_in_parallel_t
     assert "1 run(s) failed" in done.stderr
 
 
+def _children(pid, name):
+    """Process ids of ``pid``'s children whose command line holds ``name`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and name.encode() in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds joblib's workers through /proc")
+def test_a_sweep_whose_worker_the_os_kills_leaves_no_job_running(tmp_path):
+    # A joblib worker killed by the OS (out of memory) fails the launcher, which takes the other
+    # worker's job down too: their summaries said "running" for good, and no comparison was made.
+    import signal
+
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "framework.run", "-m", "hydra/launcher=parallel",
+                             "engine.num_threads=1", *BASE, *TINY, "plots=false", "workload.num_requests=400",
+                             "workload.rate=2,4", f"hydra.sweep.dir={sweep}"],
+                            cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    summaries = [sweep / str(i) / "summary.json" for i in range(2)]
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and not all(p.is_file() for p in summaries) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = _children(proc.pid, "LokyProcess")
+    assert workers and proc.poll() is None
+    os.kill(workers[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        assert summary["status"] == "failed" and "TerminatedWorkerError" in summary["error"]
+    assert [row["status"] for row in read_csv(sweep / "comparison.csv")] == ["failed", "failed"]
+
+
 @pytest.mark.parametrize("before, status, after", [
     (None, "interrupted", "interrupted"),      # Ctrl-C while the engine was built
     ("running", "interrupted", "interrupted"),
