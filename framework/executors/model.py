@@ -35,6 +35,25 @@ def resolve_dtype(name: str, model_dtype: str | None, device: torch.device) -> t
     return getattr(torch, resolve_dtype_name(name, model_dtype, device.type, default))
 
 
+#: (torch's thread count before an engine set one, the count it set); None when none is set.
+_threads: tuple[int, int] | None = None
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """Run torch on ``num_threads`` threads; None: on the process's own count (torch's default, or
+    what the caller set), also after an earlier engine in this process chose one. torch's setting
+    is per process, and the jobs of a Hydra sweep (or of a reused joblib worker) share one: a job
+    with ``engine.num_threads=null`` after one with 1 ran single-threaded."""
+    global _threads
+    current = torch.get_num_threads()
+    # The count before an engine's choice, unless the caller set one of their own since.
+    before = _threads[0] if _threads is not None and current == _threads[1] else current
+    _threads = (before, num_threads) if num_threads else None
+    wanted = num_threads or before
+    if wanted != current:
+        torch.set_num_threads(wanted)
+
+
 @EXECUTORS.register("model")
 class ModelExecutor(Executor):
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
@@ -46,8 +65,7 @@ class ModelExecutor(Executor):
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
                 f"pass a Hugging Face checkpoint directory to the model executor")
         cfg = source.config
-        if config.num_threads:  # here, not in the engine: a simulated run never loads torch
-            torch.set_num_threads(config.num_threads)
+        set_num_threads(config.num_threads)  # here, not in the engine: a simulated run never loads torch
         self._device = resolve_device(config.device)
         if self._device.type == "cpu":
             keep_freed_memory()
