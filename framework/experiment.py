@@ -330,8 +330,10 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
                    **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
                                _hit_rate([e.allocator.stats for e in engines], hits0))}
         recorder.write_summary(summary)
-    plots = _plots(records, recorder.timeline(), run_dir) if plots_wanted else {}
+    # The logger gets the metrics before the plots are drawn (seconds for a big run), so a Ctrl-C
+    # there leaves them in the tracker as in summary.json.
     run_logger.log_summary(summary)
+    plots = _plots(records, recorder.timeline(), run_dir) if plots_wanted else {}
     if run_logger.implements("log_requests"):
         columns = recorder.request_columns
         run_logger.log_requests(columns, [dict(zip(columns, recorder.request_values(r, i)))

@@ -289,6 +289,30 @@ def test_a_ctrl_c_while_the_summary_is_computed_waits_for_it(tmp_path, monkeypat
     assert summary["completed"] == len(read_csv(tmp_path / "requests.csv"))
 
 
+def test_a_ctrl_c_while_the_plots_are_drawn_leaves_the_summary_with_the_logger(tmp_path, monkeypatch):
+    # The plots come after the summary is written (a big run's take seconds); the logger got the
+    # summary only after them, so a Ctrl-C there left the tracker's run without any metric.
+    from framework.run_logger import RunLogger
+
+    class Recording(RunLogger):
+        name = "recording"
+        summaries: list = []
+
+        def log_summary(self, summary):
+            self.summaries.append(summary)
+
+    def interrupted_plots(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiment, "create_logger", lambda options: Recording())
+    monkeypatch.setattr(experiment, "_plots", interrupted_plots)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(config("executor=sim"), tmp_path)
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["status"] for s in Recording.summaries] == ["completed"]
+    assert Recording.summaries[0]["completed"] == written["completed"] == 6
+
+
 def test_cli_reports_a_config_the_run_cannot_read_in_one_line(tmp_path):
     # Hydra composes a config without the workload group; the run then finds none to read.
     done = cli("~workload", "executor=sim", *BASE, f"hydra.run.dir={tmp_path}", cwd=ROOT)
