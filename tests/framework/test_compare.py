@@ -347,7 +347,9 @@ def test_a_run_without_a_policy_is_labelled_by_the_policy_it_ran(tmp_path, hydra
     def run(name, policy):
         path = tmp_path / name
         path.mkdir()
-        node = {"policy": {"name": policy, "preemption_mode": "recompute"}} if policy else {}
+        # As +policy=NAME writes it: the policy's own file, every option in it.
+        conf = Path(__file__).resolve().parents[2] / "conf" / "policy" / f"{policy}.yaml"
+        node = {"policy": yaml.safe_load(conf.read_text())} if policy else {}
         (path / "config.yaml").write_text(yaml.safe_dump({"workload": {"name": "synthetic", "rate": 2}, **node}))
         (path / "summary.json").write_text(json.dumps(
             {"status": "completed", "policy": policy or "fcfs", "backend": "naive", "rate": 2, "completed": 8}))
