@@ -35,6 +35,8 @@ def wandb_records(path):
         if left < 7 or (length == 0 and kind == 0):
             pos += left
             continue
+        if pos + 7 + length > len(data):
+            break  # a chunk W&B's service is still writing: complete_records reads again
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
