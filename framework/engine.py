@@ -296,6 +296,11 @@ class LLMEngine:
         returns the outputs of the requests that finished."""
         run = commit_decode_run(self, plan, num_steps)
         self._stalled_steps = 0
+        # A v0 leader aborted since the last step takes its unforked samples with it, as in step():
+        # left waiting for a fork that never comes, they would keep the request unfinished forever.
+        for req in run.finished_outside:
+            if req.forks:
+                self._settle_forks(req)
         # A request of several sequences (n > 1) finishes with its last one: its output belongs
         # to that step, not to the step of a sibling that finished earlier in the run (the run is
         # applied whole, so every sibling already shows as finished here).

@@ -2,7 +2,7 @@
 by one does: same steps, same token times, same blocks, same prefix cache."""
 import pytest
 
-from framework import ALLOCATORS, EXECUTORS, EngineConfig, SamplingParams
+from framework import ALLOCATORS, EXECUTORS, EngineConfig, LLMEngine, SamplingParams
 from framework.allocators.paged import PagedBlockAllocator
 from framework.block_allocator import BlockAllocator
 from framework.cluster import Cluster
@@ -224,3 +224,25 @@ def test_a_v0_leader_completing_its_prompt_in_a_decode_shaped_step_forks_its_sam
     (out,) = outputs
     assert [len(c.token_ids) for c in out.outputs] == [4, 4] and len(out.metrics.token_times) == 4
     assert engine.allocator.stats.cow_copies == 1  # the samples shared the prompt's partial block
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_v0_request_of_several_samples_aborted_before_its_first_token_finishes(fast):
+    """Aborting a v0 request with n > 1 before its leader sampled (its other samples not forked
+    yet) while another request decodes: a decode run handed back the aborted leader without taking
+    its samples along, so they waited for a fork forever and the engine never ran out of work."""
+    engine = LLMEngine(EngineConfig(model="llama-3-8b", executor="sim", preparer="v0",
+                                    executor_options={"fast_forward": fast}))
+    engine.add_request("a", {"prompt_token_ids": list(range(10))}, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.add_request("b", {"prompt_token_ids": list(range(20, 30))}, SamplingParams(n=2, max_tokens=5, ignore_eos=True))
+    engine.abort_request("b")
+    outs = []
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        outs += engine.advance()
+    assert not engine.has_unfinished_requests()
+    finished = {o.request_id: [c.finish_reason for c in o.outputs] for o in outs}
+    assert finished == {"b": ["abort", "abort"], "a": ["length"]}
+    assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
