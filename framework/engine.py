@@ -186,7 +186,7 @@ class LLMEngine:
             self._leaders[leader.request_id] = leader
             self.scheduler.add_request(leader)
             if leader.is_finished:  # ignored on arrival
-                self._settle_forks(leader)
+                self._settle_forks([leader])
             return
         for req in children:
             self.scheduler.add_request(req)
@@ -238,9 +238,7 @@ class LLMEngine:
             self._fork_leaders(sampled, now)
         progressed = self.scheduler.update_from_output(out, sampled, now)
         done_elsewhere = self.scheduler.take_finished_outside_step()
-        for req in done_elsewhere:
-            if req.forks:
-                self._settle_forks(req)
+        self._settle_forks(done_elsewhere)
         self._check_progress(out, done_elsewhere)
         # Requests finished outside the step (ignored, aborted) finished before the step's own
         # finishes: their outputs come first, in finish order, as a decode run delivers them.
@@ -268,14 +266,18 @@ class LLMEngine:
                 self.scheduler.fork(leader, child, token, now)
             leader.forks = []
 
-    def _settle_forks(self, leader: Request) -> None:
-        """A leader that finished before sampling (ignored, aborted) takes its forks with it."""
-        for child in leader.forks:
-            child.status = leader.status
-            child.status_message = leader.status_message
-            child.finished_time = leader.finished_time
-        leader.forks = []
-        self._leaders.pop(leader.request_id, None)
+    def _settle_forks(self, finished: Iterable[Request]) -> None:
+        """A leader among ``finished`` (requests that finished before sampling: ignored, aborted)
+        takes its forks with it; left waiting for a fork that never comes, they would keep the
+        request unfinished forever."""
+        for leader in finished:
+            for child in leader.forks:
+                child.status = leader.status
+                child.status_message = leader.status_message
+                child.finished_time = leader.finished_time
+            if leader.forks:
+                leader.forks = []
+                self._leaders.pop(leader.request_id, None)
 
     def advance(self, until: float = math.inf) -> list[RequestOutput]:
         """``step(final_only=True)``, or, when the executor fast-forwards (the sim executor's
@@ -296,11 +298,7 @@ class LLMEngine:
         returns the outputs of the requests that finished."""
         run = commit_decode_run(self, plan, num_steps)
         self._stalled_steps = 0
-        # A v0 leader aborted since the last step takes its unforked samples with it, as in step():
-        # left waiting for a fork that never comes, they would keep the request unfinished forever.
-        for req in run.finished_outside:
-            if req.forks:
-                self._settle_forks(req)
+        self._settle_forks(run.finished_outside)  # a v0 leader aborted since the last step, as in step()
         # A request of several sequences (n > 1) finishes with its last one: its output belongs
         # to that step, not to the step of a sibling that finished earlier in the run (the run is
         # applied whole, so every sibling already shows as finished here).
