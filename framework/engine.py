@@ -151,7 +151,8 @@ class LLMEngine:
         # here could never be aborted.
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}")
-        params = params or SamplingParams()
+        # Only None means the defaults: a falsy mistake ([], {}, 0) would otherwise pass as them.
+        params = SamplingParams() if params is None else params
         check_request_args(params, arrival_time, priority)
         ids, text = self.tokenize(prompt)
         if request_id in self._parents or request_id in self.scheduler.requests:

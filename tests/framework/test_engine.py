@@ -189,6 +189,10 @@ def test_a_numpy_seed_samples_as_the_same_int_seed(n):
     (lambda llm: llm.engine.abort_request(5), "abort_request takes"),
     # An int id used to be queued, and then could not be aborted (abort_request takes str ids).
     (lambda llm: llm.engine.add_request(5, [4, 5], GREEDY), "request_id must be a str, got int"),
+    # Falsy params used to be taken for the defaults (16 sampled tokens) without a word.
+    (lambda llm: llm.engine.add_request("r", [4, 5], {}), "must be a SamplingParams, got dict"),
+    (lambda llm: llm.engine.add_request("r", [4, 5], []), "must be a SamplingParams, got list"),
+    (lambda llm: llm.engine.add_request("r", [4, 5], 0), "must be a SamplingParams, got int"),
 ])
 def test_bad_request_arguments_raise_value_errors_and_queue_nothing(call, match):
     """A priority the scheduler could not compare used to fail mid-step and jam every later step."""
