@@ -91,11 +91,12 @@ class LLM:
 
 def _is_one_prompt(prompts: Any) -> bool:
     """Whether ``prompts`` is one prompt (text, a dict, or token ids: a flat list of ints, numpy's
-    included, or a 1-D array) rather than a list of them. Numpy ints are token ids everywhere
-    else; taken here for prompts of their own, each failed as "not iterable"."""
+    included, or a 1-D array, numpy's or torch's) rather than a list of them. Numpy ints are
+    token ids everywhere else; taken here for prompts of their own, each failed as "not
+    iterable" (a torch tensor's elements as "iteration over a 0-d tensor")."""
     if isinstance(prompts, (str, dict)):
         return True
-    if isinstance(prompts, np.ndarray):
+    if isinstance(prompts, np.ndarray) or hasattr(prompts, "ndim"):  # torch tensors, without importing torch
         return prompts.ndim <= 1
     return (isinstance(prompts, Sequence) and len(prompts) > 0
             and all(isinstance(t, (int, np.integer)) for t in prompts))

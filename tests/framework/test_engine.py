@@ -88,6 +88,25 @@ def test_generate_takes_numpy_token_ids_as_one_prompt():
         [plain.outputs[0].token_ids] * 2
 
 
+def test_generate_takes_a_1d_torch_tensor_as_one_prompt():
+    """A 1-D tensor of token ids (a tokenizer's input_ids[0]) is one prompt, as a 1-D numpy array
+    is: it used to be taken for a list of prompts, each failing with "iteration over a 0-d tensor"."""
+    import torch
+
+    llm = small_llm()
+    (plain,) = llm.generate([5, 6, 7, 8], GREEDY)
+    for prompt in (torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 7, 8], dtype=torch.int32),
+                   {"prompt_token_ids": torch.tensor([5, 6, 7, 8])}):
+        (out,) = llm.generate(prompt, GREEDY)
+        assert out.prompt_token_ids == [5, 6, 7, 8] and out.outputs[0].token_ids == plain.outputs[0].token_ids
+    # A 2-D tensor is a list of prompts, one per row.
+    assert [o.outputs[0].token_ids for o in llm.generate(torch.tensor([[5, 6, 7, 8]] * 2), GREEDY)] == \
+        [plain.outputs[0].token_ids] * 2
+    with pytest.raises(ValueError, match="must be integers"):
+        llm.generate(torch.tensor([5.0, 6.0]), GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"policy": "nope"}, "registered policies: .*fcfs"),
     ({"backend": "nope"}, "registered backends: .*naive"),
