@@ -22,8 +22,10 @@ each side's output of the last round is kept in ``OUT/<side>.log``.
 ``{out}`` in the command becomes an output folder per side (``OUT/baseline`` and
 ``OUT/current``, emptied and created first). After the last round the files the two sides wrote
 there are compared byte for byte, so a change meant to be faster is also checked to change
-nothing it writes: JSON files without their wall-clock and path keys (``VOLATILE_KEYS``),
-Hydra's hydra.yaml (which holds the output path) not at all; ``--ignore NAME`` leaves out more.
+nothing it writes: each side's own output folder, where a file names it (a sweep's
+comparison.md lists its runs' folders), counts as ``{out}``; JSON files are compared without
+their wall-clock and path keys (``VOLATILE_KEYS``), Hydra's hydra.yaml and multirun.yaml (which
+also hold the tree's path) not at all; ``--ignore NAME`` leaves out more.
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("baseline", "current")
 #: Importable packages of a tree, checked to come from that tree; experiments/ is only compiled.
 PACKAGES = ("framework", "policies", "backends", "models")
-#: Files that hold the output path, so they differ between any two runs.
-IGNORED = ("hydra.yaml",)
+#: Hydra's records of a run or sweep: they hold the tree's path, so they differ between any two runs.
+IGNORED = ("hydra.yaml", "multirun.yaml")
 #: Keys of a JSON object (summary.json) that differ between any two runs.
 VOLATILE_KEYS = ("wall_time_s", "run_dir")
 
@@ -101,13 +103,18 @@ def _files(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} if folder.exists() else set()
 
 
-def _same(a: Path, b: Path) -> bool:
+def _same(a: Path, b: Path, a_out: Path, b_out: Path) -> bool:
+    """Whether ``a`` (written under ``a_out``) and ``b`` (under ``b_out``) hold the same, once
+    each side's output folder is read as ``{out}``."""
     if filecmp.cmp(a, b, shallow=False):
+        return True
+    x, y = (f.read_bytes().replace(str(out).encode(), b"{out}") for f, out in ((a, a_out), (b, b_out)))
+    if x == y:
         return True
     if a.suffix != ".json":
         return False
     try:
-        x, y = json.loads(a.read_text()), json.loads(b.read_text())
+        x, y = json.loads(x), json.loads(y)
     except ValueError:
         return False
     if not (isinstance(x, dict) and isinstance(y, dict)):
@@ -124,7 +131,7 @@ def compare_outputs(base: Path, current: Path, ignore: set[str], result: Compari
             continue
         if name not in a or name not in b:
             result.only_one_side.append(name)
-        elif _same(base / name, current / name):
+        elif _same(base / name, current / name, base, current):
             result.identical.append(name)
         else:
             result.different.append(name)

@@ -134,3 +134,18 @@ def test_command_is_required(capsys):
         ab_compare.main(["--baseline", "HEAD"])
     assert exit_info.value.code == 2
     assert "give the command to time after --" in capsys.readouterr().err
+
+
+def test_files_naming_their_own_output_folder_compare_equal(repo: Path, tmp_path: Path):
+    # A sweep's comparison.md/.csv list each run's folder, and Hydra's multirun.yaml holds the
+    # tree's path: an A/A run of `framework.run -m ... hydra.sweep.dir={out}` reported all three
+    # as differing although both sides wrote the same.
+    script = ("import pathlib, sys\nout = pathlib.Path(sys.argv[1])\n"
+              "(out / 'comparison.csv').write_text(f'rate,run_dir\\n4,{out / \"0\"}\\n')\n"
+              "(out / 'multirun.yaml').write_text(f'cwd: {pathlib.Path.cwd()}\\n')\n"
+              "(out / 'value.txt').write_text(f'{out}: ' + __import__('framework').VALUE)\n")
+    result = ab_compare.compare([sys.executable, "-c", script, "{out}"], "HEAD", 1, set(ab_compare.IGNORED),
+                                tmp_path / "out", root=repo, echo=lambda _: None)
+    assert result.identical == ["comparison.csv"]
+    assert result.different == ["value.txt"]  # what differs besides the path still does
+    assert "multirun.yaml" not in result.identical + result.different + result.only_one_side
