@@ -143,7 +143,10 @@ def run_once(command: list[str], cwd: Path, out: Path, env: dict[str, str], log:
     argv = [arg.replace("{out}", str(out)) for arg in command]
     with open(log, "w") as f:
         start = time.perf_counter()
-        done = subprocess.run(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            done = subprocess.run(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        except OSError as exc:  # not found, not executable: the command's fault, not a crash
+            raise SystemExit(f"cannot run {argv[0]!r} in {cwd}: {exc.strerror}") from None
         seconds = time.perf_counter() - start
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]

@@ -149,3 +149,11 @@ def test_files_naming_their_own_output_folder_compare_equal(repo: Path, tmp_path
     assert result.identical == ["comparison.csv"]
     assert result.different == ["value.txt"]  # what differs besides the path still does
     assert "multirun.yaml" not in result.identical + result.different + result.only_one_side
+
+
+def test_a_command_that_cannot_start_is_a_one_line_error(repo: Path, tmp_path: Path):
+    # A mistyped program name used to end in a FileNotFoundError traceback from subprocess.
+    with pytest.raises(SystemExit, match="cannot run 'no-such-program-xyz' in .*: No such file or directory"):
+        ab_compare.compare(["no-such-program-xyz", "{out}"], "HEAD", 1, set(), tmp_path / "out", root=repo,
+                           echo=lambda _: None)
+    assert worktrees(repo) == 1
