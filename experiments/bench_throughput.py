@@ -43,8 +43,7 @@ def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
 def run_engine(path: str, work, args) -> tuple[float, list[list[int]], dict]:
     from framework import LLM, SamplingParams
 
-    llm = LLM(model=path, backend=args.backend, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512, dtype="float32")
+    llm = LLM(model=path, **engine_kwargs(args))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     linear_time = [0.0]
@@ -54,6 +53,27 @@ def run_engine(path: str, work, args) -> tuple[float, list[list[int]], dict]:
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params)
     elapsed = time.perf_counter() - t0
     return elapsed, [o.outputs[0].token_ids for o in outs], {"linear_s": linear_time[0]}
+
+
+def engine_kwargs(args) -> dict:
+    return dict(backend=args.backend, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512, dtype="float32")
+
+
+def check_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors before any model is built: a bad count or engine option used to end in a
+    traceback (torch's set_num_threads, range(), the engine's config), --num-requests 0 in a
+    table of zeros."""
+    for name in ("num_requests", "threads", "hf_batch", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    from framework import BACKENDS, EngineConfig
+
+    try:  # the checkpoint has tiny-llama's shapes, so its config is checked alike
+        BACKENDS.get(args.backend)
+        EngineConfig(model="tiny-llama", **engine_kwargs(args))
+    except ValueError as exc:
+        ap.error(str(exc))
 
 
 def _time_linears(model: torch.nn.Module, acc: list[float]) -> None:
@@ -128,7 +148,7 @@ def agree(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{same}/{len(a)} requests identical"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
@@ -140,7 +160,8 @@ def main() -> None:
     ap.add_argument("--skip-hf-generate", action="store_true")
     ap.add_argument("--skip-hf-continuous", action="store_true")
     ap.add_argument("--profile-linear", action="store_true", help="time the model's linear layers")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    check_arguments(ap, args)
     torch.set_num_threads(args.threads)
     work = workload(args.num_requests, args.seed)
     useful = sum(m for _, m in work)
