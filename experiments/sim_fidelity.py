@@ -161,6 +161,11 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-llama", help="preset or Hugging Face checkpoint directory")
     ap.add_argument("--save-calibration", default=None, help="write the last interleaved calibration here")
     args = ap.parse_args()
+    # --profile-repeats 0 used to fail after the real run, with a traceback from calibrate (no
+    # measured steps); --repeats 0 printed an empty table.
+    for name in ("repeats", "profile_repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     try:  # a bad --model or --calibration fails here, not after a real run of tens of seconds
         LLMEngine(engine_config("sim", args.model, hardware="cpu",
                                 cost_model={"name": "roofline", "calibration": args.calibration}))

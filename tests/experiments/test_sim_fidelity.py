@@ -51,3 +51,18 @@ def test_a_bad_model_or_calibration_is_a_usage_error_before_any_real_run(argv, m
     with pytest.raises(SystemExit) as exit_:
         sim_fidelity.main()
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile-repeats", "0"], "--profile-repeats must be at least 1, got 0"),
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+])
+def test_a_zero_count_is_a_usage_error_before_any_real_run(argv, message, monkeypatch, capsys):
+    """--profile-repeats 0 used to fail in calibrate after a real run of ~20 s; --repeats 0
+    printed a table with no rows."""
+    monkeypatch.setattr(sim_fidelity, "serve", lambda *a, **k: pytest.fail("served"))
+    monkeypatch.setattr(sim_fidelity, "real_run_with_calibration", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr("sys.argv", ["sim_fidelity.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        sim_fidelity.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
