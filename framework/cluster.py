@@ -22,7 +22,7 @@ import gc
 import heapq
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +74,8 @@ class Cluster:
         if len({id(e.clock) for e in engines}) != len(engines):
             raise ValueError("each replica needs its own clock")
         self.engines = list(engines)
-        self.router = ROUTERS.create_with(router, router_options or {}) if isinstance(router, str) else router
+        options = check_router_options(router_options)
+        self.router = ROUTERS.create_with(router, options) if isinstance(router, str) else router
         self.replicas = [Replica(i, e) for i, e in enumerate(self.engines)]
         for replica in self.replicas:  # replicas may differ (block size included): see Replica.prefix_tokens
             replica._own_hashes = replica.engine.allocator.block_size != self.engines[0].allocator.block_size
@@ -284,6 +285,15 @@ def check_num_replicas(num_replicas: Any, executor: str | None = None) -> None:
     check_positive_int("num_replicas", num_replicas)
     if num_replicas > 1 and executor is not None and not simulates_time(executor):
         raise ValueError(NEEDS_SIMULATED_TIME)
+
+
+def check_router_options(options: Any) -> dict[str, Any]:
+    """``router_options`` as a dict: a mapping of option names to values, or None for none."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):  # 5 failed as "'int' object is not iterable", a list was read as pairs
+        raise ValueError(f"router_options must be a mapping of option names to values, got {options!r}")
+    return dict(options)
 
 
 def _abort(engines: Sequence[LLMEngine], in_flight: set[str]) -> None:

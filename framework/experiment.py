@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.block_allocator import AllocatorStats
 from framework.clock import Clock, VirtualClock, WallClock
-from framework.cluster import Cluster, check_num_replicas, gc_paused
+from framework.cluster import Cluster, check_num_replicas, check_router_options, gc_paused
 from framework.config import PART_NAMES, EngineConfig, check_bool, is_int
 from framework.engine import LLMEngine, StepStats
 from framework.executor import EXECUTORS, simulates_time
@@ -164,11 +164,18 @@ def cluster_spec(cfg: DictConfig) -> tuple[int, str, dict[str, Any]] | None:
     node = cfg.get("cluster")
     if node is None:
         return None
+    if not isinstance(node, DictConfig):
+        raise ValueError(f"cluster must be a node of num_replicas, router and router_options (+cluster=NAME), "
+                         f"got {node!r}")
     spec = OmegaConf.to_container(node, resolve=True)
     _check_keys("cluster", spec, ("num_replicas", "router", "router_options"))
     num_replicas = spec.get("num_replicas", 1)
     check_num_replicas(num_replicas)
-    return num_replicas, spec.get("router", "round_robin"), dict(spec.get("router_options") or {})
+    try:
+        options = check_router_options(spec.get("router_options"))
+    except ValueError as exc:
+        raise ValueError(f"cluster.{exc}") from None
+    return num_replicas, spec.get("router", "round_robin"), options
 
 
 def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = None) -> Cluster:

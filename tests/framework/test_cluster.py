@@ -252,6 +252,8 @@ def test_bad_setups_are_refused():
         Cluster.build(EngineConfig(model="tiny-llama", max_model_len=128), num_replicas=2)
     with pytest.raises(ValueError, match="unknown router 'nope'.*least_outstanding, prefix_aware, round_robin"):
         Cluster.build(CONFIG, num_replicas=2, router="nope")
+    with pytest.raises(ValueError, match="router_options must be a mapping of option names to values, got 5"):
+        Cluster.build(CONFIG, num_replicas=2, router="prefix_aware", router_options=5)
     with pytest.raises(ValueError, match="arrival order"):
         Cluster.build(CONFIG).run([req(1.0, "r1"), req(0.5, "r2")])
 

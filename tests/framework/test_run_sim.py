@@ -140,12 +140,30 @@ def test_real_and_simulated_runs_compare_in_one_table(tmp_path):
     (["+cluster=round_robin"], "several replicas share one machine only in simulated time: use executor=sim"),
     (["executor=sim", "+cluster=prefix_aware", "+cluster.router_options.tries=3"], "router 'prefix_aware'.*tries"),
     (["executor=sim", "+cluster=round_robin", "cluster.num_replicas=0"], "num_replicas must be a positive integer"),
+    # A number failed with a TypeError traceback ('int' object is not iterable), a string as "dictionary
+    # update sequence element #0 has length 1", and false or 0 were taken as no options.
+    (["executor=sim", "+cluster=prefix_aware", "cluster.router_options=5"],
+     "cluster.router_options must be a mapping of option names to values, got 5"),
+    (["executor=sim", "+cluster=prefix_aware", "cluster.router_options=abc"],
+     "cluster.router_options must be a mapping of option names to values, got 'abc'"),
     (["executor=sim", "clock=wall"], "executor=sim runs on simulated time"),
 ])
 def test_cluster_and_clock_errors_are_configuration_errors(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         run_experiment(compose_with(overrides), tmp_path)
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_cluster_node_that_is_no_node_is_a_configuration_error(tmp_path):
+    """An experiment file's ``cluster: 4`` (meaning four replicas) failed as "Input cfg is not an
+    OmegaConf config object (int)", naming no option."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_with(["executor=sim"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.cluster = 4
+    with pytest.raises(ValueError, match=r"cluster must be a node of num_replicas, router and router_options .*got 4"):
+        run_experiment(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("select", ["executor=sim", "+executor=sim"])  # the second: as written before it had a default
