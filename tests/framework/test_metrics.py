@@ -150,3 +150,17 @@ def test_failed_requests_are_counted_by_reason():
     assert "failure_reasons" not in summarize(records(), duration=2.0)
     report = format_summary(s)
     assert "  2 x prompt of N tokens is longer than max_model_len=512" in report and "  1 x abort" in report
+
+
+def test_latency_statistics_do_not_depend_on_the_order_of_the_values():
+    """Means and deviations summed in the order given differed in the last digits when the same
+    latencies came in another order (a simulated cluster's records, fast-forwarded or stepped)."""
+    import random
+
+    rng = random.Random(0)
+    values = [rng.lognormvariate(-3.0, 1.0) for _ in range(1000)]
+    shuffled = values[:]
+    rng.shuffle(shuffled)
+    assert latency_stats("ttft", shuffled) == latency_stats("ttft", values) == latency_stats("ttft", sorted(values))
+    mean = math.fsum(values) / len(values)  # exactly rounded: the sorted sum is within a few ulps of it
+    assert latency_stats("ttft", values)["mean_ttft_ms"] == pytest.approx(1000 * mean, rel=1e-13)
