@@ -75,6 +75,9 @@ class Cluster:
             raise ValueError("each replica needs its own clock")
         self.engines = list(engines)
         options = check_router_options(router_options)
+        if options and not isinstance(router, str):  # they would be dropped: the router is already made
+            raise ValueError(f"router_options are for a router given by name; router {router.name or router!r} "
+                             f"was given made, with its own options")
         self.router = ROUTERS.create_with(router, options) if isinstance(router, str) else router
         self.replicas = [Replica(i, e) for i, e in enumerate(self.engines)]
         for replica in self.replicas:  # replicas may differ (block size included): see Replica.prefix_tokens

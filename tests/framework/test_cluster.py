@@ -12,7 +12,7 @@ from framework import EngineConfig, LLMEngine
 from framework.clock import VirtualClock, WallClock
 from framework.cluster import Cluster, gc_paused
 from framework.cost_model import BatchShape
-from framework.router import Router
+from framework.router import ROUTERS, Router
 from framework.workload import WorkloadRequest
 from tests.framework.sim_support import chat_requests
 
@@ -254,6 +254,9 @@ def test_bad_setups_are_refused():
         Cluster.build(CONFIG, num_replicas=2, router="nope")
     with pytest.raises(ValueError, match="router_options must be a mapping of option names to values, got 5"):
         Cluster.build(CONFIG, num_replicas=2, router="prefix_aware", router_options=5)
+    # Options beside a router already made were dropped silently (its max_imbalance stayed 16).
+    with pytest.raises(ValueError, match="router_options are for a router given by name; router 'prefix_aware'"):
+        Cluster.build(CONFIG, num_replicas=2, router=ROUTERS.create("prefix_aware"), router_options={"max_imbalance": 0})
     with pytest.raises(ValueError, match="arrival order"):
         Cluster.build(CONFIG).run([req(1.0, "r1"), req(0.5, "r2")])
 
