@@ -297,8 +297,9 @@ class Scheduler:
         computed. The step's scheduled and swapped-out requests, and any other that counts a
         block it was to fill as computed (one swapped in but not scheduled), go back to waiting,
         their blocks freed, to be recomputed. The runner may not have dropped the rows the step
-        listed, and may have built or advanced others: the next output that runs lists them
-        again, and rebuilds the rows of the step's requests still running."""
+        listed, and may have built rows for others: the next output that runs lists them again,
+        and rebuilds the rows of the step's new or resumed requests still running (a forked
+        sample it did not schedule)."""
         bs = self.block_size
         written = [dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy]
         for req in out.scheduled:
@@ -310,7 +311,7 @@ class Scheduler:
             r for r in self.running if unwritten.intersection(r.block_ids[:-(-r.num_computed_tokens // bs)])]
         self.allocator.uncache(written)
         self._dropped_rows |= out.finished_req_ids
-        self._rebuilt.extend(out.scheduled + out.new_requests + out.resumed_requests)
+        self._rebuilt.extend(out.new_requests + out.resumed_requests)
         # Each goes to the front of the waiting queue: the last one first, so that they wait in
         # the order they ran (oldest first), not reversed.
         for req in reversed(dict.fromkeys(broken)):
@@ -324,11 +325,7 @@ class Scheduler:
             self.swapped.remove(request)
         else:
             return  # finished or aborted since: nothing of it is left to read
-        self.allocator.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-        self.policy.on_waiting(request)
+        self._wait_to_recompute(request)
         self._dropped_rows.add(request.request_id)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
@@ -456,13 +453,18 @@ class Scheduler:
                 step.out.swapped_out.append(request)
                 step.out.blocks_to_swap_out.extend(mapping)
                 return SWAP
+        self._wait_to_recompute(request)
+        step.out.preempted.append(request)
+        return RECOMPUTE
+
+    def _wait_to_recompute(self, request: Request) -> None:
+        """``request``, off the running or swapped queue, back at the front of the waiting queue
+        with no blocks, to be computed again from its first token."""
         self.allocator.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.policy.on_waiting(request)
-        step.out.preempted.append(request)
-        return RECOMPUTE
 
     def swap_in(self, step: Step, request: Request, num_tokens: int = 0) -> bool:
         """Bring a swapped request back to the device. Without ``num_tokens`` it still has to be
@@ -551,6 +553,8 @@ class Scheduler:
         self._forked.append(child)
 
     def _tell_forks_waiting(self) -> None:
+        if not self._forks_waiting:  # called twice a step, nearly always with nothing to tell
+            return
         # Last forked first, as if each had gone to the front of the queue in turn: a policy
         # keeping its own index of the queue (ChunkedPolicy's heap) then orders them as it does.
         for child in reversed(self._forks_waiting):

@@ -35,29 +35,23 @@ class FCFSPolicy(SchedulerPolicy):
                              f"got {watermark!r}")
         self.watermark = float(watermark)
 
-    def _below_watermark(self, scheduler: Scheduler, step: Step, request) -> bool:
-        """Whether admitting ``request``, a prompt not yet run, would leave fewer free blocks than
-        the watermark (a prompt that never could is ignored here)."""
-        alloc = scheduler.allocator
-        keep = int(self.watermark * alloc.num_usable_blocks)
-        need = alloc.blocks_needed(request.num_tokens)
-        if need > alloc.num_usable_blocks - keep:
-            scheduler.ignore(step, request, f"prompt of {request.num_prompt_tokens} tokens needs {need} KV blocks but "
-                                            f"policy {self.name!r} admits at most {alloc.num_usable_blocks - keep} "
-                                            f"(watermark={self.watermark:g} keeps {keep} of {alloc.num_usable_blocks} free)")
-            return False
-        return alloc.num_free_blocks - need < keep
-
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
         # Swapped requests (preemption_mode="swap") come back, at the end, before any admission.
         # A copy: admitting a request removes it from the queue that waiting_order may iterate.
         waiting = [] if scheduler.swapped else list(self.waiting_order(scheduler.waiting))
+        alloc = scheduler.allocator
+        keep = int(self.watermark * alloc.num_usable_blocks)  # blocks a new prompt leaves free
         for req in waiting:
-            if self.watermark and req.first_scheduled_time is None:
-                if self._below_watermark(scheduler, step, req):
-                    break
-                if req.is_finished:  # ignored: it never fits under the watermark
+            if keep and req.first_scheduled_time is None:
+                need = alloc.blocks_needed(req.num_tokens)
+                if need > alloc.num_usable_blocks - keep:
+                    scheduler.ignore(step, req, f"prompt of {req.num_prompt_tokens} tokens needs {need} KV blocks but "
+                                                f"policy {self.name!r} admits at most {alloc.num_usable_blocks - keep} "
+                                                f"(watermark={self.watermark:g} keeps {keep} of "
+                                                f"{alloc.num_usable_blocks} free)")
                     continue
+                if alloc.num_free_blocks - need < keep:
+                    break
             prefix = scheduler.find_prefix(req)
             n = req.num_tokens - req.num_computed_tokens - prefix.num_tokens
             if n > step.token_budget:

@@ -159,3 +159,13 @@ def sim_engine(policy_name: str, policy: object = None, mode: str = "recompute",
     if policy is not None:
         e.policy = e.scheduler.policy = policy
     return e
+
+
+def schedule_trace(engine: LLMEngine) -> list[tuple[list[tuple[str, int]], list[str]]]:
+    """What each step of ``engine`` decides from now on, filled in as it steps: the requests
+    scheduled with their token counts, and the requests preempted, swapped out or swapped in."""
+    steps: list[tuple[list[tuple[str, int]], list[str]]] = []
+    engine.step_callbacks.append(lambda stats, out: steps.append((
+        [(r.request_id, out.num_scheduled_tokens[r.request_id]) for r in out.scheduled],
+        [r.request_id for r in out.preempted + out.swapped_out + out.swapped_in])))
+    return steps

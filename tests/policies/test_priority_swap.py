@@ -177,10 +177,7 @@ def test_steps_are_those_of_sorting_every_request_every_step(mode, seed):
     def trace(policy):
         rng = random.Random(seed)
         e = sim_engine(policy, mode, check_invariants=True)
-        steps = []
-        e.step_callbacks.append(lambda stats, out: steps.append((
-            [(r.request_id, out.num_scheduled_tokens[r.request_id]) for r in out.scheduled],
-            [r.request_id for r in out.preempted + out.swapped_out + out.swapped_in])))
+        steps = harness.schedule_trace(e)
         for i in range(60):
             prompt = [7] * rng.choice([0, 32]) + [rng.randrange(10, 1000) for _ in range(rng.randint(1, 150))]
             e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 60), ignore_eos=True,

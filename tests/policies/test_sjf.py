@@ -34,10 +34,7 @@ def test_steps_are_those_of_sorting_the_queue_every_step(preparer, mode, seed):
     def trace(policy):
         rng = random.Random(seed)
         e = sim_engine(policy, mode, check_invariants=True, preparer=preparer)
-        steps = []
-        e.step_callbacks.append(lambda stats, out: steps.append((
-            [(r.request_id, out.num_scheduled_tokens[r.request_id]) for r in out.scheduled],
-            [r.request_id for r in out.preempted + out.swapped_out + out.swapped_in])))
+        steps = harness.schedule_trace(e)
         for i in range(70):
             prompt = [7] * rng.choice([0, 32]) + [rng.randrange(10, 1000) for _ in range(rng.choice([5, 40, 90, 150]))]
             e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 80), ignore_eos=True,
