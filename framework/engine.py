@@ -14,6 +14,7 @@ import numpy as np
 from framework.block_allocator import ALLOCATORS
 from framework.clock import Clock
 from framework.config import EngineConfig, is_finite_number
+from framework.detokenizer import DETOKENIZE_CONTEXT, StopStringDetokenizer
 from framework.executor import EXECUTORS
 from framework.fast_forward import DecodePlan, commit_decode_run, plan_decode_run
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -154,6 +155,8 @@ class LLMEngine:
         # Only None means the defaults: a falsy mistake ([], {}, 0) would otherwise pass as them.
         params = SamplingParams() if params is None else params
         check_request_args(params, arrival_time, priority)
+        if params.stop:
+            self.check_stop_strings(params)
         ids, text = self.tokenize(prompt)
         if request_id in self._parents or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -175,6 +178,9 @@ class LLMEngine:
             req = Request(rid, ids, child_params, arrival, priority=priority, eos_token_ids=self._eos,
                           max_model_len=self.config.max_model_len, prompt=text,
                           parent_id=request_id if params.n > 1 else None, index=i)
+            if params.stop:
+                req.detokenizer = StopStringDetokenizer(self.tokenizer, ids, params.stop,
+                                                        params.include_stop_str_in_output)
             if child_params.seed is not None:
                 import torch
 
@@ -191,6 +197,16 @@ class LLMEngine:
             return
         for req in children:
             self.scheduler.add_request(req)
+
+    def check_stop_strings(self, params: SamplingParams) -> None:
+        """ValueError unless this engine can end ``params``' sequences on its stop strings: they
+        are matched against the decoded output, which needs a tokenizer and real tokens."""
+        if not self.executor.produces_text:
+            raise ValueError(f"executor {self.config.executor!r} samples synthetic tokens with no text: it cannot "
+                             f"simulate SamplingParams.stop (stop strings); use stop_token_ids or max_tokens")
+        if self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop is matched against the output text, and model "
+                             f"{self.config.model!r} has no tokenizer to decode it; use stop_token_ids")
 
     def _sequence_in_use(self, rid: str) -> bool:
         """Whether ``rid`` names an unfinished sequence: one the scheduler holds, or a parallel
@@ -369,7 +385,11 @@ class LLMEngine:
         for req in children:
             ids = req.output_token_ids
             text = ""
-            if self.tokenizer is not None and req.sampling_params.detokenize and ids:
+            if req.detokenizer is not None:
+                # Stop strings: the text decoded as it grew, cut at the stop string, held back
+                # while one may be starting.
+                text = req.detokenizer.output_text(req.is_finished)
+            elif self.tokenizer is not None and req.sampling_params.detokenize and ids:
                 # The stop token's text is left out (a non-special EOS or stop id would show).
                 shown = ids[:-1] if req.status == RequestStatus.FINISHED_STOPPED else ids
                 text = decode_continuation(self.tokenizer, first.prompt_token_ids, shown)
@@ -397,10 +417,6 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority)
-
-
-#: Prompt tokens decoded before the output as its context, as vLLM's incremental detokenizer does.
-DETOKENIZE_CONTEXT = 5
 
 
 def decode_continuation(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:

@@ -42,6 +42,9 @@ class Executor(ABC):
     #: ``forks_parallel_samples``). Without it the engine runs the ``n`` samples of a request as
     #: ``n`` independent requests, whatever the preparer.
     samples_forks: ClassVar[bool] = False
+    #: Whether the sampled tokens are a model's, with text to decode: a simulator's synthetic
+    #: tokens have none, and the engine refuses what would read it (``SamplingParams.stop``).
+    produces_text: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
         self.config = config

@@ -11,7 +11,10 @@ class CompletionOutput:
     vLLM gives it: decoded after the prompt's last tokens, so that prompt text + ``text`` reads
     as the whole sequence (a SentencePiece word keeps its leading space); empty without a
     tokenizer or with ``detokenize=False``. ``finish_reason`` is ``stop``, ``length`` or
-    ``abort`` once finished; ``stop_reason`` the stop token id that ended it (None for EOS)."""
+    ``abort`` once finished; ``stop_reason`` the stop token id or stop string that ended it (None
+    for EOS). A stop string (``SamplingParams.stop``) is cut from ``text`` with what follows it
+    (kept with ``include_stop_str_in_output``), while ``token_ids`` keep the token that completed
+    it; until finished, ``text`` then lacks its last ``len(longest stop) - 1`` characters."""
 
     index: int
     text: str

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from framework.detokenizer import StopStringDetokenizer
     from framework.sampling_params import SamplingParams
 
 
@@ -56,6 +57,7 @@ class Request:
         "block_hashes", "stop_reason", "status_message", "eos_token_ids", "max_model_len",
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
         "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra", "arrival_order",
+        "detokenizer",
     )
 
     def __init__(
@@ -106,6 +108,8 @@ class Request:
         #: Position in which the scheduler received the request (``Scheduler.add_request`` or a
         #: fork), 0 before: it orders requests that tie in everything else, as a queue would.
         self.arrival_order = 0
+        #: The output text checked for ``SamplingParams.stop`` (set by the engine), else None.
+        self.detokenizer: StopStringDetokenizer | None = None
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -145,7 +149,9 @@ class Request:
         self.token_times.append(now)
 
     def check_stop(self) -> RequestStatus | None:
-        """The finished status the last appended token implies, or None to keep generating."""
+        """The finished status the last appended token implies, or None to keep generating. A
+        stop string the token's text completes ends the sequence even on its last allowed token
+        (as vLLM); an EOS or stop token's text is never decoded, so it completes none."""
         last = self.token_ids[-1]
         params = self.sampling_params
         if not params.ignore_eos and last in self.eos_token_ids:
@@ -154,6 +160,11 @@ class Request:
         if last in params.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
+        if self.detokenizer is not None:
+            stop = self.detokenizer.append(last)
+            if stop is not None:
+                self.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if self.max_model_len is not None and self.num_tokens >= self.max_model_len:

@@ -14,6 +14,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1.0 disable those
     filters. ``seed`` makes one request's samples reproducible whatever else is in the batch.
     ``max_tokens`` counts generated tokens; generation also stops at the engine's ``max_model_len``.
+    ``stop`` (one string or a list) ends a sequence when its output text contains one of them, as
+    vLLM's: ``finish_reason`` "stop", ``stop_reason`` the string, the text cut before it (after
+    it with ``include_stop_str_in_output``); it needs ``detokenize`` and a tokenizer.
     """
 
     n: int = 1
@@ -25,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     detokenize: bool = True
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -47,9 +52,18 @@ class SamplingParams:
         if not listed or not all(is_int(t) for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in ids]
-        for name in ("ignore_eos", "detokenize"):
+        # As vLLM: one string is one stop string, None none; kept as a list.
+        stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
+        listed = isinstance(stop, Iterable) and not isinstance(stop, bytes)
+        stop = list(stop) if listed else []
+        if not listed or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"SamplingParams.stop must be None, a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = stop
+        for name in ("ignore_eos", "detokenize", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("SamplingParams.stop matches the output text: it needs detokenize=True")
         if self.top_k == -1:
             self.top_k = 0
 

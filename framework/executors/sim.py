@@ -33,9 +33,12 @@ class SimExecutor(Executor):
       (and for a subclass overriding ``execute`` or ``token_for`` but not ``plan_decode_run``);
     - ``sampled_token``: the token every request samples (default: the highest id that is not an
       EOS id). Requests never stop on it: output lengths are the requests' ``max_tokens``.
+
+    Its tokens have no text: a request with stop strings (``SamplingParams.stop``) is refused.
     """
 
     samples_forks = True  # an n > 1 request under preparer v0 prefills once and forks, as for real
+    produces_text = False  # its tokens are synthetic: a stop string could never match, so it is refused
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock,
                  hardware: str | dict[str, Any] | Hardware = "a100-80gb", tensor_parallel_size: int = 1,

@@ -1,0 +1,105 @@
+"""Stop strings: a request's output text decoded one token at a time, as vLLM's incremental
+detokenizer does, and checked for ``SamplingParams.stop`` as it grows.
+
+Each token costs two decodes of a few tokens, and the check reads only the new text plus the
+longest stop string's length of what came before it, so a request of ``n`` tokens costs O(n)
+in all, not a decode or a scan of its whole text per token.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+#: Prompt tokens decoded before the output as its context, as vLLM's incremental detokenizer does
+#: (``framework.engine.decode_continuation`` uses the same tail).
+DETOKENIZE_CONTEXT = 5
+
+
+class StopStringDetokenizer:
+    """Output text of one sequence, fed its sampled tokens by ``Request.check_stop``.
+
+    ``append`` takes the next token (never an EOS or ``stop_token_ids`` token that ended the
+    sequence: its text is not shown) and returns the stop string it completes, or None. The text
+    it then holds is cut before that string (after it with ``include_stop_str_in_output``),
+    while the token ids keep every token up to the one that completed it, as vLLM's do.
+    Decoding skips special tokens and starts after the prompt's last few tokens, as the engine's
+    full-text decoding does, so a SentencePiece word keeps its leading space.
+    """
+
+    __slots__ = ("tokenizer", "stop", "include_stop_str_in_output", "holdback", "_keep", "_ids", "_read",
+                 "_pieces", "_length", "_tail")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: list[str],
+                 include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.include_stop_str_in_output = include_stop_str_in_output
+        #: Text before new text that a stop string ending in the new text may start in.
+        self._keep = max(map(len, stop)) - 1
+        #: Characters a streamed (unfinished) output holds back: they may begin a stop string
+        #: whose end is still to come, which would cut them; 0 when the stop string is kept.
+        self.holdback = 0 if include_stop_str_in_output else self._keep
+        #: Tokens still to decode: a context of shown tokens (``_ids[:_read]``), then new ones.
+        self._ids = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
+        self._read = len(self._ids)
+        # The text as pieces (a str grown by += is copied whole each time), its length, and its
+        # last ``_keep`` characters.
+        self._pieces: list[str] = []
+        self._length = 0
+        self._tail = ""
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def output_text(self, finished: bool) -> str:
+        """The text to show: all of it once finished, else less the last ``holdback`` characters
+        (vLLM's streaming never shows text that a stop string may yet cut)."""
+        text = self.text
+        if finished or not self.holdback:
+            return text
+        return text[:max(len(text) - self.holdback, 0)]
+
+    def append(self, token_id: int) -> str | None:
+        """Decode ``token_id`` after the tokens before it; the stop string its text completes, or
+        None. Of several it completes, the one starting earliest in the text (so the cut text
+        holds none of them; vLLM takes the one listed first)."""
+        new = self._decode_next(token_id)
+        if not new:
+            return None
+        # Every stop string ending before ``new`` was found on an earlier token, so one found
+        # here ends in ``new``: searching the tail plus ``new`` finds it.
+        window = self._tail + new
+        start = self._length - len(self._tail)  # where the window starts in the text
+        self._pieces.append(new)
+        self._length += len(new)
+        found, at = None, len(window)
+        for stop in self.stop:  # the earliest match wins; on a tie, the stop string listed first
+            i = window.find(stop)
+            if i != -1 and i < at:
+                found, at = stop, i
+        if found is None:
+            self._tail = window[max(len(window) - self._keep, 0):]
+            return None
+        cut = start + at + (len(found) if self.include_stop_str_in_output else 0)
+        self._pieces = [self.text[:cut]]
+        self._length = cut
+        return found
+
+    def _decode_next(self, token_id: int) -> str:
+        """The text ``token_id`` adds, as vLLM's incremental detokenizer finds it: decode the
+        tokens since the last shown context with and without the new ones and take the
+        difference; "" while the text ends in an incomplete character (U+FFFD), whose bytes the
+        next tokens complete (the tokens are then decoded together)."""
+        ids = self._ids
+        ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(ids[:self._read], skip_special_tokens=True)
+        whole = decode(ids, skip_special_tokens=True)
+        if len(whole) <= len(prefix) or whole.endswith("\ufffd"):
+            return ""
+        del ids[:self._read]  # the new tokens are the next token's context
+        self._read = len(ids)
+        return whole[len(prefix):]
