@@ -15,15 +15,33 @@ from framework.scheduler import SchedulerOutput
 
 
 @dataclass
+class Penalties:
+    """The penalties of the sampled rows that use any (``rows``, indices into the step's sampled
+    rows); each tensor has one row per entry of ``rows``. ``token_ids`` holds each row's prompt
+    then output tokens so far, padded with -1; its first ``num_prompt_tokens`` are the prompt.
+    Presence and frequency penalties are 0 when off, the repetition penalty 1 (vLLM's names)."""
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    num_prompt_tokens: torch.Tensor
+    presence_penalties: torch.Tensor
+    frequency_penalties: torch.Tensor
+    repetition_penalties: torch.Tensor
+
+
+@dataclass
 class SamplingMetadata:
-    """Per sampled row: temperature (0 = greedy), top-k (0 = off), top-p (1 = off), and the
-    request's own generator where it has a seed."""
+    """Per sampled row: temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 =
+    off), and the request's own generator where it has a seed; ``penalties`` for the rows that use
+    any. A filter or ``penalties`` is None when no row uses it."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     all_greedy: bool = True
+    min_p: torch.Tensor | None = None
+    penalties: Penalties | None = None
 
 
 @dataclass
@@ -123,16 +141,27 @@ class InputPreparer(ABC):
 
     def sampling_metadata(self, temperature: np.ndarray, top_k: np.ndarray | None = None,
                           top_p: np.ndarray | None = None,
-                          generators: dict[int, torch.Generator] | None = None) -> SamplingMetadata:
-        """Per sampled row parameters (float32 temperature and top-p, int64 top-k) on the device.
-        ``top_k`` / ``top_p`` may be None when the caller knows no row uses them; either filter
-        comes out None when no row uses it, and ``all_greedy`` when every temperature is 0 (the
-        float32 the sampler sees)."""
+                          generators: dict[int, torch.Generator] | None = None, min_p: np.ndarray | None = None,
+                          penalties: Penalties | None = None) -> SamplingMetadata:
+        """Per sampled row parameters (float32 temperature, top-p and min-p, int64 top-k) on the
+        device. ``top_k`` / ``top_p`` / ``min_p`` may be None when the caller knows no row uses
+        them; each filter comes out None when no row uses it, and ``all_greedy`` when every
+        temperature is 0 (the float32 the sampler sees). ``penalties`` come from ``penalties``."""
         return SamplingMetadata(
             temperature=self._tensor(temperature),
             top_k=self._tensor(top_k) if top_k is not None and np.count_nonzero(top_k) else None,
             top_p=self._tensor(top_p) if top_p is not None and np.count_nonzero(top_p < 1) else None,
-            generators=generators or {}, all_greedy=not np.count_nonzero(temperature))
+            generators=generators or {}, all_greedy=not np.count_nonzero(temperature),
+            min_p=self._tensor(min_p) if min_p is not None and np.count_nonzero(min_p) else None,
+            penalties=penalties)
+
+    def penalties(self, rows: np.ndarray, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
+                  presence: np.ndarray, frequency: np.ndarray, repetition: np.ndarray) -> Penalties | None:
+        """The ``Penalties`` of sampled rows ``rows`` (int64; None when empty): their int64
+        ``token_ids`` (prompt then output, padded with -1), prompt lengths and float32 penalties."""
+        if not len(rows):
+            return None
+        return Penalties(*map(self._tensor, (rows, token_ids, num_prompt_tokens, presence, frequency, repetition)))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

@@ -1,13 +1,15 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Batched sampling on the device: penalties, greedy, temperature, min-p, top-k, top-p,
+per-request seeds."""
 from __future__ import annotations
 
 import torch
 
-from framework.input_preparer import SamplingMetadata
+from framework.input_preparer import Penalties, SamplingMetadata
 
 
 class Sampler:
-    """Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and
+    """Rows with penalties have them applied first (greedy rows too, as in vLLM). Greedy rows
+    then take the argmax. Other rows are scaled by temperature, filtered by min-p, top-k and
     top-p, and sampled with the Gumbel-max trick (``argmax(p / q)``, ``q ~ Exp(1)``), drawing a
     seeded row's noise from its own generator so its samples do not depend on the batch."""
 
@@ -16,6 +18,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = logits.float()
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy
@@ -26,6 +30,11 @@ class Sampler:
         # the softmax nor the top-k / top-p sets.
         logits = logits - logits.max(dim=-1, keepdim=True).values
         logits /= torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+        if meta.min_p is not None:
+            # Before top-k / top-p, as vLLM v1; the order does not matter: min-p compares each
+            # token with the most likely one, which the other filters keep, by a ratio that
+            # renormalising leaves as it is.
+            logits = apply_min_p(logits, meta.min_p)
         if meta.top_k is not None:
             logits = apply_top_k(logits, meta.top_k)
         if meta.top_p is not None:
@@ -37,6 +46,37 @@ class Sampler:
             noise[row].exponential_(generator=gen)
         sampled = probs.div_(noise).argmax(dim=-1)
         return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """``logits`` with the penalties of rows ``p.rows`` applied (a new tensor; the other rows
+    are copied as they are). The repetition penalty divides the positive logits and multiplies
+    the negative ones of each token in the prompt or output (transformers' and vLLM's); then
+    ``frequency * count + presence * (count > 0)`` is subtracted, counting the output only."""
+    sub = logits.index_select(0, p.rows)
+    rows, vocab = sub.shape
+    ids = p.token_ids
+    # Padding (-1) and ids outside the vocabulary go to an extra column, dropped after counting.
+    valid = (ids >= 0) & (ids < vocab)
+    ids = torch.where(valid, ids, vocab)
+    is_output = valid & (torch.arange(ids.shape[1], device=ids.device) >= p.num_prompt_tokens.unsqueeze(1))
+    counts = torch.zeros(rows, vocab + 1, dtype=sub.dtype, device=sub.device)
+    counts.scatter_add_(1, ids, is_output.to(sub.dtype))
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=sub.device).scatter_(1, ids, True)
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+    repetition = p.repetition_penalties.unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    sub -= p.frequency_penalties.unsqueeze(1) * counts
+    sub -= p.presence_penalties.unsqueeze(1) * (counts > 0)
+    return logits.index_copy(0, p.rows, sub)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop each row's tokens less likely than ``min_p`` times its most likely token (``min_p ==
+    0``: keep all; the most likely token always stays)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,12 @@ class SamplingParams:
     """How to sample one request's continuation.
 
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1.0 disable those
-    filters. ``seed`` makes one request's samples reproducible whatever else is in the batch.
+    filters, as does ``min_p`` of 0 (else tokens less likely than ``min_p`` times the most likely
+    one, after temperature, are dropped). ``repetition_penalty`` (1 = off) divides the positive
+    logits and multiplies the negative ones of every token in the prompt or the output so far;
+    ``presence_penalty`` and ``frequency_penalty`` (0 = off) subtract from the logit of each token
+    the output holds, once and once per occurrence (OpenAI's definition; the prompt does not
+    count). Penalties apply to greedy requests too, as in vLLM. ``seed`` makes one request's samples reproducible whatever else is in the batch.
     ``max_tokens`` counts generated tokens; generation also stops at the engine's ``max_model_len``.
     ``stop`` (one string or a list) ends a sequence when its output text contains one of them, as
     vLLM's: ``finish_reason`` "stop", ``stop_reason`` the string, the text cut before it (after
@@ -21,9 +26,13 @@ class SamplingParams:
 
     n: int = 1
     max_tokens: int = 16
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
@@ -42,6 +51,15 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_finite_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {value!r}")
+        if not is_finite_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0, got "
+                             f"{self.repetition_penalty!r}")
         # The seed feeds a 64-bit torch generator: a larger one would fail mid-step, not here.
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
@@ -70,3 +88,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is on (the sampler then counts the tokens seen)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -85,14 +85,16 @@ def mistral_ckpt(tmp_path_factory):
     return path, make_hf_checkpoint(path, "mistral", seed=2)
 
 
-def hf_greedy(model, prompt: list[int], max_tokens: int, stop_at_eos: bool = False) -> list[int]:
-    """transformers' greedy ``generate``. Without ``stop_at_eos`` it runs exactly ``max_tokens``
-    with no EOS handling at all (``min_new_tokens`` would instead mask EOS out of the argmax)."""
+def hf_greedy(model, prompt: list[int], max_tokens: int, stop_at_eos: bool = False, **generate_kwargs) -> list[int]:
+    """transformers' greedy ``generate`` (``generate_kwargs`` go to it, e.g. ``repetition_penalty``).
+    Without ``stop_at_eos`` it runs exactly ``max_tokens`` with no EOS handling at all
+    (``min_new_tokens`` would instead mask EOS out of the argmax)."""
     saved = model.generation_config.eos_token_id
     if not stop_at_eos:
         model.generation_config.eos_token_id = None  # generate() falls back to it otherwise
     try:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                             **generate_kwargs)
     finally:
         model.generation_config.eos_token_id = saved
     return out[0, len(prompt):].tolist()

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
 
-from framework.input_preparer import PREPARERS, InputPreparer, ModelInput
+from framework.input_preparer import PREPARERS, InputPreparer, ModelInput, Penalties
 from framework.preparers.sequence import (SequenceData, Sequence, SequenceGroup, SequenceGroupMetadata,
                                           SequenceStage, SequenceStatus)
 from framework.request import Request
+from framework.sampling_params import SamplingParams
 from framework.scheduler import SchedulerOutput
 
 _PREFILL = SequenceStage.PREFILL
@@ -132,6 +134,7 @@ class SequenceGroupPreparer(InputPreparer):
         req_ids: list[str] = []
         logits_indices: list[int] = []
         sample_reqs: list[Request] = []
+        sample_data: list[SequenceData] = []  # the tokens each sample has seen (a fork's: its leader's)
         num_prefills = num_prefill_tokens = 0
         total = 0
         for meta in metas:
@@ -165,6 +168,7 @@ class SequenceGroupPreparer(InputPreparer):
                         for r in (req, *req.forks):
                             logits_indices.append(total - 1)
                             sample_reqs.append(r)
+                            sample_data.append(data)
             else:
                 for sid, data in meta.seq_data.items():
                     ctx = data.get_num_computed_tokens()
@@ -180,6 +184,7 @@ class SequenceGroupPreparer(InputPreparer):
                     req_ids.append(req.request_id)
                     logits_indices.append(total)
                     sample_reqs.append(req)
+                    sample_data.append(data)
                     total += 1
         num_seqs = len(seq_lens)
         width = max(map(len, tables))
@@ -205,10 +210,30 @@ class SequenceGroupPreparer(InputPreparer):
             np.array([p.temperature for p in params], dtype=np.float32),
             np.array([p.top_k for p in params], dtype=np.int64),
             np.array([p.top_p for p in params], dtype=np.float32),
-            {i: r.generator for i, r in enumerate(sample_reqs) if r.generator is not None})
+            {i: r.generator for i, r in enumerate(sample_reqs) if r.generator is not None},
+            np.array([p.min_p for p in params], dtype=np.float32),
+            self._penalties(params, sample_data))
         return self.model_input(host, req_ids, [r.request_id for r in sample_reqs], sampling,
                                 num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
                                 num_decode_tokens=total - num_prefill_tokens)
+
+    def _penalties(self, params: list[SamplingParams], data: list[SequenceData]) -> Penalties | None:
+        """The penalised samples' tokens (prompt then output, padded with -1) and penalties, as
+        v0's sampling tensors: one flat array of their tokens, scattered into the padded table."""
+        idx = [i for i, p in enumerate(params) if p.penalized]
+        if not idx:
+            return None
+        tokens: list[Seq[int]] = [data[i].get_token_ids() for i in idx]
+        lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(idx))
+        token_ids = np.full((len(idx), int(lens.max())), -1, dtype=np.int64)
+        token_ids[np.arange(token_ids.shape[1]) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tokens), dtype=np.int64, count=int(lens.sum()))
+        picked = [params[i] for i in idx]
+        return self.penalties(
+            np.array(idx, dtype=np.int64), token_ids,
+            np.array([len(data[i].prompt_token_ids) for i in idx], dtype=np.int64),
+            *(np.array([getattr(p, name) for p in picked], dtype=np.float32)
+              for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")))
 
     def prepare(self, out: SchedulerOutput) -> ModelInput | None:
         metas = self.to_metadata(out)

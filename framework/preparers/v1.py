@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from itertools import compress
 from operator import attrgetter, itemgetter
 
 import numpy as np
 import torch
 
-from framework.input_preparer import PREPARERS, InputPreparer, ModelInput, SamplingMetadata
+from framework.input_preparer import PREPARERS, InputPreparer, ModelInput, Penalties, SamplingMetadata
 from framework.request import Request
 from framework.scheduler import SchedulerOutput
 
 _request_id = attrgetter("request_id")
 
 # Which sampler features a row needs; the preparer counts the live rows of each combination.
-_RANDOM, _TOP_K, _TOP_P, _SEEDED = 1, 2, 4, 8
+_RANDOM, _TOP_K, _TOP_P, _SEEDED, _MIN_P, _PENALIZED = 1, 2, 4, 8, 16, 32
 # Compared as the float32 the sampler sees: below 2**-150 a temperature rounds to 0 (greedy), and
 # from 1 - 2**-25 a top-p rounds to 1 (off).
 _MIN_TEMPERATURE, _MAX_TOP_P = 2.0 ** -150, 1.0 - 2.0 ** -25
@@ -37,7 +38,8 @@ _MIN_TEMPERATURE, _MAX_TOP_P = 2.0 ** -150, 1.0 - 2.0 ** -25
 def _flags(req: Request) -> int:
     p = req.sampling_params
     return ((_RANDOM if p.temperature > _MIN_TEMPERATURE else 0) | (_TOP_K if p.top_k > 0 else 0)
-            | (_TOP_P if p.top_p < _MAX_TOP_P else 0) | (_SEEDED if req.generator is not None else 0))
+            | (_TOP_P if p.top_p < _MAX_TOP_P else 0) | (_SEEDED if req.generator is not None else 0)
+            | (_MIN_P if p.min_p > 0 else 0) | (_PENALIZED if p.penalized else 0))
 
 
 class _HostArrays(dict):
@@ -75,15 +77,18 @@ class FlatBatchPreparer(InputPreparer):
         self.block_table = np.zeros((rows, width), dtype=np.int64)
         self._token_ids_flat, self._block_table_flat = self.token_ids.ravel(), self.block_table.ravel()
         # A row's numbers side by side, so a step reads them in one gather and a new row writes them
-        # in one assignment: tokens known, tokens computed, tokens its blocks hold, top-k, and
-        # (fixed) where the row starts in the flattened token table.
-        self._row_ints = np.zeros((rows, 5), dtype=np.int64)
-        self.row_num_tokens, self.row_num_computed, self.row_capacity, self.top_k, _ = self._row_ints.T
-        self._row_floats = np.ones((rows, 2), dtype=np.float32)  # temperature, top-p
-        self.temperature, self.top_p = self._row_floats.T
+        # in one assignment: tokens known, tokens computed, tokens its blocks hold, top-k, (fixed)
+        # where the row starts in the flattened token table, and its prompt's length.
+        self._row_ints = np.zeros((rows, 6), dtype=np.int64)
+        (self.row_num_tokens, self.row_num_computed, self.row_capacity, self.top_k, _,
+         self.row_num_prompt_tokens) = self._row_ints.T
+        # temperature, top-p, min-p, presence, frequency and repetition penalties
+        self._row_floats = np.ones((rows, 6), dtype=np.float32)
+        (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
+         self.repetition_penalty) = self._row_floats.T
         self.generators: list[torch.Generator | None] = [None] * rows
         self._row_flags = [0] * rows
-        self._num_live = [0] * 16  # live rows with each combination of flags
+        self._num_live = [0] * 64  # live rows with each combination of flags
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(rows))  # a heap: the lowest free row is reused first
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int64)
@@ -109,8 +114,10 @@ class FlatBatchPreparer(InputPreparer):
             tokens[row, :num_tokens] = req.token_ids
             blocks[row, :num_blocks] = req.block_ids
             params = req.sampling_params
-            row_ints[row] = (num_tokens, req.num_computed_tokens, num_blocks << shift, params.top_k, row * width)
-            row_floats[row] = (params.temperature, params.top_p)
+            row_ints[row] = (num_tokens, req.num_computed_tokens, num_blocks << shift, params.top_k, row * width,
+                             len(req.prompt_token_ids))
+            row_floats[row] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
+                               params.frequency_penalty, params.repetition_penalty)
             self.generators[row] = req.generator
             self._row_flags[row] = flags = _flags(req)
             self._num_live[flags] += 1
@@ -305,18 +312,33 @@ class FlatBatchPreparer(InputPreparer):
         return model_input
 
     def _sampling(self, sample_rows: np.ndarray) -> SamplingMetadata:
-        """The sampled rows' parameters; a filter no live row uses is not looked at."""
+        """The sampled rows' parameters; a filter or penalty no live row uses is not looked at."""
         live = 0
-        for flags, count in enumerate(self._num_live):
-            if count:
-                live |= flags
+        for flags in compress(range(64), self._num_live):
+            live |= flags
         generators = {}
         if live & _SEEDED:
             gens = self.generators
             generators = {i: gens[row] for i, row in enumerate(sample_rows.tolist()) if gens[row] is not None}
         return self.sampling_metadata(self.temperature[sample_rows],
                                       self.top_k[sample_rows] if live & _TOP_K else None,
-                                      self.top_p[sample_rows] if live & _TOP_P else None, generators)
+                                      self.top_p[sample_rows] if live & _TOP_P else None, generators,
+                                      self.min_p[sample_rows] if live & _MIN_P else None,
+                                      self._penalties(sample_rows) if live & _PENALIZED else None)
+
+    def _penalties(self, sample_rows: np.ndarray) -> Penalties | None:
+        """The penalised sampled rows' tokens, gathered from the token table (their rows hold every
+        known token: a row samples when it reaches its last one)."""
+        floats = self._row_floats[sample_rows, 3:]
+        idx = ((floats[:, 0] != 0) | (floats[:, 1] != 0) | (floats[:, 2] != 1)).nonzero()[0]
+        rows = sample_rows.take(idx)
+        num_tokens = self.row_num_tokens.take(rows)
+        width = int(num_tokens.max()) if len(rows) else 0
+        token_ids = self.token_ids[rows, :width]
+        token_ids[self._arange[:width] >= num_tokens[:, None]] = -1
+        floats = floats.take(idx, axis=0).T
+        return self.penalties(idx.astype(np.int64), token_ids, self.row_num_prompt_tokens.take(rows),
+                              *map(np.ascontiguousarray, floats))
 
     def record_sampled(self, model_input: ModelInput, sampled: np.ndarray) -> None:
         """Append each sampled token to its row, as the request will append it: the next step

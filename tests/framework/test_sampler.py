@@ -1,7 +1,7 @@
 import torch
 
-from framework.input_preparer import SamplingMetadata
-from framework.sampler import Sampler, apply_top_k, apply_top_p
+from framework.input_preparer import Penalties, SamplingMetadata
+from framework.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
 
 
 def test_greedy_rows_take_argmax_in_mixed_batch():
@@ -53,3 +53,94 @@ def test_tiny_temperature_samples_the_most_likely_token():
         meta = SamplingMetadata(temperature=torch.full((4,), t), all_greedy=False)
         out = Sampler(torch.Generator().manual_seed(0))(logits, meta)
         assert out.tolist() == logits.argmax(dim=-1).tolist(), t
+
+
+def penalties(rows, token_lists, prompt_lens, presence, frequency, repetition):
+    """A ``Penalties`` for ``rows`` from plain lists (tokens padded with -1, as the preparers do)."""
+    width = max(map(len, token_lists))
+    ids = torch.tensor([t + [-1] * (width - len(t)) for t in token_lists], dtype=torch.long)
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+    return Penalties(torch.tensor(rows), ids, torch.tensor(prompt_lens), f32(presence), f32(frequency),
+                     f32(repetition))
+
+
+def test_repetition_penalty_matches_transformers():
+    """Each penalised row equals transformers' RepetitionPenaltyLogitsProcessor over its prompt
+    and output tokens (repeats, negative and positive logits); the other rows are untouched."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=gen) * 3
+    tokens = {1: [3, 7, 7, 20, 49, 0], 3: [4], 4: torch.randint(0, vocab, (40,), generator=gen).tolist()}
+    prompt_lens = {1: 2, 3: 1, 4: 25}
+    penalty = {1: 1.3, 3: 0.7, 4: 2.0}
+    rows = sorted(tokens)
+    meta = penalties(rows, [tokens[r] for r in rows], [prompt_lens[r] for r in rows], [0.0] * 3, [0.0] * 3,
+                     [penalty[r] for r in rows])
+    got = apply_penalties(logits, meta)
+    for r in range(5):
+        want = logits[r:r + 1]
+        if r in tokens:
+            want = RepetitionPenaltyLogitsProcessor(penalty[r])(torch.tensor([tokens[r]]), want.clone())
+        assert torch.equal(got[r:r + 1], want), r
+
+
+def test_presence_and_frequency_penalties_match_a_float64_computation():
+    """OpenAI's definition, over the output tokens only: logit -= frequency * count + presence *
+    (count > 0); with a repetition penalty, that applies first, over prompt and output."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 40
+    logits = torch.randn(4, vocab, generator=gen) * 2
+    rows = [0, 2, 3]
+    tokens = [[5, 6, 7, 7, 9, 9, 9, 5], [1, 2, 3], [30, 31, 31, 30, 39]]
+    prompt_lens = [3, 3, 1]  # row 2 has no output yet
+    presence, frequency, repetition = [0.5, -1.0, 2.0], [0.25, 2.0, -0.75], [1.0, 1.0, 1.2]
+    got = apply_penalties(logits, penalties(rows, tokens, prompt_lens, presence, frequency, repetition))
+    want = logits.double().clone()
+    for k, row in enumerate(rows):
+        for t in set(tokens[k]):
+            x = want[row, t].item()
+            want[row, t] = x / repetition[k] if x > 0 else x * repetition[k]
+        output = tokens[k][prompt_lens[k]:]
+        for t in set(output):
+            want[row, t] -= frequency[k] * output.count(t) + presence[k]
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
+    assert torch.equal(got[1], logits[1])
+    assert not torch.equal(got[0], logits[0])
+
+
+def test_min_p_matches_transformers():
+    """After temperature, min-p drops the tokens transformers' MinPLogitsWarper drops."""
+    from transformers import MinPLogitsWarper
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 200, generator=gen) * 4
+    min_ps = [0.0, 0.05, 0.1, 0.3, 0.9, 1.0]
+    temperature = torch.tensor([1.0, 0.5, 1.5, 1.0, 2.0, 0.7])
+    scaled = logits / temperature.unsqueeze(1)
+    got = apply_min_p(scaled, torch.tensor(min_ps))
+    for r, p in enumerate(min_ps):
+        want = scaled[r:r + 1] if p == 0 else MinPLogitsWarper(p)(None, scaled[r:r + 1].clone())
+        assert torch.equal(got[r:r + 1], want), p
+    kept = torch.isfinite(got).sum(dim=-1)
+    assert kept[0] == 200 and kept[-1] == 1 and (kept[1:] < 200).all()
+
+
+def test_sampler_applies_penalties_to_greedy_rows_and_min_p_before_sampling():
+    # The argmax (token 1) is in the prompt: a repetition penalty of 3 makes token 2 win, also
+    # on the all-greedy path.
+    logits = torch.tensor([[0.0, 3.0, 2.0, -1.0], [0.0, 3.0, 2.0, -1.0]])
+    pen = penalties([0], [[1]], [1], [0.0], [0.0], [3.0])
+    meta = SamplingMetadata(temperature=torch.zeros(2), penalties=pen)
+    assert Sampler()(logits, meta).tolist() == [2, 1]
+    # A presence penalty on an output token: the same, through the mixed greedy / random path.
+    pen = penalties([1], [[7, 1]], [1], [2.0], [0.0], [1.0])
+    meta = SamplingMetadata(temperature=torch.tensor([1.0, 0.0]), all_greedy=False, penalties=pen)
+    assert Sampler(torch.Generator().manual_seed(0))(logits, meta)[1].item() == 2
+    # min-p 0.5 keeps only token 1 (token 2 is e^-1 = 0.37 times as likely): always sampled.
+    probs = logits[:1].repeat(2000, 1)
+    meta = SamplingMetadata(temperature=torch.ones(2000), all_greedy=False, min_p=torch.full((2000,), 0.5))
+    assert (Sampler(torch.Generator().manual_seed(0))(probs, meta) == 1).all()
+    meta = SamplingMetadata(temperature=torch.ones(2000), all_greedy=False, min_p=torch.full((2000,), 0.3))
+    assert set(Sampler(torch.Generator().manual_seed(0))(probs, meta).tolist()) == {1, 2}

@@ -77,6 +77,30 @@ def test_preparers_give_identical_greedy_outputs(policy, backend, llama_ckpt):
         assert tokens == reference(path, hf_model), f"preparer {preparer} under {policy}/{backend}"
 
 
+@pytest.mark.parametrize("preparer", ["v0", "v1"])
+def test_repetition_penalty_matches_transformers(llama_ckpt, preparer):
+    """Greedy with ``repetition_penalty=1.3`` equals transformers' ``generate(...,
+    repetition_penalty=1.3)`` (the penalty over prompt and output tokens) while the pool forces
+    preemption, for parallel samples (v0 forks them) and beside requests without a penalty."""
+    path, hf_model = llama_ckpt
+    prompts = parity_prompts()
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2 if i % 3 == 0 else 1,
+                             repetition_penalty=1.3 if i % 2 == 0 else 1.0) for i in range(len(prompts))]
+    llm = LLM(model=str(path), block_size=BLOCK_SIZE, max_model_len=160, max_num_batched_tokens=128,
+              num_gpu_blocks_override=26, max_num_seqs=8, check_invariants=True, preparer=preparer)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool should be small enough to force preemption"
+    changed = 0
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if i % 2:
+            want = reference(path, hf_model)[i]
+        else:
+            want = hf_greedy(hf_model, prompt, MAX_TOKENS, repetition_penalty=1.3)
+            changed += want != reference(path, hf_model)[i]
+        assert [c.token_ids for c in out.outputs] == [want] * params[i].n, i
+    assert changed >= 3, "the penalty should change some greedy outputs"
+
+
 def test_text_prompts_use_the_checkpoint_tokenizer(llama_ckpt):
     path, hf_model = llama_ckpt
     llm = LLM(model=str(path), max_model_len=128)

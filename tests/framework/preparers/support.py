@@ -90,6 +90,23 @@ def samples_by_request(mi: ModelInput) -> dict[str, tuple[str, int, float, objec
     return out
 
 
+def penalties_by_request(mi: ModelInput) -> dict[str, tuple]:
+    """Sampled id -> (min-p, then for a penalised sample its presence, frequency and repetition
+    penalties, prompt tokens and output tokens so far)."""
+    s, ids = mi.sampling, mi.sample_req_ids
+    min_p = s.min_p.tolist() if s.min_p is not None else [0.0] * len(ids)
+    out: dict[str, tuple] = {rid: (min_p[j],) for j, rid in enumerate(ids)}
+    p = s.penalties
+    if p is not None:
+        for k, j in enumerate(p.rows.tolist()):
+            tokens = p.token_ids[k].tolist()
+            tokens = tokens[: tokens.index(-1)] if -1 in tokens else tokens
+            m = int(p.num_prompt_tokens[k])
+            pen = (p.presence_penalties[k].item(), p.frequency_penalties[k].item(), p.repetition_penalties[k].item())
+            out[ids[j]] += (pen, tokens[:m], tokens[m:])
+    return out
+
+
 def assert_equivalent(mi_v0: ModelInput, mi_v1: ModelInput, forks: dict[str, str] | None = None) -> None:
     """Equal after mapping the request order. ``forks`` maps each parallel sample to its leader:
     v0 samples a fork's first token from its leader's row, v1 does not sample it there."""
@@ -106,6 +123,9 @@ def assert_equivalent(mi_v0: ModelInput, mi_v1: ModelInput, forks: dict[str, str
             assert rid in forks, f"v0 samples {rid}, v1 does not"
             assert sample[:2] == s1[forks[rid]][:2], f"fork {rid} is not sampled from its leader's row"
     assert set(s1) <= set(s0)
+    p0, p1 = penalties_by_request(mi_v0), penalties_by_request(mi_v1)
+    for rid, sample in p0.items():
+        assert sample == p1[rid if rid in p1 else forks[rid]], f"min-p or penalties of {rid}"
     m0, m1 = mi_v0.attn_metadata, mi_v1.attn_metadata
     for name in ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len", "block_size"):
         assert getattr(m0, name) == getattr(m1, name), name

@@ -21,7 +21,7 @@ from framework.request import Request, RequestStatus
 from framework.sampling_params import SamplingParams
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput
 from tests.conftest import runnable_backends
-from tests.framework.preparers.support import assert_equivalent, preparer_pair, record
+from tests.framework.preparers.support import assert_equivalent, penalties_by_request, preparer_pair, record
 
 MAX_LEN = 96
 
@@ -127,7 +127,10 @@ def drive(policy: str, seed: int, num_requests: int = 28):
             if not pending:
                 break
             i = pending.pop()
-            params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 0.8]), ignore_eos=True)
+            params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 0.8]), ignore_eos=True,
+                                    min_p=rng.choice([0.0, 0.0, 0.1]), repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+                                    presence_penalty=rng.choice([0.0, 0.0, 0.5]),
+                                    frequency_penalty=rng.choice([0.0, 0.0, -0.25]))
             prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 40))]
             seqs = [Request(f"{i}#{k}", prompt, params, clock.now(), priority=rng.randint(0, 3), max_model_len=MAX_LEN,
                             parent_id=str(i), index=k) for k in range(rng.choice([1, 1, 2, 3]))]
@@ -143,6 +146,7 @@ def drive(policy: str, seed: int, num_requests: int = 28):
         sampled = {}
         if mi0 is not None:
             assert_equivalent(mi0, mi1, forks=fork_of)
+            check_penalties(mi1, {r.request_id: r for r in out.scheduled})
             sampled = {rid: rng.randrange(3, 500) for rid in mi0.sample_req_ids}
             if mi1.sample_req_ids:
                 record(v1, mi1, sampled)  # as the model runner does; v1 checks its rows every step
@@ -162,6 +166,22 @@ def drive(policy: str, seed: int, num_requests: int = 28):
         assert steps < 5000, "the schedule does not finish"
     allocator.check_invariants([])
     return steps, scheduler.num_preemptions, allocator.stats.cow_copies
+
+
+def check_penalties(mi, requests: dict) -> None:
+    """Each penalised sample carries its request's prompt and output tokens; min-p and the
+    penalties are None exactly when no sampled request uses them (the sampler then does nothing)."""
+    got = penalties_by_request(mi)
+    reqs = [requests[rid] for rid in mi.sample_req_ids]
+    assert (mi.sampling.min_p is None) == (not any(r.sampling_params.min_p for r in reqs))
+    assert (mi.sampling.penalties is None) == (not any(r.sampling_params.penalized for r in reqs))
+    for r in reqs:
+        p = r.sampling_params
+        want = (np.float32(p.min_p).item(),)
+        if p.penalized:
+            want += ((p.presence_penalty, p.frequency_penalty, np.float32(p.repetition_penalty).item()),
+                     r.prompt_token_ids, r.output_token_ids)
+        assert got[r.request_id] == want, r.request_id
 
 
 @pytest.mark.parametrize("policy", POLICIES.list())
