@@ -74,7 +74,8 @@ WORKLOADS: Registry[Workload] = Registry(
 
 
 #: Workload keys that shape sampling rather than the requests; every workload accepts them.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "ignore_eos")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "ignore_eos")
 #: A workload's requests are greedy and run to their output length unless its config says otherwise.
 SAMPLING_DEFAULTS = {"temperature": 0.0, "ignore_eos": True}
 

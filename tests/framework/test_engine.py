@@ -174,6 +174,11 @@ def test_a_cost_model_option_the_simulator_sets_itself_is_named_as_such():
     ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
     ({"stop_token_ids": None}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"stop_token_ids": "12"}, "stop_token_ids"),
+    ({"min_p": -0.1}, r"^SamplingParams.min_p must be in \[0, 1\], got -0.1$"), ({"min_p": 1.5}, "min_p"),
+    ({"min_p": float("nan")}, "min_p"), ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, r"^SamplingParams.repetition_penalty must be a finite number > 0, got 0$"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"repetition_penalty": True}, "repetition_penalty"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

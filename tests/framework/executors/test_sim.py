@@ -128,6 +128,19 @@ def test_outputs_run_to_max_tokens_and_never_stop_on_the_sampled_token():
         LLM(model="tiny-llama", executor="sim", executor_options={"hardware": "cpu", "sampled_token": 2})
 
 
+def test_penalties_and_min_p_are_accepted_and_change_no_timing():
+    """The simulator's tokens are synthetic and its cost model has no sampler term: requests with
+    penalties or min-p run exactly as the same requests without them."""
+    def run(**sampling):
+        llm = LLM(model="tiny-llama", executor="sim", max_model_len=512, executor_options={"hardware": "cpu"})
+        outs = llm.generate([{"prompt_token_ids": [5] * 20}, {"prompt_token_ids": [6] * 30}],
+                            [SamplingParams(max_tokens=m, temperature=0.0, **sampling) for m in (12, 5)])
+        return [(o.outputs[0].token_ids, o.metrics.token_times) for o in outs]
+
+    plain = run()
+    assert run(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=1.0, min_p=0.1) == plain
+
+
 @pytest.mark.parametrize("bad", ["abc", True, 1.5])
 def test_sampled_token_must_be_an_integer_id(bad):
     # A string used to fail in a comparison (TypeError); True and 1.5 were taken as ids.

@@ -141,6 +141,15 @@ def test_sampling_keys_are_split_off():
     assert params.max_tokens == workload.generate(CTX)[0].output_len
 
 
+def test_penalties_and_min_p_are_sampling_keys():
+    options = {"min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1}
+    workload, sampling = create_workload({"name": "synthetic", "num_requests": 2, **options})
+    params = sampling_params(workload.generate(CTX)[0], sampling)
+    assert {k: getattr(params, k) for k in options} == options
+    with pytest.raises(ValueError, match=r"^workload.repetition_penalty must be a finite number > 0, got 0$"):
+        create_workload({"name": "synthetic", "repetition_penalty": 0})
+
+
 @pytest.mark.parametrize("options", [
     {"name": "synthetic"}, {"name": "trace", "path": "experiments/traces/sample.jsonl"},
     {"name": "sharegpt", "path": "experiments/data/sharegpt_sample.json"}])
