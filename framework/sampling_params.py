@@ -13,32 +13,35 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1.0 disable those
     filters, as does ``min_p`` of 0 (else tokens less likely than ``min_p`` times the most likely
-    one, after temperature, are dropped). ``repetition_penalty`` (1 = off) divides the positive
-    logits and multiplies the negative ones of every token in the prompt or the output so far;
-    ``presence_penalty`` and ``frequency_penalty`` (0 = off) subtract from the logit of each token
-    the output holds, once and once per occurrence (OpenAI's definition; the prompt does not
-    count). Penalties apply to greedy requests too, as in vLLM. ``seed`` makes one request's samples reproducible whatever else is in the batch.
-    ``max_tokens`` counts generated tokens; generation also stops at the engine's ``max_model_len``.
+    one, after temperature, are dropped). ``seed`` makes one request's samples reproducible
+    whatever else is in the batch. ``max_tokens`` counts generated tokens; generation also stops
+    at the engine's ``max_model_len``.
     ``stop`` (one string or a list) ends a sequence when its output text contains one of them, as
     vLLM's: ``finish_reason`` "stop", ``stop_reason`` the string, the text cut before it (after
     it with ``include_stop_str_in_output``); it needs ``detokenize`` and a tokenizer.
+    ``repetition_penalty`` (1 = off) divides the positive logits and multiplies the negative ones
+    of every token in the prompt or the output so far; ``presence_penalty`` and
+    ``frequency_penalty`` (0 = off) subtract from the logit of each token the output holds, once
+    and once per occurrence (OpenAI's definition; the prompt does not count). Penalties apply to
+    greedy requests too, as in vLLM.
+    Fields added after the first nine are last, so positional construction keeps its meaning.
     """
 
     n: int = 1
     max_tokens: int = 16
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     detokenize: bool = True
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
