@@ -27,6 +27,7 @@ class EngineConfig:
     ``gpu_memory_utilization`` of the card, else (CPU) from ``cpu_kv_cache_gb``. ``swap_space``
     is the CPU swap space in GiB, as in vLLM.
     ``seed`` drives sampling; ``model_seed`` the random weights of a preset model.
+    ``max_logprobs`` caps ``SamplingParams.logprobs``, as in vLLM (default 20).
     """
 
     model: str = "tiny-llama"
@@ -56,6 +57,7 @@ class EngineConfig:
     model_seed: int = 0
     num_threads: int | None = None
     check_invariants: bool = False
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         for part in PART_NAMES:  # None means no options, as an omitted argument does
@@ -102,6 +104,8 @@ class EngineConfig:
             # torch's manual_seed refuses a numpy integer ("an integer is required"), mid-build.
             setattr(self, name, int(getattr(self, name)))
         check_positive_int("num_threads", self.num_threads, optional=True)
+        if not is_int(self.max_logprobs) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("enable_prefix_caching", "check_invariants"):
             check_bool(name, getattr(self, name))
         if self.dtype != "auto" and not (isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES):

@@ -15,9 +15,9 @@ from framework.block_allocator import ALLOCATORS
 from framework.clock import Clock
 from framework.config import EngineConfig, is_finite_number
 from framework.detokenizer import DETOKENIZE_CONTEXT, StopStringDetokenizer
-from framework.executor import EXECUTORS
+from framework.executor import EXECUTORS, ExecutorOutput
 from framework.fast_forward import DecodePlan, commit_decode_run, plan_decode_run
-from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from framework.request import Request, RequestStatus
 from framework.sampling_params import SamplingParams
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput
@@ -155,8 +155,7 @@ class LLMEngine:
         # Only None means the defaults: a falsy mistake ([], {}, 0) would otherwise pass as them.
         params = SamplingParams() if params is None else params
         check_request_args(params, arrival_time, priority)
-        if params.stop:
-            self.check_stop_strings(params)
+        self.check_params(params)
         ids, text = self.tokenize(prompt)
         if request_id in self._parents or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -198,15 +197,26 @@ class LLMEngine:
         for req in children:
             self.scheduler.add_request(req)
 
-    def check_stop_strings(self, params: SamplingParams) -> None:
-        """ValueError unless this engine can end ``params``' sequences on its stop strings: they
-        are matched against the decoded output, which needs a tokenizer and real tokens."""
-        if not self.executor.produces_text:
-            raise ValueError(f"executor {self.config.executor!r} samples synthetic tokens with no text: it cannot "
-                             f"simulate SamplingParams.stop (stop strings); use stop_token_ids or max_tokens")
-        if self.tokenizer is None:
-            raise ValueError(f"SamplingParams.stop is matched against the output text, and model "
-                             f"{self.config.model!r} has no tokenizer to decode it; use stop_token_ids")
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError, one line naming the option, for sampling parameters this engine cannot
+        serve: more logprobs than ``max_logprobs`` (or the vocabulary), stop strings without a
+        tokenizer or real tokens to decode, or an option the executor cannot honour."""
+        if params.stop:
+            # Stop strings are matched against the decoded output.
+            if not self.executor.produces_text:
+                raise ValueError(f"executor {self.config.executor!r} samples synthetic tokens with no text: it "
+                                 f"cannot simulate SamplingParams.stop (stop strings); use stop_token_ids or max_tokens")
+            if self.tokenizer is None:
+                raise ValueError(f"SamplingParams.stop is matched against the output text, and model "
+                                 f"{self.config.model!r} has no tokenizer to decode it; use stop_token_ids")
+        if params.logprobs is not None:
+            limit, name = self.config.max_logprobs, "the engine's max_logprobs"
+            if self.model_config.vocab_size < limit:
+                limit, name = self.model_config.vocab_size, "the model's vocabulary size"
+            if params.logprobs > limit:
+                raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds {name} ({limit}); "
+                                 f"ask for at most {limit}")
+        self.executor.check_request(params)
 
     def _sequence_in_use(self, rid: str) -> bool:
         """Whether ``rid`` names an unfinished sequence: one the scheduler holds, or a parallel
@@ -244,16 +254,19 @@ class LLMEngine:
         start = self.clock.now()
         out = self.scheduler.schedule()
         try:
-            sampled = self.executor.execute(out).sampled if out.runs else {}
+            result = self.executor.execute(out) if out.runs else ExecutorOutput()
         except BaseException:
             self.scheduler.step_failed(out)
             raise
+        sampled = result.sampled
         # One time for the step's tokens, forks' first tokens included: a streaming client gets
         # them together, and RequestMetrics.token_times counts one entry per step.
         now = self.clock.now()
         if self._leaders:
-            self._fork_leaders(sampled, now)
+            self._fork_leaders(result, now)
         progressed = self.scheduler.update_from_output(out, sampled, now)
+        if result.logprobs:
+            self._append_logprobs(progressed, result.logprobs)
         done_elsewhere = self.scheduler.take_finished_outside_step()
         self._settle_forks(done_elsewhere)
         self._check_progress(out, done_elsewhere)
@@ -271,8 +284,9 @@ class LLMEngine:
                 callback(stats, out)
         return outputs
 
-    def _fork_leaders(self, sampled: dict[str, int], now: float) -> None:
+    def _fork_leaders(self, result: ExecutorOutput, now: float) -> None:
         """Fork the other sequences of every leader that sampled its first token this step."""
+        sampled = result.sampled
         for rid in [rid for rid in self._leaders if rid in sampled]:
             leader = self._leaders.pop(rid)
             for child in leader.forks:
@@ -281,7 +295,26 @@ class LLMEngine:
                     raise RuntimeError(f"preparer {self.config.preparer!r} sampled no first token for "
                                        f"{child.request_id}, a parallel sample of {rid}")
                 self.scheduler.fork(leader, child, token, now)
+                if result.logprobs:
+                    self._append_logprobs([child], result.logprobs)
             leader.forks = []
+
+    def _append_logprobs(self, reqs: Iterable[Request], logprobs: dict[str, dict[int, Logprob]]) -> None:
+        """Give each of ``reqs`` that asks for logprobs those of the token it just appended, its
+        tokens' text decoded as vLLM does (each alone). Appended as the token is, once: a request
+        recomputed after preemption samples only past its known tokens, so nothing repeats."""
+        for req in reqs:
+            if req.logprobs is None:
+                continue
+            entry = logprobs.get(req.request_id)
+            if entry is None:
+                raise RuntimeError(f"executor {self.config.executor!r} returned no logprobs for {req.request_id}, "
+                                   f"which asks for them")
+            if self.tokenizer is not None and req.sampling_params.detokenize:
+                for token_id, logprob in entry.items():
+                    logprob.decoded_token = self.tokenizer.decode([token_id])
+            req.logprobs.append(entry)
+            req.cumulative_logprob += entry[req.token_ids[-1]].logprob
 
     def _settle_forks(self, finished: Iterable[Request]) -> None:
         """A leader among ``finished`` (requests that finished before sampling: ignored, aborted)
@@ -393,7 +426,11 @@ class LLMEngine:
                 # The stop token's text is left out (a non-special EOS or stop id would show).
                 shown = ids[:-1] if req.status == RequestStatus.FINISHED_STOPPED else ids
                 text = decode_continuation(self.tokenizer, first.prompt_token_ids, shown)
-            completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
+            logprobs = req.logprobs
+            if logprobs is not None and not req.is_finished:
+                logprobs = list(logprobs)  # a running request's list still grows
+            completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason,
+                                                req.cumulative_logprob, logprobs))
         # n > 1: one time per step that gave any sequence a token, as a streaming client receives
         # them, so TPOT and the ITLs are a sequence's pace, not the pace of all tokens together.
         token_times = first.token_times if len(children) == 1 else sorted({t for r in children for t in r.token_times})

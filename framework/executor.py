@@ -15,6 +15,8 @@ from framework.registry import Registry
 
 if TYPE_CHECKING:
     from framework.config import EngineConfig
+    from framework.outputs import Logprob
+    from framework.sampling_params import SamplingParams
     from framework.scheduler import SchedulerOutput
     from models.config import ModelConfig
     from models.loader import ModelSource
@@ -24,9 +26,12 @@ GiB = 1 << 30
 
 @dataclass
 class ExecutorOutput:
-    """Sampled token per request that reached its last known token this step."""
+    """Sampled token per request that reached its last known token this step, and, for those
+    of them that ask for logprobs, the ``{token_id: Logprob}`` of that position (no decoded
+    text: the engine adds it)."""
 
     sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
 
 
 class Executor(ABC):
@@ -45,6 +50,9 @@ class Executor(ABC):
     #: Whether the sampled tokens are a model's, with text to decode: a simulator's synthetic
     #: tokens have none, and the engine refuses what would read it (``SamplingParams.stop``).
     produces_text: ClassVar[bool] = True
+    #: Whether ``execute`` returns ``ExecutorOutput.logprobs`` for the requests that ask for them
+    #: (``SamplingParams.logprobs``); without it the engine refuses such requests.
+    returns_logprobs: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
         self.config = config
@@ -63,6 +71,13 @@ class Executor(ABC):
     @property
     def device(self) -> str:
         return "cpu"
+
+    def check_request(self, params: SamplingParams) -> None:
+        """ValueError, one line naming the option, for sampling parameters this executor cannot
+        honour (checked before the request is queued)."""
+        if params.logprobs is not None and not self.returns_logprobs:
+            raise ValueError(f"executor={self.name or type(self).__name__} cannot return logprobs (SamplingParams.logprobs="
+                             f"{params.logprobs}): leave logprobs None, or run executor=model")
 
     @abstractmethod
     def kv_block_counts(self) -> tuple[int, int]: ...

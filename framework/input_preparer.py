@@ -33,7 +33,9 @@ class Penalties:
 class SamplingMetadata:
     """Per sampled row: temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 =
     off), and the request's own generator where it has a seed; ``penalties`` for the rows that use
-    any. A filter or ``penalties`` is None when no row uses it."""
+    any. A filter or ``penalties`` is None when no row uses it. ``logprob_rows`` (device) and
+    ``logprob_rows_cpu`` are the sampled rows that ask for logprobs, ``num_logprobs`` how many
+    top tokens each asks for; all three None when no row asks."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor | None = None
@@ -42,6 +44,9 @@ class SamplingMetadata:
     all_greedy: bool = True
     min_p: torch.Tensor | None = None
     penalties: Penalties | None = None
+    logprob_rows: torch.Tensor | None = None
+    logprob_rows_cpu: np.ndarray | None = None
+    num_logprobs: list[int] | None = None
 
 
 @dataclass
@@ -142,18 +147,27 @@ class InputPreparer(ABC):
     def sampling_metadata(self, temperature: np.ndarray, top_k: np.ndarray | None = None,
                           top_p: np.ndarray | None = None,
                           generators: dict[int, torch.Generator] | None = None, min_p: np.ndarray | None = None,
-                          penalties: Penalties | None = None) -> SamplingMetadata:
-        """Per sampled row parameters (float32 temperature, top-p and min-p, int64 top-k) on the
-        device. ``top_k`` / ``top_p`` / ``min_p`` may be None when the caller knows no row uses
-        them; each filter comes out None when no row uses it, and ``all_greedy`` when every
-        temperature is 0 (the float32 the sampler sees). ``penalties`` come from ``penalties``."""
-        return SamplingMetadata(
+                          penalties: Penalties | None = None,
+                          num_logprobs: np.ndarray | None = None) -> SamplingMetadata:
+        """Per sampled row parameters (float32 temperature, top-p and min-p, int64 top-k, int64
+        ``SamplingParams.logprobs`` with -1 for None) on the device. ``top_k`` / ``top_p`` /
+        ``min_p`` / ``num_logprobs`` may be None when the caller knows no row uses them; each
+        filter comes out None when no row uses it, the logprob rows when no row asks for logprobs,
+        and ``all_greedy`` when every temperature is 0 (the float32 the sampler sees).
+        ``penalties`` come from ``penalties``."""
+        meta = SamplingMetadata(
             temperature=self._tensor(temperature),
             top_k=self._tensor(top_k) if top_k is not None and np.count_nonzero(top_k) else None,
             top_p=self._tensor(top_p) if top_p is not None and np.count_nonzero(top_p < 1) else None,
             generators=generators or {}, all_greedy=not np.count_nonzero(temperature),
             min_p=self._tensor(min_p) if min_p is not None and np.count_nonzero(min_p) else None,
             penalties=penalties)
+        if num_logprobs is not None:
+            rows = np.flatnonzero(num_logprobs >= 0)
+            if len(rows):
+                meta.logprob_rows, meta.logprob_rows_cpu = self._tensor(rows), rows
+                meta.num_logprobs = num_logprobs[rows].tolist()
+        return meta
 
     def penalties(self, rows: np.ndarray, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
                   presence: np.ndarray, frequency: np.ndarray, repetition: np.ndarray) -> Penalties | None:

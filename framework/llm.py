@@ -56,8 +56,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             token_ids, text = self.engine.tokenize(prompt)
             check_request_args(p, None, priority[i] if priority else 0)
-            if p.stop:
-                self.engine.check_stop_strings(p)
+            self.engine.check_params(p)
             tokenized.append({"prompt_token_ids": token_ids, "prompt": text})
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from framework.attention import AttentionBackend
+from framework.executor import ExecutorOutput
 from framework.input_preparer import InputPreparer
 from framework.sampler import Sampler
 from framework.scheduler import SchedulerOutput
@@ -55,16 +56,23 @@ class ModelRunner:
             self.kv_cache[:, :, copy_dst] = copied
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput:
         self.apply_block_ops(out)
         inputs = self.preparer.prepare(out)
         if inputs is None:
-            return {}
+            return ExecutorOutput()
         meta = self.backend.build_metadata(inputs.attn_metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
         if not inputs.sample_req_ids:
-            return {}
+            return ExecutorOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        tokens = self.sampler(logits, inputs.sampling).cpu().numpy()
+        sampling = inputs.sampling
+        sampler_output = self.sampler.sample(logits, sampling)
+        tokens = sampler_output.sampled.cpu().numpy()
         self.preparer.record_sampled(inputs, tokens)
-        return dict(zip(inputs.sample_req_ids, tokens.tolist()))
+        output = ExecutorOutput(dict(zip(inputs.sample_req_ids, tokens.tolist())))
+        if sampler_output.logprobs is not None:
+            assert sampling.logprob_rows_cpu is not None and sampling.num_logprobs is not None
+            rids = map(inputs.sample_req_ids.__getitem__, sampling.logprob_rows_cpu.tolist())
+            output.logprobs = dict(zip(rids, sampler_output.logprobs.to_dicts(sampling.num_logprobs)))
+        return output

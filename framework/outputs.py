@@ -5,6 +5,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log probability in one generated position, as vLLM's ``Logprob``: ``rank`` is
+    its 1-based rank in that position's distribution (1 = most likely), ``decoded_token`` its text
+    alone (None without a tokenizer or with ``detokenize=False``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One sequence's output. ``token_ids`` are every sampled token, a stop token (EOS, or one of
     ``stop_token_ids``) included; ``text`` is their decoded text without the stop token's, as
@@ -14,7 +25,14 @@ class CompletionOutput:
     ``abort`` once finished; ``stop_reason`` the stop token id or stop string that ended it (None
     for EOS). A stop string (``SamplingParams.stop``) is cut from ``text`` with what follows it
     (kept with ``include_stop_str_in_output``), while ``token_ids`` keep the token that completed
-    it; until finished, ``text`` then lacks its last ``len(longest stop) - 1`` characters."""
+    it; until finished, ``text`` then lacks its last ``len(longest stop) - 1`` characters.
+
+    With ``SamplingParams.logprobs = k``, ``logprobs[i]`` maps the token sampled at position ``i``
+    and the ``k`` most likely tokens there to their ``Logprob`` (``k`` or ``k + 1`` entries, the
+    sampled token first), and ``cumulative_logprob`` is the sum of the sampled tokens' logprobs;
+    both are None without it. As vLLM v1's default (raw logprobs), they are of the model's own
+    distribution: float32 ``log_softmax`` of the logits before penalties, temperature, min-p,
+    top-k and top-p."""
 
     index: int
     text: str
@@ -22,6 +40,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -58,6 +58,7 @@ class Request:
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
         "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra", "arrival_order",
         "detokenizer",
+        "logprobs", "cumulative_logprob",
     )
 
     def __init__(
@@ -110,6 +111,10 @@ class Request:
         self.arrival_order = 0
         #: The output text checked for ``SamplingParams.stop`` (set by the engine), else None.
         self.detokenizer: StopStringDetokenizer | None = None
+        #: With ``sampling_params.logprobs``: one ``{token_id: Logprob}`` per output token, and the
+        #: sum of the output tokens' logprobs (the engine appends them); None otherwise.
+        self.logprobs: list[dict[int, Any]] | None = None if sampling_params.logprobs is None else []
+        self.cumulative_logprob: float | None = None if sampling_params.logprobs is None else 0.0
 
     # -- sizes -----------------------------------------------------------------------------------
     @property

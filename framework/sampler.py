@@ -1,10 +1,51 @@
 """Batched sampling on the device: penalties, greedy, temperature, min-p, top-k, top-p,
-per-request seeds."""
+per-request seeds, and the logprobs of the rows that ask for them."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from framework.input_preparer import Penalties, SamplingMetadata
+from framework.outputs import Logprob
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of some sampled rows: ``token_ids[i]`` and ``logprobs[i]`` hold row ``i``'s
+    sampled token, then its ``k`` most likely tokens in decreasing order (``k`` the largest any
+    of the rows asked for); ``ranks[i]`` is the sampled token's 1-based rank."""
+
+    token_ids: torch.Tensor  # [rows, k + 1] int64
+    logprobs: torch.Tensor  # [rows, k + 1] float32
+    ranks: torch.Tensor  # [rows] int64
+
+    def to_dicts(self, num_logprobs: list[int]) -> list[dict[int, Logprob]]:
+        """Row ``i`` as vLLM's ``{token_id: Logprob}`` (no decoded text) with its own
+        ``num_logprobs[i]`` top tokens: the sampled token first, then the top ones; a sampled
+        token among them takes its top-k rank, so a row has ``k`` or ``k + 1`` entries. The
+        tensors come to the host in one transfer (float64 holds the ids, ranks and float32
+        logprobs exactly)."""
+        ids, logprobs, ranks = self.token_ids, self.logprobs, self.ranks
+        if ids.device.type != "cpu":
+            packed = torch.cat([ids.double(), logprobs.double(), ranks.double().unsqueeze(1)], dim=1).cpu()
+            width = ids.shape[1]
+            ids, logprobs, ranks = packed[:, :width].long(), packed[:, width:2 * width], packed[:, -1].long()
+        dicts = []
+        for row_ids, row_logprobs, rank, k in zip(ids.tolist(), logprobs.tolist(), ranks.tolist(), num_logprobs):
+            entry = {row_ids[0]: Logprob(row_logprobs[0], rank)}
+            for j in range(1, k + 1):
+                entry[row_ids[j]] = Logprob(row_logprobs[j], j)
+            dicts.append(entry)
+        return dicts
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled token of every row, and the logprobs of the rows that asked (None if none did)."""
+
+    sampled: torch.Tensor
+    logprobs: LogprobsTensors | None = None
 
 
 class Sampler:
@@ -15,6 +56,20 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The sampled tokens (``self(logits, meta)``) and the logprobs of ``meta.logprob_rows``.
+
+        As vLLM v1's default (``logprobs_mode="raw_logprobs"``) they are of the model's own
+        distribution: float32 ``log_softmax`` of the logits as they come, before temperature,
+        top-k and top-p. They are computed first, from a copy of those rows, so that whatever
+        sampling does to the logits cannot reach them. No row asking: nothing more is done."""
+        if meta.logprob_rows is None:
+            return SamplerOutput(self(logits, meta))
+        raw = logits[meta.logprob_rows].float().log_softmax(dim=-1)
+        sampled = self(logits, meta)
+        assert meta.num_logprobs is not None
+        return SamplerOutput(sampled, gather_logprobs(raw, sampled[meta.logprob_rows], max(meta.num_logprobs)))
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = logits.float()
@@ -77,6 +132,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Each row's logprob and rank of ``token_ids`` and its ``k`` largest logprobs. The rank is
+    how many tokens have a logprob at least the token's (1 for the most likely), as vLLM counts."""
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    token_ids = token_ids.unsqueeze(1)
+    token_logprobs = logprobs.gather(-1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    return LogprobsTensors(torch.cat([token_ids, top_ids], dim=1), torch.cat([token_logprobs, top_logprobs], dim=1),
+                           ranks)
 
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ class SamplingParams:
     ``frequency_penalty`` (0 = off) subtract from the logit of each token the output holds, once
     and once per occurrence (OpenAI's definition; the prompt does not count). Penalties apply to
     greedy requests too, as in vLLM.
+    ``logprobs = k`` returns, for every generated token, the logprobs of the sampled token and the
+    ``k`` most likely ones (``CompletionOutput.logprobs``; at most the engine's ``max_logprobs``).
     Fields added after the first nine are last, so positional construction keeps its meaning.
     """
 
@@ -42,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -80,6 +83,10 @@ class SamplingParams:
         if not listed or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"SamplingParams.stop must be None, a non-empty string or a list of them, got {self.stop!r}")
         self.stop = stop
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"SamplingParams.logprobs must be None (off) or an integer >= 0, got {self.logprobs!r}")
+        if self.logprobs is not None:  # a numpy integer would reach torch.topk and the engine's checks
+            self.logprobs = int(self.logprobs)
         for name in ("ignore_eos", "detokenize", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")

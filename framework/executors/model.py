@@ -57,6 +57,7 @@ def set_num_threads(num_threads: int | None) -> None:
 @EXECUTORS.register("model")
 class ModelExecutor(Executor):
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
+    returns_logprobs = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
         super().__init__(config, source, clock)
@@ -123,4 +124,4 @@ class ModelExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> ExecutorOutput:
         assert self.runner is not None, "initialize() must be called before execute()"
-        return ExecutorOutput(self.runner.execute(out))
+        return self.runner.execute(out)

@@ -212,7 +212,8 @@ class SequenceGroupPreparer(InputPreparer):
             np.array([p.top_p for p in params], dtype=np.float32),
             {i: r.generator for i, r in enumerate(sample_reqs) if r.generator is not None},
             np.array([p.min_p for p in params], dtype=np.float32),
-            self._penalties(params, sample_data))
+            self._penalties(params, sample_data),
+            np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64))
         return self.model_input(host, req_ids, [r.request_id for r in sample_reqs], sampling,
                                 num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
                                 num_decode_tokens=total - num_prefill_tokens)

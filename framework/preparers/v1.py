@@ -87,6 +87,9 @@ class FlatBatchPreparer(InputPreparer):
         (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
          self.repetition_penalty) = self._row_floats.T
         self.generators: list[torch.Generator | None] = [None] * rows
+        # SamplingParams.logprobs per row (-1: None), and how many live rows ask for logprobs.
+        self.num_logprobs = np.full(rows, -1, dtype=np.int64)
+        self._num_logprob_rows = 0
         self._row_flags = [0] * rows
         self._num_live = [0] * 64  # live rows with each combination of flags
         self.row_of: dict[str, int] = {}
@@ -119,6 +122,9 @@ class FlatBatchPreparer(InputPreparer):
             row_floats[row] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
                                params.frequency_penalty, params.repetition_penalty)
             self.generators[row] = req.generator
+            if params.logprobs is not None:
+                self.num_logprobs[row] = params.logprobs
+                self._num_logprob_rows += 1
             self._row_flags[row] = flags = _flags(req)
             self._num_live[flags] += 1
 
@@ -128,6 +134,9 @@ class FlatBatchPreparer(InputPreparer):
             row = self.row_of.pop(rid, None)
             if row is not None:
                 self.generators[row] = None
+                if self.num_logprobs[row] >= 0:
+                    self.num_logprobs[row] = -1
+                    self._num_logprob_rows -= 1
                 self._num_live[self._row_flags[row]] -= 1
                 heapq.heappush(self._free_rows, row)
                 freed.append(row)
@@ -312,7 +321,7 @@ class FlatBatchPreparer(InputPreparer):
         return model_input
 
     def _sampling(self, sample_rows: np.ndarray) -> SamplingMetadata:
-        """The sampled rows' parameters; a filter or penalty no live row uses is not looked at."""
+        """The sampled rows' parameters; a filter, penalty or logprobs no live row uses is not looked at."""
         live = 0
         for flags in compress(range(64), self._num_live):
             live |= flags
@@ -324,7 +333,8 @@ class FlatBatchPreparer(InputPreparer):
                                       self.top_k[sample_rows] if live & _TOP_K else None,
                                       self.top_p[sample_rows] if live & _TOP_P else None, generators,
                                       self.min_p[sample_rows] if live & _MIN_P else None,
-                                      self._penalties(sample_rows) if live & _PENALIZED else None)
+                                      self._penalties(sample_rows) if live & _PENALIZED else None,
+                                      self.num_logprobs[sample_rows] if self._num_logprob_rows else None)
 
     def _penalties(self, sample_rows: np.ndarray) -> Penalties | None:
         """The penalised sampled rows' tokens, gathered from the token table (their rows hold every

@@ -1,3 +1,5 @@
+import numpy as np
+import pytest
 import torch
 
 from framework.input_preparer import Penalties, SamplingMetadata
@@ -144,3 +146,55 @@ def test_sampler_applies_penalties_to_greedy_rows_and_min_p_before_sampling():
     assert (Sampler(torch.Generator().manual_seed(0))(probs, meta) == 1).all()
     meta = SamplingMetadata(temperature=torch.ones(2000), all_greedy=False, min_p=torch.full((2000,), 0.3))
     assert set(Sampler(torch.Generator().manual_seed(0))(probs, meta).tolist()) == {1, 2}
+def logprob_meta(temperature, num_logprobs, **kwargs):
+    """Sampling metadata for rows with ``temperature`` and ``SamplingParams.logprobs`` (None: off)."""
+    rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+    return SamplingMetadata(temperature=torch.tensor(temperature), all_greedy=not any(temperature),
+                            logprob_rows=torch.tensor(rows) if rows else None,
+                            logprob_rows_cpu=np.array(rows) if rows else None,
+                            num_logprobs=[num_logprobs[i] for i in rows] if rows else None, **kwargs)
+
+
+def test_logprobs_are_the_raw_distribution_of_the_rows_that_ask():
+    """Against a float64 log_softmax of the unprocessed logits: temperature, top-k and top-p change
+    what is sampled, not the logprobs; each row gets the sampled token first, then its own k."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300) * 4
+    meta = logprob_meta([0.0, 0.5, 1.3, 0.0, 2.0], [3, None, 0, 5, 20], top_k=torch.tensor([0, 0, 4, 0, 2]),
+                        top_p=torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5]))
+    out = Sampler(torch.Generator().manual_seed(0)).sample(logits.clone(), meta)
+    assert out.sampled.tolist() == Sampler(torch.Generator().manual_seed(0))(logits.clone(), meta).tolist()
+    dicts = out.logprobs.to_dicts(meta.num_logprobs)
+    want = logits.double().log_softmax(dim=-1)
+    for row, k, entry in zip(meta.logprob_rows_cpu.tolist(), meta.num_logprobs, dicts):
+        token = out.sampled[row].item()
+        assert next(iter(entry)) == token
+        order = want[row].argsort(descending=True).tolist()
+        top = order[:k]
+        assert set(entry) == {token, *top} and len(entry) == k + (token not in top)
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(want[row, t].item(), abs=1e-5)
+            assert lp.rank == order.index(t) + 1
+            assert lp.decoded_token is None
+
+
+def test_sampled_token_outside_the_top_k_gets_its_own_rank():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).log_softmax(dim=-1)
+    out = Sampler().sample(logits, logprob_meta([1.0], [1], top_k=torch.tensor([0])))
+    sampled = out.sampled.item()
+    # Rank how many tokens are at least as likely, whichever token the noise picked.
+    tokens = [0, 1, 2, 3, 4]
+    entry = out.logprobs.to_dicts([1])[0]
+    assert entry[sampled].rank == tokens.index(sampled) + 1 and entry[0].rank == 1
+    meta = logprob_meta([1.0], [1], top_k=torch.tensor([0]))
+    logits = torch.tensor([[0.0, 100.0, 0.0]])  # token 1 always; with k=1 it is the top token too
+    assert list(Sampler().sample(logits, meta).logprobs.to_dicts([1])[0]) == [1]
+
+
+def test_no_row_asking_for_logprobs_computes_none(monkeypatch):
+    """The hot path: without logprob rows, ``sample`` only samples (no log_softmax at all)."""
+    called = []
+    monkeypatch.setattr(torch.Tensor, "log_softmax", lambda *a, **k: called.append(1))
+    logits = torch.randn(3, 50)
+    out = Sampler().sample(logits, SamplingMetadata(temperature=torch.zeros(3)))
+    assert out.logprobs is None and out.sampled.tolist() == logits.argmax(dim=-1).tolist() and not called

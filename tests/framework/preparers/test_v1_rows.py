@@ -120,9 +120,9 @@ def test_the_benchmark_step_matches_v0_with_the_runner_hook():
 
 
 def test_sampling_parameters_follow_the_rows_that_sample():
-    """Temperature, top-k, top-p and generators of the sampled rows, as the generic
+    """Temperature, top-k, top-p, generators and logprobs of the sampled rows, as the generic
     ``InputPreparer.sampling_metadata`` computes them, while rows using each filter come and go."""
-    rng = random.Random(0)
+    rng, lp_rng = random.Random(0), random.Random(1)  # logprobs drawn apart: the steps stay as they were
     prep = preparer(max_num_reqs=8, max_model_len=64, max_num_batched_tokens=512)
     live: dict[str, Request] = {}
     for step in range(60):
@@ -132,7 +132,8 @@ def test_sampling_parameters_follow_the_rows_that_sample():
         new = []
         for k in range(rng.randint(0, 8 - len(live))):
             params = SamplingParams(temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([0, 0, 5]),
-                                    top_p=rng.choice([1.0, 1.0, 0.9]), seed=rng.choice([None, 3]))
+                                    top_p=rng.choice([1.0, 1.0, 0.9]), seed=rng.choice([None, 3]),
+                                    logprobs=lp_rng.choice([None, None, 0, 4]))
             r = Request(f"{step}.{k}", [5, 6, 7], params, 0.0)
             r.status, r.block_ids = RequestStatus.RUNNING, [1]
             if params.seed is not None:
@@ -156,7 +157,8 @@ def test_sampling_parameters_follow_the_rows_that_sample():
             prep, np.array([r.sampling_params.temperature for r in sampled], dtype=np.float32),
             np.array([r.sampling_params.top_k for r in sampled], dtype=np.int64),
             np.array([r.sampling_params.top_p for r in sampled], dtype=np.float32),
-            {i: r.generator for i, r in enumerate(sampled) if r.generator is not None})
+            {i: r.generator for i, r in enumerate(sampled) if r.generator is not None},
+            np.array([-1 if r.sampling_params.logprobs is None else r.sampling_params.logprobs for r in sampled]))
         got = mi.sampling
         assert torch.equal(got.temperature, want.temperature) and got.all_greedy == want.all_greedy
         for name in ("top_k", "top_p"):
@@ -164,3 +166,9 @@ def test_sampling_parameters_follow_the_rows_that_sample():
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
         assert got.generators.keys() == want.generators.keys()
         assert all(got.generators[i] is want.generators[i] for i in got.generators)
+        assert got.num_logprobs == want.num_logprobs
+        assert (got.logprob_rows is None) == (want.logprob_rows is None)
+        if got.logprob_rows is not None:
+            assert got.logprob_rows.tolist() == got.logprob_rows_cpu.tolist() == want.logprob_rows_cpu.tolist()
+        asking = [i for i, r in enumerate(sampled) if r.sampling_params.logprobs is not None]
+        assert (got.logprob_rows_cpu.tolist() if asking else got.logprob_rows_cpu) == (asking or None)
