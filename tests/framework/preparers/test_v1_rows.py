@@ -158,7 +158,8 @@ def test_sampling_parameters_follow_the_rows_that_sample():
             np.array([r.sampling_params.top_k for r in sampled], dtype=np.int64),
             np.array([r.sampling_params.top_p for r in sampled], dtype=np.float32),
             {i: r.generator for i, r in enumerate(sampled) if r.generator is not None},
-            np.array([-1 if r.sampling_params.logprobs is None else r.sampling_params.logprobs for r in sampled]))
+            num_logprobs=np.array([-1 if r.sampling_params.logprobs is None else r.sampling_params.logprobs
+                                   for r in sampled]))
         got = mi.sampling
         assert torch.equal(got.temperature, want.temperature) and got.all_greedy == want.all_greedy
         for name in ("top_k", "top_p"):
