@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import astuple, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from framework.config import is_int
+from framework.config import DTYPE_ALIASES, DTYPE_BYTES, is_int
 from framework.registry import Registry
 
 if TYPE_CHECKING:
@@ -97,7 +97,9 @@ class BatchShape:
 
 class CostModel(ABC):
     """Predicts step durations in seconds for one replica: ``tensor_parallel_size`` devices of
-    ``hardware`` running ``model`` with ``dtype_bytes``-byte weights and KV cache.
+    ``hardware`` running ``model`` in ``dtype`` (``dtype_bytes``-byte weights and KV cache; the
+    dtype picks the device's peak FLOP/s). Without ``dtype``, the one ``dtype_bytes`` means:
+    ``default_dtype``.
 
     Contract: ``step_time`` is a pure function of its argument (the same shape always takes the
     same time; a replay model is the exception and says so); ``decode_step_time(m, ctx)``
@@ -115,7 +117,7 @@ class CostModel(ABC):
     deterministic: ClassVar[bool] = True
 
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2,
-                 tensor_parallel_size: int = 1, block_size: int = 16) -> None:
+                 tensor_parallel_size: int = 1, block_size: int = 16, *, dtype: str | None = None) -> None:
         tp, heads, kv = tensor_parallel_size, model.num_attention_heads, model.num_key_value_heads
         # is_int: a bool is no device count (tensor_parallel_size=true ran, and was labelled, as true).
         if not (is_int(tp) and tp >= 1 and heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)):
@@ -126,6 +128,7 @@ class CostModel(ABC):
         self.model = model
         self.hardware = hardware
         self.dtype_bytes = dtype_bytes
+        self.dtype = check_dtype(dtype, dtype_bytes, hardware)
         self.tp = tensor_parallel_size
         self.block_size = block_size
 
@@ -139,10 +142,36 @@ class CostModel(ABC):
 
     @classmethod
     def calibrate(cls, samples: list[tuple[BatchShape, float]], model: ModelConfig, hardware: Hardware,
-                  dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 16) -> dict[str, Any]:
+                  dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 16, *,
+                  dtype: str | None = None) -> dict[str, Any]:
         """Fit this model's parameters to measured ``(shape, seconds)`` samples; returns the
         keyword options that reproduce them. Cost models without parameters cannot be calibrated."""
         raise NotImplementedError(f"cost model {cls.name!r} has no parameters to calibrate")
+
+
+def default_dtype(dtype_bytes: int, hardware: Hardware) -> str:
+    """The dtype a cost model given only ``dtype_bytes`` runs in: the device's own (what
+    ``dtype=auto`` means on it) when it has that width, else float32 for 4 bytes and bfloat16 for 2."""
+    if DTYPE_BYTES.get(DTYPE_ALIASES.get(hardware.dtype, "")) == dtype_bytes:
+        return DTYPE_ALIASES[hardware.dtype]
+    widths = {4: "float32", 2: "bfloat16"}
+    if dtype_bytes not in widths:
+        raise ValueError(f"dtype_bytes must be 4 (float32) or 2 (bfloat16, float16), got {dtype_bytes!r}")
+    return widths[dtype_bytes]
+
+
+def check_dtype(dtype: str | None, dtype_bytes: int, hardware: Hardware) -> str:
+    """``dtype``'s canonical name (``default_dtype`` when None); a ValueError when it is no dtype
+    or not ``dtype_bytes`` wide (the weights' bytes and the peak FLOP/s would disagree)."""
+    if dtype is None:
+        return default_dtype(dtype_bytes, hardware)
+    canonical = DTYPE_ALIASES.get(dtype) if isinstance(dtype, str) else None
+    if canonical is None:
+        raise ValueError(f"cost model dtype must be one of {sorted(DTYPE_ALIASES)}, got {dtype!r}")
+    if DTYPE_BYTES[canonical] != dtype_bytes:
+        raise ValueError(f"cost model dtype {canonical} is {DTYPE_BYTES[canonical]} bytes wide, but dtype_bytes "
+                         f"is {dtype_bytes!r}")
+    return canonical
 
 
 #: The model's shape as far as step times go: what a calibration records of the model it measured.

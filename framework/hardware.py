@@ -1,17 +1,22 @@
 """Device descriptions for the simulator's cost model: ``conf/hardware/NAME.yaml`` or a dict.
 
-Figures are the datasheet's (peak dense matrix throughput in the serving dtype, memory bandwidth
-and size, interconnect), plus the launch and runtime costs a serving stack pays on top. What a
-real kernel reaches of the peaks is not a device fact: the cost model's efficiency factors say
-that, and calibration measures them.
+Figures are the datasheet's (peak dense matrix throughput per dtype, memory bandwidth and size,
+interconnect), plus the launch and runtime costs a serving stack pays on top. What a real kernel
+reaches of the peaks is not a device fact: the cost model's efficiency factors say that, and
+calibration measures them.
+
+``peak_tflops`` is either one number (the same peak whatever the dtype, as hardware files had it
+before the peaks were per dtype) or a mapping ``{dtype: TFLOP/s}``; a dtype a mapping leaves out
+is one the device is not described for, and a simulation in it is refused.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from framework.config import DTYPE_ALIASES, is_finite_number, read_yaml
+from framework.config import DTYPE_ALIASES, DTYPE_BYTES, is_finite_number, read_yaml
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 GiB = 1 << 30
@@ -22,7 +27,9 @@ class Hardware:
     """One device (one GPU of a tensor-parallel group). Units are in the field names."""
 
     name: str
-    peak_tflops: float
+    #: Dense matrix FLOP/s (x1e12): one number for every dtype, or ``{dtype: TFLOP/s}`` (aliases
+    #: such as ``bf16`` are accepted and stored under the canonical name).
+    peak_tflops: float | Mapping[str, float]
     memory_bandwidth_gb_s: float
     memory_gib: float
     launch_overhead_us: float = 0.0
@@ -41,9 +48,14 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
         if self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"hardware {self.name!r}: dtype must be one of {sorted(DTYPE_ALIASES)}, got {self.dtype!r}")
+        if isinstance(self.peak_tflops, Mapping):
+            # Frozen: the canonical mapping replaces the given one (as __init__ would have set it).
+            object.__setattr__(self, "peak_tflops", self._check_peaks(self.peak_tflops))
         # Finite numbers only: a NaN passes both range checks below and makes every step time (or
         # the KV cache size) NaN; a string fails them with a TypeError naming no field.
         for name in ("peak_tflops", "memory_bandwidth_gb_s", "memory_gib"):
+            if name == "peak_tflops" and isinstance(self.peak_tflops, dict):
+                continue
             value = getattr(self, name)
             if not (is_finite_number(value) and value > 0):
                 raise ValueError(f"hardware {self.name!r}: {name} must be a finite number > 0, got {value!r}")
@@ -53,10 +65,37 @@ class Hardware:
             if not (is_finite_number(value) and value >= 0):
                 raise ValueError(f"hardware {self.name!r}: {name} must be a finite number >= 0, got {value!r}")
 
+    def _check_peaks(self, peaks: Mapping[str, Any]) -> dict[str, float]:
+        """``peaks`` keyed by canonical dtype names; each a finite number > 0."""
+        if not peaks:
+            raise ValueError(f"hardware {self.name!r}: peak_tflops must be a number or a mapping of dtypes "
+                             f"({', '.join(DTYPE_BYTES)}) to TFLOP/s, got an empty mapping")
+        out: dict[str, float] = {}
+        for dtype, value in peaks.items():
+            canonical = DTYPE_ALIASES.get(dtype) if isinstance(dtype, str) else None
+            if canonical is None:
+                raise ValueError(f"hardware {self.name!r}: peak_tflops has a peak for {dtype!r}, which is no dtype; "
+                                 f"dtypes: {sorted(DTYPE_ALIASES)}")
+            if canonical in out:
+                raise ValueError(f"hardware {self.name!r}: peak_tflops gives {canonical} twice ({dtype!r} is an alias)")
+            if not (is_finite_number(value) and value > 0):
+                raise ValueError(f"hardware {self.name!r}: peak_tflops[{dtype}] must be a finite number > 0, "
+                                 f"got {value!r}")
+            out[canonical] = value
+        return out
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak dense matrix FLOP/s in ``dtype`` (a canonical name or an alias); a ValueError
+        naming the dtypes this device lists when it lists no peak for ``dtype``."""
+        canonical = DTYPE_ALIASES.get(dtype, dtype)
+        if not isinstance(self.peak_tflops, dict):
+            return self.peak_tflops * 1e12
+        if canonical not in self.peak_tflops:
+            raise ValueError(f"hardware {self.name!r} gives no peak_tflops for {dtype}; it lists "
+                             f"{', '.join(self.peak_tflops)} (add a {canonical} figure to its description)")
+        return self.peak_tflops[canonical] * 1e12
+
     # -- SI units --------------------------------------------------------------------------------
-    @property
-    def flops(self) -> float:
-        return self.peak_tflops * 1e12
 
     @property
     def memory_bandwidth(self) -> float:

@@ -155,12 +155,16 @@ def profile_engine_config(cells: list[tuple[int, int, int]], model: str = "tiny-
 
 def calibration_record(cost_model: str, model: str, hardware: Any, dtype_bytes: int, block_size: int,
                        params: dict[str, Any], fit: dict[str, float], samples: list[tuple[BatchShape, float]],
-                       measured: dict[str, Any] | None = None, model_config: Any = None) -> dict[str, Any]:
+                       measured: dict[str, Any] | None = None, model_config: Any = None,
+                       dtype: str | None = None) -> dict[str, Any]:
     """What a calibration YAML holds (``cost_model.calibration`` loads its ``params``). With
     ``model_config``, the measured model's shape too (``model_shape``: a simulation of another
-    model is warned that the fit may not carry over)."""
+    model is warned that the fit may not carry over); with ``dtype``, the dtype measured (a
+    simulation in another one, even of the same width, is warned about)."""
     measured_model = {"model_shape": model_shape(model_config)} if model_config is not None else {}
-    return {"cost_model": cost_model, "model": model, **measured_model, "hardware": hardware.to_dict(), "dtype_bytes": dtype_bytes,
+    measured_dtype = {"dtype": dtype} if dtype is not None else {}
+    return {"cost_model": cost_model, "model": model, **measured_model, "hardware": hardware.to_dict(),
+            **measured_dtype, "dtype_bytes": dtype_bytes,
             "tensor_parallel_size": 1, "block_size": block_size, "params": params, "fit": fit,
             "measured": measured or {}, "samples": {"fields": BatchShape.field_names() + ["seconds"],
                         "rows": [shape.to_list() + [t] for shape, t in samples]}}
@@ -200,12 +204,14 @@ def relative_errors(model: Any, samples: list[tuple[BatchShape, float]]) -> list
 
 
 def calibrate(samples: list[tuple[BatchShape, float]], model_config: Any, hardware: Any, dtype_bytes: int,
-              cost_model: str = "roofline", block_size: int = 16) -> tuple[dict[str, Any], dict[str, float]]:
+              cost_model: str = "roofline", block_size: int = 16,
+              dtype: str | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Fitted parameters (numbers, and the roofline's ``extra_weight_passes`` curve, a dict) and
-    the fit's relative errors on ``samples``."""
+    the fit's relative errors on ``samples``. ``dtype`` (default: the one ``dtype_bytes`` means)
+    picks the peak FLOP/s the efficiencies are fractions of."""
     cls = COST_MODELS.get(cost_model)
-    params = cls.calibrate(samples, model_config, hardware, dtype_bytes, 1, block_size)
-    fitted = cls(model_config, hardware, dtype_bytes, 1, block_size, **params)
+    params = cls.calibrate(samples, model_config, hardware, dtype_bytes, 1, block_size, dtype=dtype)
+    fitted = cls(model_config, hardware, dtype_bytes, 1, block_size, dtype=dtype, **params)
     errors = sorted(relative_errors(fitted, samples))
     return params, {"samples": len(samples), "median_abs_rel_error": statistics.median(errors),
                     "p90_abs_rel_error": errors[int(0.9 * (len(errors) - 1))], "max_abs_rel_error": errors[-1]}
@@ -270,13 +276,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  f"{'cpu' if measured_on == 'cpu' else 'a100-80gb, h100-sxm, h200, l40s'}, or a YAML with "
                  f"device_type: {measured_on})")
     dtype_bytes = engine.executor.dtype.itemsize
+    dtype = str(engine.executor.dtype).removeprefix("torch.")
+    try:  # the device must list a peak for the dtype measured, else the fit would fail after the grid
+        hardware.peak_flops(dtype)
+    except ValueError as exc:
+        ap.error(str(exc))
     started = time.perf_counter()
     samples = measure(engine, cells, args.repeats, args.seed,
                       time.process_time if args.clock == "cpu" else time.perf_counter, args.statistic)
     measured_s = time.perf_counter() - started
     started = time.perf_counter()
     try:
-        params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size)
+        params, fit = calibrate(samples, engine.model_config, hardware, dtype_bytes, args.cost_model, args.block_size,
+                                dtype)
     except ValueError as exc:  # a grid too small to fit (too few distinct step shapes): not a traceback
         ap.error(f"{exc} (the grid measured {len(samples)} distinct step shapes; add --lengths or --counts)")
     fit["fit_seconds"] = time.perf_counter() - started
@@ -287,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "repeats": args.repeats, "statistic": args.statistic, "clock": args.clock, "cells": [list(c) for c in cells],
                 "seconds": round(measured_s, 1), "date": datetime.datetime.now().isoformat(timespec="seconds")}
     result = calibration_record(args.cost_model, args.model, hardware, dtype_bytes, args.block_size, params, fit,
-                                samples, measured, engine.model_config)
+                                samples, measured, engine.model_config, dtype)
     import yaml
 
     out = Path(args.out)

@@ -195,13 +195,15 @@ class Registry(Generic[T]):
             raise BadOptionsError(f"{self.kind} {name!r}: {exc}; {its_options}") from None
         return cls(*args, **kwargs)
 
-    def create_from(self, spec: str | Mapping[str, Any] | None, *args: Any, default: str | None = None) -> T:
+    def create_from(self, spec: str | Mapping[str, Any] | None, *args: Any, default: str | None = None,
+                    **given: Any) -> T:
         """An instance from a config node: a name, or ``{name: ..., **options}`` (``default``
-        when it names none; a ValueError listing the registered names when there is neither)."""
+        when it names none; a ValueError listing the registered names when there is neither).
+        ``args`` and ``given`` are the caller's own arguments, as for ``create_with``."""
         name, options = split_spec(spec, default, self.kind)
         if name is None:
             raise ValueError(f"a {self.kind} needs a 'name' (one of {', '.join(self.list())})")
-        return self.create_with(name, options, *args)
+        return self.create_with(name, options, *args, **given)
 
     def __contains__(self, name: str) -> bool:
         return name in self.list()

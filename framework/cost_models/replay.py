@@ -27,8 +27,8 @@ class ReplayCostModel(CostModel):
 
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2, tensor_parallel_size: int = 1,
                  block_size: int = 16, durations: Sequence[float] | None = None, file: str | None = None,
-                 replica: int | None = None) -> None:
-        super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
+                 replica: int | None = None, *, dtype: str | None = None) -> None:
+        super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size, dtype=dtype)
         if (durations is None) == (file is None):
             raise ValueError("the replay cost model needs exactly one of durations=[...] or file=PATH")
         self.durations = _durations(durations, "durations") if durations is not None else read_durations(file, replica)

@@ -1,5 +1,5 @@
 """Roofline step times: every part of a step takes the longer of its compute time (FLOPs over
-peak FLOP/s) and its memory time (bytes over bandwidth), each derated by an efficiency factor,
+the device's peak FLOP/s in the model's dtype) and its memory time (bytes over bandwidth), each derated by an efficiency factor,
 plus the overheads a serving stack pays per step, per request and per kernel.
 
 Per tensor-parallel device, for ``N`` scheduled tokens of which ``S`` sample:
@@ -68,8 +68,9 @@ class RooflineCostModel(CostModel):
 
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2, tensor_parallel_size: int = 1,
                  block_size: int = 16, calibration: str | Path | dict[str, Any] | None = None,
-                 extra_weight_passes: Mapping[int, float] | None = None, **options: float) -> None:
-        super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
+                 extra_weight_passes: Mapping[int, float] | None = None, *, dtype: str | None = None,
+                 **options: float) -> None:
+        super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size, dtype=dtype)
         unknown = sorted(set(options) - set(PARAMS) - set(STRUCTURE))
         if unknown:
             raise ValueError(f"unknown roofline option(s) {unknown}; options: "
@@ -114,7 +115,7 @@ class RooflineCostModel(CostModel):
         kvs = m.kv_size_per_device(tp)
         inter = m.intermediate_size // tp
         vocab = m.vocab_size / tp
-        F, B = hw.flops, hw.memory_bandwidth
+        F, B = hw.peak_flops(self.dtype), hw.memory_bandwidth  # the peak of the model's dtype
         layer_params = h * (qs + 2 * kvs) + qs * h + 3 * h * inter
         gemm_io = 4 * h + 2 * qs + 2 * kvs + 3 * inter          # GEMM inputs and outputs, per token
         elementwise_io = 9 * h + 3 * inter + 4 * qs + 4 * kvs   # norms, RoPE, act, residuals, KV write, q/o
@@ -221,8 +222,8 @@ class RooflineCostModel(CostModel):
     def _warn_if_fitted_elsewhere(self, calibration: Mapping[str, Any]) -> None:
         """Log a warning for each way the calibration's measurements differ from this simulation:
         another device, a model of another shape (GEMMs of other sizes reach other fractions of
-        the peaks), another dtype, tensor-parallel degree (smaller GEMMs per device) or KV block
-        size. Provenance a calibration leaves out is not checked."""
+        the peaks), another dtype (another peak, other kernels), tensor-parallel degree (smaller
+        GEMMs per device) or KV block size. Provenance a calibration leaves out is not checked."""
         fitted_on = calibration.get("hardware", {}).get("name")
         if fitted_on is not None and fitted_on != self.hardware.name:
             logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
@@ -233,7 +234,8 @@ class RooflineCostModel(CostModel):
             if differ:
                 logger.warning("calibration fitted on model %r applied to a model of another shape (%s): its "
                                "efficiency factors may not carry over", calibration.get("model"), ", ".join(differ))
-        settings = {"dtype_bytes": self.dtype_bytes, "tensor_parallel_size": self.tp, "block_size": self.block_size}
+        settings = {"dtype": self.dtype, "dtype_bytes": self.dtype_bytes, "tensor_parallel_size": self.tp,
+                    "block_size": self.block_size}
         differ = [f"{k} {calibration[k]} vs {v}" for k, v in settings.items()
                   if calibration.get(k) is not None and calibration[k] != v]
         if differ:
@@ -245,7 +247,8 @@ class RooflineCostModel(CostModel):
 
     @classmethod
     def calibrate(cls, samples: list[tuple[BatchShape, float]], model: ModelConfig, hardware: Hardware,
-                  dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 16) -> dict[str, Any]:
+                  dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 16, *,
+                  dtype: str | None = None) -> dict[str, Any]:
         from framework.calibration import fit_max_linear, predict
 
         if len(samples) < len(PARAMS):
@@ -259,7 +262,8 @@ class RooflineCostModel(CostModel):
 
         def fit(curve: dict[int, float] | None) -> tuple[list[Any], list[float], list[float]]:
             """The probe's rows, lower bounds and a fit from its default start."""
-            probe = cls(model, hardware, dtype_bytes, tensor_parallel_size, block_size, extra_weight_passes=curve)
+            probe = cls(model, hardware, dtype_bytes, tensor_parallel_size, block_size, extra_weight_passes=curve,
+                        dtype=dtype)
             rows = [probe.legs(shape) for shape, _ in samples]
             # Efficiencies may exceed 1 against nominal figures (e.g. weights that stay in a CPU
             # cache), but not absurdly: theta = 1/efficiency >= 0.01. No batch streams its

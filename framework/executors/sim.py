@@ -49,11 +49,13 @@ class SimExecutor(Executor):
             raise ValueError("executor=sim advances simulated time: give the engine a VirtualClock (or no clock)")
         self.hardware = load_hardware(hardware)
         self.tp = tensor_parallel_size
-        self.dtype_bytes = DTYPE_BYTES[resolve_dtype_name(config.dtype, source.config.torch_dtype,
-                                                          self.hardware.device_type, self.hardware.dtype)]
+        self.dtype = resolve_dtype_name(config.dtype, source.config.torch_dtype, self.hardware.device_type,
+                                        self.hardware.dtype)
+        self.dtype_bytes = DTYPE_BYTES[self.dtype]
         model = source.config
         self.cost_model: CostModel = COST_MODELS.create_from(cost_model, model, self.hardware, self.dtype_bytes,
-                                                             tensor_parallel_size, config.block_size, default="roofline")
+                                                             tensor_parallel_size, config.block_size, default="roofline",
+                                                             dtype=self.dtype)
         check_bool("executor.fast_forward", fast_forward)
         self.fast_forward = fast_forward
         eos = set(model.eos_token_ids)

@@ -26,6 +26,7 @@ def test_profile_writes_a_calibration_the_sim_loads(tmp_path):
     assert len(shapes) == len(data["samples"]["rows"]) >= 3 * len(grid_cells("quick"))  # prefill + 2 decodes each
     assert all(row[-1] > 0 for row in data["samples"]["rows"])
     assert data["fit"]["samples"] == len(shapes) and data["hardware"]["name"] == "cpu"
+    assert (data["dtype"], data["dtype_bytes"]) == ("float32", 4)  # the peak the efficiencies are fractions of
     assert data["model"] == "tiny-llama" and data["model_shape"] == model_shape(ModelConfig.from_hf(PRESETS["tiny-llama"]))
     llm = LLM(model="tiny-llama", executor="sim", max_model_len=256,
               executor_options={"hardware": "cpu", "cost_model": {"name": "roofline", "calibration": str(out)}})
@@ -66,6 +67,9 @@ def test_repeats_reduce_to_the_chosen_statistic():
     # A CPU measured and labelled an H100: it loaded into an H100 simulation without a warning.
     (["--hardware", "h100-sxm", "--device", "cpu", "--grid", "quick", "--repeats", "1"],
      "measuring on cpu, but hardware 'h100-sxm' describes a cuda device: name the device measured"),
+    # The cpu preset lists no float16 peak: the fit would have failed after the whole grid.
+    (["--dtype", "float16", "--grid", "quick", "--repeats", "1"],
+     "hardware 'cpu' gives no peak_tflops for float16; it lists float32, bfloat16"),
 ])
 def test_bad_arguments_are_usage_errors_before_anything_is_measured(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:

@@ -57,6 +57,66 @@ def test_long_prefill_is_compute_bound():
     assert model(matmul_efficiency=0.5).step_time(prefill(q)) == pytest.approx(got + linear, rel=1e-9)
 
 
+def test_a_float32_prefill_runs_at_the_float32_peak():
+    # PyTorch runs float32 GEMMs on the CUDA cores (allow_tf32 is off by default): the A100's FP32
+    # peak is 19.5 TFLOP/s against 312 for BF16, so a compute-bound prefill takes 16x as long in
+    # its GEMMs and attention; the weights, the head and the activations are twice the bytes.
+    q, pairs = 2048, 2048 * 2049 // 2
+    fp32 = RooflineCostModel(LLAMA3_8B, A100, 4, 1, 16, dtype="float32", **IDEAL)
+    bf16 = RooflineCostModel(LLAMA3_8B, A100, 2, 1, 16, dtype="bfloat16", **IDEAL)
+    compute = {}
+    for m, peak, b in ((fp32, 19.5e12, 4), (bf16, 312e12, 2)):
+        linear = 2 * q * LINEAR_PARAMS / peak
+        attention = 4 * 32 * 4096 * pairs / peak
+        head = HEAD_PARAMS * b / BW  # one logits row: reading the head dominates
+        got = m.step_time(prefill(q))
+        assert linear + attention + head < got < 1.08 * (linear + attention + head)  # + activation traffic
+        # Halving an efficiency doubles exactly its compute leg: both are compute bound.
+        gemms = RooflineCostModel(LLAMA3_8B, A100, b, 1, 16, dtype=m.dtype, **{**IDEAL, "matmul_efficiency": 0.5}
+                                  ).step_time(prefill(q)) - got
+        attn = RooflineCostModel(LLAMA3_8B, A100, b, 1, 16, dtype=m.dtype, **{**IDEAL, "attention_efficiency": 0.5}
+                                 ).step_time(prefill(q)) - got
+        assert (gemms, attn) == (pytest.approx(linear, rel=1e-9), pytest.approx(attention, rel=1e-9))
+        compute[m.dtype] = gemms + attn
+    assert compute["float32"] / compute["bfloat16"] == pytest.approx(312 / 19.5, rel=1e-9)
+    # The whole step a little less: its memory traffic (a few % of the bf16 step) only doubles.
+    assert 0.9 * 16 < fp32.step_time(prefill(q)) / bf16.step_time(prefill(q)) < 16
+    # Without a dtype, 4-byte weights are float32 and 2-byte ones the device's own (bfloat16).
+    assert RooflineCostModel(LLAMA3_8B, A100, 4, 1, 16, **IDEAL).step_time(prefill(q)) == fp32.step_time(prefill(q))
+    assert RooflineCostModel(LLAMA3_8B, A100, 2, 1, 16, **IDEAL).step_time(prefill(q)) == bf16.step_time(prefill(q))
+
+
+def test_the_dtype_picks_its_own_peak_among_16_bit_dtypes():
+    # float16 and bfloat16 are both 2 bytes: only the dtype's name tells their peaks apart.
+    hw = load_hardware({**A100.to_dict(), "peak_tflops": {"bfloat16": 300, "float16": 150}})
+    q = 2048
+    fp16 = RooflineCostModel(LLAMA3_8B, hw, 2, 1, 16, dtype="fp16", **IDEAL)
+    bf16 = RooflineCostModel(LLAMA3_8B, hw, 2, 1, 16, dtype="bfloat16", **IDEAL)
+    assert fp16.dtype == "float16"
+    slower = fp16.step_time(prefill(q)) - bf16.step_time(prefill(q))
+    assert slower == pytest.approx(2 * q * LINEAR_PARAMS / 300e12 + 4 * 32 * 4096 * (q * (q + 1) // 2) / 300e12,
+                                   rel=1e-9)
+    with pytest.raises(ValueError, match=r"^hardware 'a100-80gb' gives no peak_tflops for float32; it lists "
+                                         r"bfloat16, float16 \(add a float32 figure to its description\)$"):
+        RooflineCostModel(LLAMA3_8B, hw, 4, 1, 16)
+    with pytest.raises(ValueError, match="cost model dtype float32 is 4 bytes wide, but dtype_bytes is 2"):
+        RooflineCostModel(LLAMA3_8B, hw, 2, 1, 16, dtype="float32")
+    with pytest.raises(ValueError, match=r"cost model dtype must be one of \['bf16', .*got 'fp8'"):
+        RooflineCostModel(LLAMA3_8B, hw, 2, 1, 16, dtype="fp8")
+
+
+def test_the_sim_executor_gives_the_cost_model_the_engine_dtype():
+    from framework import EngineConfig, LLMEngine
+
+    for dtype, expected in (("float32", "float32"), ("fp16", "float16"), ("auto", "bfloat16")):
+        engine = LLMEngine(EngineConfig(model="qwen2-7b", executor="sim", dtype=dtype, max_model_len=1024))
+        assert engine.executor.cost_model.dtype == expected
+        assert engine.executor.cost_model._lin_c_tok == pytest.approx(
+            2 * engine.model_config.num_hidden_layers * 1e-12 / {"float32": 19.5, "float16": 312, "bfloat16": 312}[expected]
+            * (lambda m: m.hidden_size * (m.q_size + 2 * m.num_key_value_heads * m.head_dim) + m.q_size * m.hidden_size
+               + 3 * m.hidden_size * m.intermediate_size)(engine.model_config), rel=1e-12)
+
+
 def test_decode_batch_amortises_weights_until_compute_bound():
     m = model()
     small, large = m.step_time(decode(8, 8 * 1024)), m.step_time(decode(512, 512 * 8))
@@ -256,6 +316,15 @@ def test_a_calibration_applied_to_another_model_device_or_setting_is_warned_abou
         caplog.clear()
         RooflineCostModel(tiny, A100, calibration={"params": {}})  # a calibration without provenance
         assert not caplog.records
+        # Efficiencies are fractions of the dtype's peak: a bf16 fit in a float16 simulation (both
+        # 2 bytes) is named; a calibration without a dtype (written before it was recorded) is not.
+        path.write_text(yaml.safe_dump({**record, "dtype": "bfloat16"}))
+        RooflineCostModel(tiny, A100, calibration=str(path))
+        assert not caplog.records
+        RooflineCostModel(tiny, A100, dtype="float16", calibration=str(path))
+        assert [r.getMessage() for r in caplog.records] == [
+            "calibration measured with other settings than this simulation's (dtype bfloat16 vs float16): its "
+            "efficiency factors may not carry over"]
 
 
 def test_no_pcie_makes_swaps_infinitely_slow_but_nothing_else():

@@ -13,7 +13,7 @@ from framework.cluster import Cluster
 from framework.cost_model import COST_MODELS, BatchShape
 from framework.cost_models.roofline import RooflineCostModel
 from framework.executor import EXECUTORS
-from framework.hardware import GiB, load_hardware
+from framework.hardware import GiB, hardware_presets, load_hardware
 from tests.framework.sim_support import RunCounter, chat_requests
 
 LLAMA3_8B_PARAMS = 8_030_261_248
@@ -175,13 +175,68 @@ def test_a_simulated_run_never_imports_torch():
 def test_hardware_presets_and_errors():
     for name in ("a100-80gb", "h100-sxm", "h200", "l40s", "cpu"):
         hw = load_hardware(name)
-        assert hw.flops > 0 and hw.memory_bandwidth > 0 and hw.memory_bytes > 0
+        assert hw.peak_flops(hw.dtype) > 0 and hw.memory_bandwidth > 0 and hw.memory_bytes > 0
     with pytest.raises(ValueError, match="neither a preset .*a100-80gb"):
         load_hardware("tpu-v9")
     with pytest.raises(ValueError, match="unknown hardware field"):
         load_hardware({"name": "x", "peak_tflops": 1, "memory_bandwidth_gb_s": 1, "memory_gib": 1, "tflops": 2})
     with pytest.raises(ValueError, match="peak_tflops must be a finite number > 0"):
         load_hardware({"name": "x", "peak_tflops": 0, "memory_bandwidth_gb_s": 1, "memory_gib": 1})
+
+
+#: Dense peak TFLOP/s per dtype from the datasheets (float32: the CUDA cores' FP32, as PyTorch runs
+#: float32 GEMMs without TF32 by default); the cpu preset's from its own comment.
+DATASHEET_TFLOPS = {
+    "a100-80gb": {"bfloat16": 312, "float16": 312, "float32": 19.5},
+    "h100-sxm": {"bfloat16": 989, "float16": 989, "float32": 67},
+    "h200": {"bfloat16": 989, "float16": 989, "float32": 67},
+    "l40s": {"bfloat16": 362, "float16": 362, "float32": 91.6},
+    "cpu": {"float32": 0.3, "bfloat16": 0.6},
+}
+
+
+def test_every_preset_gives_the_datasheet_peak_of_each_dtype():
+    assert sorted(DATASHEET_TFLOPS) == hardware_presets()
+    for name, peaks in DATASHEET_TFLOPS.items():
+        hw = load_hardware(name)
+        assert {dtype: hw.peak_flops(dtype) for dtype in peaks} == {d: t * 1e12 for d, t in peaks.items()}
+        assert hw.peak_flops(hw.dtype) > 0  # dtype=auto has a peak on every preset
+
+
+def test_a_single_peak_applies_to_every_dtype(tmp_path):
+    # A hardware description from before the peaks were per dtype: one figure, whatever the dtype.
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\npeak_tflops: 100\nmemory_bandwidth_gb_s: 1000\nmemory_gib: 40\n")
+    for spec in (str(path), {"name": "mine", "peak_tflops": 100, "memory_bandwidth_gb_s": 1000, "memory_gib": 40}):
+        hw = load_hardware(spec)
+        assert [hw.peak_flops(d) for d in ("bfloat16", "float16", "float32", "fp32")] == [100e12] * 4
+    engine = sim_engine(model="tiny-llama", dtype="float32", executor_options={"hardware": str(path)})
+    assert engine.executor.cost_model.dtype == "float32"
+
+
+def test_peaks_are_keyed_by_canonical_dtype_names():
+    hw = load_hardware({**load_hardware("a100-80gb").to_dict(), "peak_tflops": {"bf16": 300, "fp32": 20}})
+    assert hw.peak_tflops == {"bfloat16": 300, "float32": 20} and hw.peak_flops("bf16") == 300e12
+    assert hw.to_dict()["peak_tflops"] == {"bfloat16": 300, "float32": 20}
+
+
+@pytest.mark.parametrize("peaks, message", [
+    ({}, "peak_tflops must be a number or a mapping of dtypes .* got an empty mapping"),
+    ({"fp8": 600}, r"peak_tflops has a peak for 'fp8', which is no dtype; dtypes: \['bf16', "),
+    ({"bf16": 300, "bfloat16": 300}, r"peak_tflops gives bfloat16 twice \('bfloat16' is an alias\)"),
+    ({"float32": math.nan}, r"peak_tflops\[float32\] must be a finite number > 0, got nan"),
+    ({"float32": "19.5"}, r"peak_tflops\[float32\] must be a finite number > 0, got '19.5'"),
+    ({"float32": 0}, r"peak_tflops\[float32\] must be a finite number > 0, got 0")])
+def test_bad_peak_mappings_are_one_line_errors(peaks, message):
+    with pytest.raises(ValueError, match=f"hardware 'a100-80gb': {message}"):
+        load_hardware({**load_hardware("a100-80gb").to_dict(), "peak_tflops": peaks})
+
+
+def test_a_dtype_the_hardware_lists_no_peak_for_is_refused():
+    # The cpu preset has no FP16 arithmetic: a float16 simulation is refused, not given bf16's peak.
+    with pytest.raises(ValueError, match=r"^hardware 'cpu' gives no peak_tflops for float16; it lists float32, "
+                                         r"bfloat16 \(add a float16 figure to its description\)$"):
+        sim_engine(model="tiny-llama", dtype="float16", executor_options={"hardware": "cpu"})
 
 
 @pytest.mark.parametrize("bad", [None, 5, ["a100-80gb"]])
