@@ -271,7 +271,7 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
                            step_listener=run_logger.log_step if run_logger.implements("log_step") else None)
     recorder.write_config(resolved)
     if cfg.get("save_workload", True):
-        recorder.write_workload(requests)
+        recorder.write_workload(requests, sampling)
     meta = {**identity, "run_dir": str(run_dir), "num_requests": len(requests)}
     recorder.write_summary({"status": "running", "interrupted": False, **meta})
     run_logger.start({**resolved, "engine_config": first.config.to_dict()}, run_dir, run_name, group)

@@ -104,8 +104,10 @@ class RunRecorder:
         with open(self.run_dir / "config.yaml", "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
 
-    def write_workload(self, requests: list[WorkloadRequest]) -> None:
-        save_trace(self.run_dir / "workload.jsonl", requests)
+    def write_workload(self, requests: list[WorkloadRequest], sampling: dict[str, Any] | None = None) -> None:
+        """``workload.jsonl``: ``requests`` with the sampling they are sent with (``sampling``, the
+        workload's keys, under each request's own)."""
+        save_trace(self.run_dir / "workload.jsonl", requests, sampling)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_summary(self.run_dir, summary)

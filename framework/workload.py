@@ -1,9 +1,10 @@
 """The ``Workload`` interface: what requests an experiment sends, and when.
 
 A workload turns its options (the Hydra ``workload`` group's keys) into a list of
-``WorkloadRequest``: prompt tokens, output length, priority and an arrival time in seconds after
-the run starts. The cluster driver (``framework/cluster.py``) feeds them to the engine when
-their time comes. Generation is deterministic: the same options and seed give the same requests.
+``WorkloadRequest``: prompt tokens, output length, priority, an arrival time in seconds after
+the run starts and, where a request samples unlike the others, its own sampling keys. The
+cluster driver (``framework/cluster.py``) feeds them to the engine when their time comes.
+Generation is deterministic: the same options and seed give the same requests.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class WorkloadRequest:
     """One request to send. ``prompt_token_ids`` is a list of ints or a 1-D integer numpy array
     (the synthetic workload's: 4 bytes a token); ``arrival_time`` is seconds after the start of the
     run; ``priority`` follows vLLM (a lower value is more urgent); ``output_len`` is exact when
-    ``ignore_eos``."""
+    ``ignore_eos``. ``sampling`` holds this request's own ``SAMPLING_KEYS`` (a trace's per-request
+    values), which win over the workload's; None when it has none."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -32,6 +34,7 @@ class WorkloadRequest:
     arrival_time: float = 0.0
     priority: int = 0
     prompt: str | None = None
+    sampling: dict[str, Any] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -81,8 +84,24 @@ SAMPLING_DEFAULTS = {"temperature": 0.0, "ignore_eos": True}
 
 
 def sampling_params(request: WorkloadRequest, sampling: dict[str, Any]) -> SamplingParams:
-    """Sampling for one request: exactly ``output_len`` tokens unless ``ignore_eos`` is false."""
+    """Sampling for one request: exactly ``output_len`` tokens unless ``ignore_eos`` is false. The
+    request's own keys win over the workload's ``sampling``, as a vLLM request's own sampling
+    parameters win over the server's defaults."""
+    if request.sampling:
+        return SamplingParams(max_tokens=request.output_len, **{**SAMPLING_DEFAULTS, **sampling, **request.sampling})
     return SamplingParams(max_tokens=request.output_len, **{**SAMPLING_DEFAULTS, **sampling})
+
+
+def non_default_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The ``SAMPLING_KEYS`` whose values under ``sampling`` differ from a workload's defaults
+    (``SAMPLING_DEFAULTS``, then ``SamplingParams``'), as ``SamplingParams`` normalises them (a
+    top_k of -1 is its 0): what a saved trace must hold to replay them. A bad value raises
+    SamplingParams' ValueError."""
+    params = SamplingParams(**{**SAMPLING_DEFAULTS, **sampling})
+    return {k: getattr(params, k) for k in SAMPLING_KEYS if getattr(params, k) != getattr(_DEFAULT_PARAMS, k)}
+
+
+_DEFAULT_PARAMS = SamplingParams(**SAMPLING_DEFAULTS)
 
 
 def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:

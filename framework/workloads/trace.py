@@ -3,15 +3,17 @@
 Each entry is an object with ``output_len`` (required), one of ``prompt_token_ids`` (a list of
 ids), ``prompt`` (text, tokenised with the checkpoint's tokenizer) or ``prompt_len`` (random
 ids of that length, drawn from the workload's seed), and optionally ``arrival_time`` (seconds,
-default 0), ``priority`` (default 0) and ``request_id`` (a string or an integer;
-default: the entry's position).
+default 0), ``priority`` (default 0), ``request_id`` (a string or an integer;
+default: the entry's position) and the request's own sampling keys ``temperature``, ``top_p``,
+``top_k``, ``ignore_eos`` (``SAMPLING_KEYS``; they win over the workload's, which apply to the
+entries without them).
 
 A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
 skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Files are
 UTF-8, as JSON is. Every run
 saves the requests it sent as ``workload.jsonl`` in this format (their token ids, arrival times,
-priorities and output lengths; not a text prompt's text), so any workload can be replayed
-exactly.
+priorities, output lengths and the sampling keys that differ from the defaults; not a text
+prompt's text), so any workload can be replayed exactly.
 """
 from __future__ import annotations
 
@@ -25,13 +27,15 @@ import numpy as np
 import orjson
 
 from framework.config import check_positive_int, check_seed, is_finite_number, is_int
-from framework.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
+from framework.workload import (SAMPLING_KEYS, WORKLOADS, Workload, WorkloadContext, WorkloadRequest,
+                                non_default_sampling)
 from framework.workloads.arrivals import check_rate
 from framework.workloads.text import tokenize
 
 logger = logging.getLogger(__name__)
 
-_KEYS = {"arrival_time", "prompt_len", "prompt_token_ids", "prompt", "output_len", "priority", "request_id"}
+_KEYS = {"arrival_time", "prompt_len", "prompt_token_ids", "prompt", "output_len", "priority", "request_id",
+         *SAMPLING_KEYS}
 #: Where relative paths are also looked for: the project root (the folder holding conf/).
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +146,13 @@ def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
     if not (isinstance(rid, str) and rid or is_int(rid)):
         raise TraceError(f"{where}: request_id must be a non-empty string or an integer, got {rid!r}")
     rid = str(rid)
-    return WorkloadRequest(rid, [int(t) for t in ids], int(output_len), float(arrival), int(priority), text)
+    sampling = {k: entry[k] for k in SAMPLING_KEYS if k in entry} or None
+    if sampling:
+        try:  # here, naming the line, not when the request is sent
+            non_default_sampling(sampling)
+        except ValueError as exc:
+            raise TraceError(f"{where}: {str(exc).replace('SamplingParams.', '', 1)}") from None
+    return WorkloadRequest(rid, [int(t) for t in ids], int(output_len), float(arrival), int(priority), text, sampling)
 
 
 def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[WorkloadRequest]:
@@ -163,14 +173,19 @@ def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[Wo
     return sorted(requests, key=lambda r: r.arrival_time)
 
 
-def save_trace(path: str | Path, requests: list[WorkloadRequest]) -> None:
+def save_trace(path: str | Path, requests: list[WorkloadRequest], sampling: dict[str, Any] | None = None) -> None:
     """Write ``requests`` as JSONL that ``load_trace`` reads back to the same requests, less the
-    text of text prompts (their token ids are kept). (orjson:
-    a simulated run's workload holds millions of token ids, which the json module writes 5x slower.)"""
+    text of text prompts (their token ids are kept). Each entry holds the sampling keys its
+    request is sent with (``sampling``, the workload's, under the request's own) where they differ
+    from the defaults, so a replay samples as the run did whatever the replaying workload's
+    config; an entry of default sampling has none, as files had before. (orjson: a simulated
+    run's workload holds millions of token ids, which the json module writes 5x slower.)"""
+    shared = non_default_sampling(sampling or {})
     with open(path, "wb") as f:
         for r in requests:
+            keys = non_default_sampling({**(sampling or {}), **r.sampling}) if r.sampling else shared
             f.write(orjson.dumps({"request_id": r.request_id, "arrival_time": r.arrival_time, "priority": r.priority,
-                                  "output_len": r.output_len, "prompt_token_ids": r.prompt_token_ids},
+                                  "output_len": r.output_len, **keys, "prompt_token_ids": r.prompt_token_ids},
                                  option=orjson.OPT_SERIALIZE_NUMPY, default=_as_list) + b"\n")
 
 

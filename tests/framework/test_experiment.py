@@ -66,6 +66,28 @@ def test_a_run_writes_every_file(tmp_path, capsys):
     assert "Successful requests:" in out and "Mean TTFT (ms):" in out
 
 
+def test_a_replayed_workload_jsonl_sends_the_sampling_the_run_sent(tmp_path):
+    """workload.jsonl held no sampling keys: replaying a run of temperature 0.7 under trace.yaml's
+    config sampled greedily."""
+    def sent_params(*overrides, run_dir, workload=TINY):
+        sent = {}
+
+        def spy(engine):
+            add = engine.add_request
+            engine.add_request = lambda rid, prompt, params, **kw: (sent.setdefault(rid, params), add(rid, prompt, params, **kw))[1]
+        clock = VirtualClock()
+        run_experiment(config(*overrides, "plots=false", "warmup=0", workload=workload), run_dir, clock=clock,
+                       on_engine=lambda e: (timed(clock)(e), spy(e)))
+        return sent
+
+    first = sent_params("workload.temperature=0.7", "+workload.top_k=3", "workload.ignore_eos=false", run_dir=tmp_path / "a")
+    assert {p.temperature for p in first.values()} == {0.7} and len(first) == 6
+    replay = sent_params("workload=trace", f"workload.path={tmp_path / 'a' / 'workload.jsonl'}", run_dir=tmp_path / "b",
+                         workload=[])
+    assert replay == first
+    assert (tmp_path / "b" / "workload.jsonl").read_bytes() == (tmp_path / "a" / "workload.jsonl").read_bytes()
+
+
 def test_interrupt_keeps_finished_rows_and_marks_the_summary(tmp_path):
     clock = VirtualClock()
 

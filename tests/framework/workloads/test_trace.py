@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from framework.workload import WorkloadContext, WorkloadRequest, create_workload
+from framework.sampling_params import SamplingParams
+from framework.workload import WorkloadContext, WorkloadRequest, create_workload, sampling_params
 from framework.workloads.synthetic import SyntheticWorkload
 from framework.workloads.trace import TraceError, load_trace, save_trace
 from framework.workloads.text import tokenize
@@ -27,6 +28,46 @@ def test_round_trip(tmp_path):
     reqs = SyntheticWorkload(num_requests=25, rate=5.0, priority_classes=[{"priority": 0}, {"priority": 3}]).generate(CTX)
     save_trace(tmp_path / "t.jsonl", reqs)
     assert load_trace(tmp_path / "t.jsonl", CTX) == reqs
+
+
+def test_sampling_round_trips_per_request(tmp_path):
+    """A run whose requests sampled differently (the workload's keys, some requests' own) saves
+    what each was sent with; a replay under trace.yaml's config (greedy, ignore_eos) sends the same."""
+    reqs = [WorkloadRequest("plain", [5, 6], 3),
+            WorkloadRequest("warm", [5, 7], 3, 0.1, sampling={"temperature": 0.8, "top_p": 0.9}),
+            WorkloadRequest("topk", [5, 8], 3, 0.2, sampling={"top_k": 5, "ignore_eos": False}),
+            WorkloadRequest("greedy", [5, 9], 3, 0.3, sampling={"temperature": 0.0, "top_k": -1}),
+            WorkloadRequest("default", [5, 10], 3, 0.4, sampling={"temperature": 0.0})]
+    run_sampling = {"temperature": 0.5, "top_k": 40}  # the recorded run's workload keys
+    sent = {r.request_id: sampling_params(r, run_sampling) for r in reqs}
+    assert sent["warm"] == SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=40, ignore_eos=True)
+    save_trace(tmp_path / "w.jsonl", reqs, run_sampling)
+    lines = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()]
+    # Only what differs from the defaults (temperature 0, top_p 1, top_k off, ignore_eos), per line.
+    assert [{k: e[k] for k in ("temperature", "top_p", "top_k", "ignore_eos") if k in e} for e in lines] == [
+        {"temperature": 0.5, "top_k": 40}, {"temperature": 0.8, "top_p": 0.9, "top_k": 40},
+        {"temperature": 0.5, "top_k": 5, "ignore_eos": False}, {}, {"top_k": 40}]  # "greedy" turned top_k off
+    workload, replay_sampling = create_workload({"name": "trace", "path": str(tmp_path / "w.jsonl"),
+                                                 "temperature": 0.0, "ignore_eos": True})
+    replayed = workload.generate(CTX)
+    assert {r.request_id: sampling_params(r, replay_sampling) for r in replayed} == sent
+    # Saving the replay again writes the same file.
+    save_trace(tmp_path / "again.jsonl", replayed, replay_sampling)
+    assert (tmp_path / "again.jsonl").read_bytes() == (tmp_path / "w.jsonl").read_bytes()
+
+
+def test_default_sampling_adds_nothing_and_files_without_sampling_still_load(tmp_path):
+    # A run of default sampling writes lines as before the keys were saved, byte for byte.
+    reqs = [WorkloadRequest("a", [5, 6], 3, 0.0, 1), WorkloadRequest("b", [7], 2, 0.5)]
+    save_trace(tmp_path / "t.jsonl", reqs, {"temperature": 0.0, "ignore_eos": True, "top_p": 1.0, "top_k": -1})
+    old = ('{"request_id":"a","arrival_time":0.0,"priority":1,"output_len":3,"prompt_token_ids":[5,6]}\n'
+           '{"request_id":"b","arrival_time":0.5,"priority":0,"output_len":2,"prompt_token_ids":[7]}\n')
+    assert (tmp_path / "t.jsonl").read_text() == old
+    (tmp_path / "old.jsonl").write_text(old)  # as every earlier run saved its workload
+    back = load_trace(tmp_path / "old.jsonl", CTX)
+    assert back == reqs and all(r.sampling is None for r in back)
+    assert sampling_params(back[0], {"temperature": 0.3}) == SamplingParams(max_tokens=3, temperature=0.3,
+                                                                             ignore_eos=True)
 
 
 def test_numpy_numbers_a_custom_workload_hands_over_are_saved_as_plain_numbers(tmp_path):
@@ -121,6 +162,10 @@ def test_json_array_form_and_rescaling(tmp_path):
     ({"prompt_len": 4, "output_len": 2, "request_id": True}, "request_id must be a non-empty string or an integer"),
     ({"prompt_len": 4, "output_len": 2, "request_id": ["a"]}, "request_id must be a non-empty string or an integer"),
     ({"prompt_len": 4, "output_len": 2, "request_id": ""}, "request_id must be a non-empty string or an integer"),
+    ({"prompt_len": 4, "output_len": 2, "temperature": -1}, r"temperature must be a finite number >= 0, got -1$"),
+    ({"prompt_len": 4, "output_len": 2, "top_p": 0}, r"top_p must be in \(0, 1\], got 0$"),
+    ({"prompt_len": 4, "output_len": 2, "top_k": 2.5}, "top_k must be -1, 0 \\(disabled\\) or a positive integer"),
+    ({"prompt_len": 4, "output_len": 2, "ignore_eos": "yes"}, "ignore_eos must be True or False, got 'yes'"),
 ])
 def test_malformed_line_is_named(tmp_path, bad, match):
     good = {"prompt_len": 4, "output_len": 2}
