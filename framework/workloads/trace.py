@@ -5,7 +5,7 @@ ids), ``prompt`` (text, tokenised with the checkpoint's tokenizer) or ``prompt_l
 ids of that length, drawn from the workload's seed), and optionally ``arrival_time`` (seconds,
 default 0), ``priority`` (default 0), ``request_id`` (a string or an integer;
 default: the entry's position) and the request's own sampling keys ``temperature``, ``top_p``,
-``top_k``, ``ignore_eos`` (``SAMPLING_KEYS``; they win over the workload's, which apply to the
+``top_k``, ``min_p``, the three penalties and ``ignore_eos`` (``SAMPLING_KEYS``; they win over the workload's, which apply to the
 entries without them).
 
 A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
