@@ -7,6 +7,7 @@ the forward pass is replaced by advancing a ``VirtualClock`` by the predicted st
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -16,6 +17,7 @@ from framework.cost_model import COST_MODELS, BatchShape, CostModel
 from framework.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
 from framework.fast_forward import plans_as_it_runs
 from framework.hardware import Hardware, load_hardware
+from framework.registry import split_spec
 from framework.request import Request
 from framework.scheduler import SchedulerOutput
 from models.loader import ModelSource
@@ -53,9 +55,14 @@ class SimExecutor(Executor):
                                         self.hardware.dtype)
         self.dtype_bytes = DTYPE_BYTES[self.dtype]
         model = source.config
+        name, _ = split_spec(cost_model, "roofline", COST_MODELS.kind)
+        # A cost model written before dtypes were passed (no ``dtype`` keyword) still loads; it
+        # then gets the dtype as an attribute, which is all the base class keeps of it.
+        takes_dtype = name is None or "dtype" in inspect.signature(COST_MODELS.get(name)).parameters
         self.cost_model: CostModel = COST_MODELS.create_from(cost_model, model, self.hardware, self.dtype_bytes,
                                                              tensor_parallel_size, config.block_size, default="roofline",
-                                                             dtype=self.dtype)
+                                                             **({"dtype": self.dtype} if takes_dtype else {}))
+        self.cost_model.dtype = self.dtype
         check_bool("executor.fast_forward", fast_forward)
         self.fast_forward = fast_forward
         eos = set(model.eos_token_ids)

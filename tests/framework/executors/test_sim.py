@@ -309,3 +309,29 @@ def test_decode_runs_of_a_cost_model_overriding_step_time_alone_take_its_times(m
         if fast:
             assert counter.steps > 0  # still fast-forwarded
     assert results[0] == results[1]
+
+
+def test_a_cost_model_without_a_dtype_keyword_still_loads_and_is_told_the_dtype():
+    """A cost model plugin written before dtypes were passed (its constructor has no ``dtype``)
+    is built without one and then told the run's dtype; one that takes it gets it."""
+    from framework.cost_model import COST_MODELS, BatchShape, CostModel
+
+    class OldStyle(CostModel):
+        name = "old_style_for_test"
+
+        def __init__(self, model, hardware, dtype_bytes=2, tensor_parallel_size=1, block_size=16) -> None:
+            super().__init__(model, hardware, dtype_bytes, tensor_parallel_size, block_size)
+
+        def step_time(self, shape: BatchShape) -> float:
+            return 1e-3
+
+    COST_MODELS.register("old_style_for_test")(OldStyle)
+    try:
+        engine = LLMEngine(EngineConfig(model="llama-3-8b", executor="sim", dtype="float16",
+                                        executor_options={"cost_model": "old_style_for_test"}))
+        assert isinstance(engine.executor.cost_model, OldStyle)
+        assert engine.executor.cost_model.dtype == "float16"
+        roofline = LLMEngine(EngineConfig(model="llama-3-8b", executor="sim", dtype="float16"))
+        assert roofline.executor.cost_model.dtype == "float16"
+    finally:
+        COST_MODELS._classes.pop("old_style_for_test", None)
