@@ -96,6 +96,11 @@ class Hardware:
         return self.peak_tflops[canonical] * 1e12
 
     # -- SI units --------------------------------------------------------------------------------
+    @property
+    def flops(self) -> float:
+        """Peak FLOP/s in the device's own dtype (what ``dtype=auto`` runs in on it)."""
+        return self.peak_flops(self.dtype)
+
 
     @property
     def memory_bandwidth(self) -> float:

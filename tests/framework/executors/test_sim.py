@@ -200,7 +200,7 @@ def test_every_preset_gives_the_datasheet_peak_of_each_dtype():
     for name, peaks in DATASHEET_TFLOPS.items():
         hw = load_hardware(name)
         assert {dtype: hw.peak_flops(dtype) for dtype in peaks} == {d: t * 1e12 for d, t in peaks.items()}
-        assert hw.peak_flops(hw.dtype) > 0  # dtype=auto has a peak on every preset
+        assert hw.peak_flops(hw.dtype) > 0 and hw.flops == hw.peak_flops(hw.dtype)  # dtype=auto has a peak on every preset
 
 
 def test_a_single_peak_applies_to_every_dtype(tmp_path):
