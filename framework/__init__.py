@@ -26,7 +26,7 @@ from framework.llm import LLM  # noqa: E402
 from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from framework.registry import Registry, UnavailableError, UnknownNameError  # noqa: E402
 from framework.request import Request, RequestStatus  # noqa: E402
-from framework.sampling_params import SamplingParams  # noqa: E402
+from framework.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulerPolicy  # noqa: E402
 from framework.cost_model import COST_MODELS, BatchShape, CostModel  # noqa: E402
 from framework.router import ROUTERS, Router  # noqa: E402
@@ -57,7 +57,7 @@ __all__ = [
     "PREPARERS", "ROUTERS", "WORKLOADS", "AttentionBackend", "AttentionMetadata", "BatchShape",
     "BlockAllocator", "Cluster", "CompletionOutput", "CostModel", "EngineConfig", "Executor",
     "InputPreparer", "LLMEngine", "ModelInput", "Registry", "Request", "RequestMetrics",
-    "RequestOutput", "RequestStatus", "Router", "RunLogger", "SamplingParams", "Scheduler",
+    "RequestOutput", "RequestOutputKind", "RequestStatus", "Router", "RunLogger", "SamplingParams", "Scheduler",
     "SchedulerOutput", "SchedulerPolicy", "StepStats", "UnavailableError", "UnknownNameError",
     "Workload",
 ]

@@ -19,7 +19,7 @@ from framework.executor import EXECUTORS, ExecutorOutput
 from framework.fast_forward import DecodePlan, commit_decode_run, plan_decode_run
 from framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from framework.request import Request, RequestStatus
-from framework.sampling_params import SamplingParams
+from framework.sampling_params import RequestOutputKind, SamplingParams
 from framework.scheduler import POLICIES, Scheduler, SchedulerOutput
 from models.loader import resolve_model
 
@@ -105,6 +105,8 @@ class LLMEngine:
         # runs fork too (Executor.samples_forks), so they schedule as the real executor does.
         self._fork_samples = self.executor.samples_forks and preparer_forks
         self._leaders: dict[str, Request] = {}
+        #: How far each sequence of a DELTA request has been streamed, by sequence id.
+        self._streams: dict[str, _Stream] = {}
         self._generator_device = self.executor.device
         self.step_callbacks: list[Callable[[StepStats, SchedulerOutput], None]] = []
         self.num_steps = 0
@@ -248,9 +250,11 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Run one step. Returns an output for every request that progressed, or with
-        ``final_only`` only for those that finished: a batch run that reads results at the end
-        then skips building a cumulative output per running request every step."""
+        """Run one step. Returns an output for every request that progressed, as its
+        ``SamplingParams.output_kind`` says (cumulative, the delta since its last output, or
+        only once finished), or with ``final_only`` only for those that finished, each complete
+        whatever its kind: a batch run that reads results at the end then skips building a
+        cumulative output per running request every step."""
         start = self.clock.now()
         out = self.scheduler.schedule()
         try:
@@ -273,7 +277,7 @@ class LLMEngine:
         # Requests finished outside the step (ignored, aborted) finished before the step's own
         # finishes: their outputs come first, in finish order, as a decode run delivers them.
         if final_only:
-            outputs = [o for o in self._make_outputs(done_elsewhere + [r for r in progressed if r.is_finished])
+            outputs = [o for o in self._make_outputs(done_elsewhere + [r for r in progressed if r.is_finished], True)
                        if o.finished]
         else:
             outputs = self._make_outputs(done_elsewhere + progressed)
@@ -357,11 +361,11 @@ class LLMEngine:
             for req in group:
                 last[req.parent_id or req.request_id] = step
         outside = [r for r in run.finished_outside if (r.parent_id or r.request_id) not in last]
-        outputs = [o for o in self._make_outputs(outside) if o.finished] if outside else []
+        outputs = [o for o in self._make_outputs(outside, True) if o.finished] if outside else []
         if outputs:
             run.outputs_finished[1] = len(outputs)
         for step, group in run.finished:
-            done = [o for o in self._make_outputs([r for r in group if last[r.parent_id or r.request_id] == step])
+            done = [o for o in self._make_outputs([r for r in group if last[r.parent_id or r.request_id] == step], True)
                     if o.finished]
             if done:
                 run.outputs_finished[step] = run.outputs_finished.get(step, 0) + len(done)
@@ -397,8 +401,10 @@ class LLMEngine:
             num_finished=num_finished)
 
     # -- outputs ---------------------------------------------------------------------------------
-    def _make_outputs(self, reqs: list[Request]) -> list[RequestOutput]:
-        seen: dict[str, RequestOutput] = {}
+    def _make_outputs(self, reqs: list[Request], final: bool = False) -> list[RequestOutput]:
+        """One output per request among ``reqs``' sequences, as its ``output_kind`` says (none
+        for an unfinished FINAL_ONLY one); with ``final``, cumulative whatever the kind."""
+        seen: dict[str, RequestOutput | None] = {}
         for req in reqs:
             parent_id = req.parent_id or req.request_id
             if parent_id in seen:
@@ -406,11 +412,20 @@ class LLMEngine:
             children = self._parents.get(parent_id)
             if children is None:
                 continue
-            output = self._output(parent_id, children)
+            kind = children[0].sampling_params.output_kind
+            if kind is RequestOutputKind.CUMULATIVE or final:
+                output = self._output(parent_id, children)
+            elif kind is RequestOutputKind.DELTA:
+                output = self._delta_output(parent_id, children)
+            else:  # FINAL_ONLY
+                output = self._output(parent_id, children) if all(r.is_finished for r in children) else None
             seen[parent_id] = output
-            if output.finished:
+            if output is not None and output.finished:
                 del self._parents[parent_id]
-        return list(seen.values())
+                if kind is RequestOutputKind.DELTA:
+                    for child in children:
+                        self._streams.pop(child.request_id, None)
+        return [o for o in seen.values() if o is not None]
 
     def _output(self, request_id: str, children: list[Request]) -> RequestOutput:
         first = children[0]
@@ -454,6 +469,94 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority)
+
+    def _delta_output(self, request_id: str, children: list[Request]) -> RequestOutput:
+        """A DELTA request's output: for each sequence with something new since the request's
+        last output (tokens, or its finish), a completion of only the new token ids and text;
+        ``metrics.token_times`` holds the new tokens' times, the other metrics are cumulative.
+        Work is proportional to what is new: the text is decoded over a window of a few tokens
+        (as vLLM's incremental detokenizer), and once, whole, when a sequence finishes, so the
+        deltas' text adds up to exactly the cumulative output's."""
+        first = children[0]
+        num_prompt = first.num_prompt_tokens
+        completions = []
+        new_times: list[float] = []
+        for req in children:
+            stream = self._streams.get(req.request_id)
+            if stream is None:
+                stream = self._streams[req.request_id] = _Stream(num_prompt)
+            # Tokens are only ever appended (a recompute preemption keeps them), so nothing
+            # streamed is sent again.
+            ids = req.token_ids[stream.num_tokens:]
+            newly_finished = req.is_finished and not stream.finished
+            if not ids and not newly_finished:
+                continue
+            new_times.extend(req.token_times[stream.num_tokens - num_prompt:])
+            text = ""
+            if self.tokenizer is not None and req.sampling_params.detokenize:
+                text = self._delta_text(req, stream)
+            stream.num_tokens = req.num_tokens
+            stream.finished = req.is_finished
+            completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
+        token_times = new_times if len(children) == 1 else sorted(set(new_times))
+        finished = all(r.is_finished for r in children)
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=_min(r.first_scheduled_time for r in children),
+            first_token_time=_min(r.first_token_time for r in children),
+            last_token_time=_max(r.token_times[-1] if r.token_times else None for r in children),
+            finished_time=_max(r.finished_time for r in children) if finished else None,
+            token_times=token_times,
+            num_prompt_tokens=num_prompt,
+            num_generated_tokens=sum(r.num_output_tokens for r in children),
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(r.num_preemptions for r in children),
+            num_swaps=sum(r.num_swaps for r in children))
+        return RequestOutput(
+            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=completions, finished=finished, metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+            status_message=next((r.status_message for r in children if r.status_message), None),
+            priority=first.priority)
+
+    def _delta_text(self, req: Request, stream: _Stream) -> str:
+        """The text ``req``'s tokens since ``stream`` last saw it add. Mid-stream it decodes the
+        window from ``stream.prefix_offset`` and holds text back while it ends in an incomplete
+        character; the finish decodes the whole output once (without a stop token's text, as
+        ``_output``) and sends what is left of it."""
+        ids = req.token_ids
+        if req.is_finished:
+            shown = req.output_token_ids
+            if req.status == RequestStatus.FINISHED_STOPPED:
+                shown = shown[:-1]
+            whole = decode_continuation(self.tokenizer, req.prompt_token_ids, shown) if shown else ""
+            text = whole[stream.num_chars:]
+        else:
+            prefix = self.tokenizer.decode(ids[stream.prefix_offset:stream.read_offset], skip_special_tokens=True)
+            window = self.tokenizer.decode(ids[stream.prefix_offset:], skip_special_tokens=True)
+            if len(window) <= len(prefix) or not window.startswith(prefix) or window.endswith("\ufffd"):
+                return ""  # nothing whole yet: sent with a later token
+            text = window[len(prefix):]
+            stream.prefix_offset, stream.read_offset = stream.read_offset, len(ids)
+        stream.num_chars += len(text)
+        return text
+
+
+@dataclass
+class _Stream:
+    """A DELTA sequence's progress: ``num_tokens`` of its ``token_ids`` (prompt included) sent,
+    ``num_chars`` of its text; the text window starts at ``prefix_offset``, and its new part at
+    ``read_offset`` (vLLM's incremental detokenizer's offsets)."""
+
+    num_tokens: int
+    num_chars: int = 0
+    finished: bool = False
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self.prefix_offset = max(self.num_tokens - DETOKENIZE_CONTEXT, 0)
+        self.read_offset = self.num_tokens
 
 
 def decode_continuation(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:

@@ -1,10 +1,21 @@
 """Per-request sampling parameters, named and defaulted as in vLLM's offline API."""
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from framework.config import is_finite_number, is_int
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``LLMEngine.step`` returns for a request, as vLLM's enum of the name: ``CUMULATIVE``
+    every token and the text so far on each step; ``DELTA`` only what is new since the request's
+    last output (token ids, text, token times); ``FINAL_ONLY`` one output, when it finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -26,6 +37,9 @@ class SamplingParams:
     greedy requests too, as in vLLM.
     ``logprobs = k`` returns, for every generated token, the logprobs of the sampled token and the
     ``k`` most likely ones (``CompletionOutput.logprobs``; at most the engine's ``max_logprobs``).
+    ``output_kind`` (a ``RequestOutputKind`` or its name: ``'cumulative'``, ``'delta'``,
+    ``'final_only'``) says what ``LLMEngine.step`` returns for the request; ``LLM.generate`` and
+    ``LLMEngine.advance`` return complete final outputs whatever it is.
     Fields added after the first nine are last, so positional construction keeps its meaning.
     """
 
@@ -45,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -92,6 +107,11 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop matches the output text: it needs detokenize=True")
+        kind = self.output_kind
+        if isinstance(kind, str) and kind.upper() in RequestOutputKind.__members__:
+            self.output_kind = RequestOutputKind[kind.upper()]
+        elif not isinstance(kind, RequestOutputKind):
+            raise ValueError(f"SamplingParams.output_kind must be one of cumulative, delta, final_only, got {kind!r}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -592,3 +592,126 @@ def test_generate_builds_each_output_once_as_stepping_would(llama_ckpt, monkeypa
     assert [o.outputs for o in outs] == [stepped["0"].outputs, stepped["1"].outputs]
     assert len(outs[1].metrics.token_times) == len(stepped["1"].metrics.token_times) == 30  # wall-clock times
     assert outs[0].outputs[0].text and len(outs[1].outputs) == 3
+
+
+# -- output kinds (SamplingParams.output_kind) ---------------------------------------------------
+def _stream(engine):
+    """Step ``engine`` to the end; every output it returned, by request id, in order."""
+    got = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append(o)
+    return got
+
+
+def _joined(deltas):
+    """The DELTA outputs of one request joined per sample: {index: (token ids, text, finish)}."""
+    joined = {}
+    for o in deltas:
+        for c in o.outputs:
+            ids, text, _ = joined.get(c.index, ([], "", None))
+            joined[c.index] = (ids + c.token_ids, text + c.text, c.finish_reason)
+    return joined
+
+
+def _kind_requests(engine, kind, hf_model=None):
+    prompts = [[5, 6, 7, 8], list(range(20, 31)), [9, 8, 7, 6, 5]]
+    stop = 2
+    if hf_model is not None:  # a token greedy decoding first samples a few tokens in
+        greedy = hf_greedy(hf_model, prompts[1], 30)
+        stop = next(t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, output_kind=kind),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], output_kind=kind),
+              SamplingParams(n=3, max_tokens=25, temperature=1.0, seed=3, ignore_eos=True, output_kind=kind)]
+    for i, (p, s) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, s)
+    return prompts
+
+
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+def test_delta_outputs_add_up_to_the_cumulative_output(llama_ckpt, preparer):
+    # Same greedy / seeded requests: the deltas, joined per sample, are the cumulative run's final
+    # token ids and text; the greedy ones are transformers' tokens, their text its decode.
+    path, hf_model = llama_ckpt
+    config = dict(model=str(path), max_model_len=128, block_size=16, backend="naive", seed=0, preparer=preparer)
+    runs = {}
+    for kind in ("cumulative", "delta"):
+        engine = LLMEngine(EngineConfig(**config))
+        prompts = _kind_requests(engine, kind, hf_model)
+        runs[kind] = _stream(engine)
+    tok = engine.tokenizer
+    for rid in "012":
+        final = runs["cumulative"][rid][-1]
+        assert final.finished and not any(o.finished for o in runs["cumulative"][rid][:-1])
+        deltas = runs["delta"][rid]
+        assert [o.finished for o in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert _joined(deltas) == {c.index: (c.token_ids, c.text, c.finish_reason) for c in final.outputs}
+        # Each step's output holds only its new tokens and their times; joined, the times are the
+        # cumulative output's count of them (one per step that gave any sample a token).
+        assert all(len(c.token_ids) == 1 for o in deltas for c in o.outputs)
+        times = [t for o in deltas for t in o.metrics.token_times]
+        assert times == sorted(times) and len(times) == len(final.metrics.token_times)
+        assert deltas[-1].metrics.num_generated_tokens == final.metrics.num_generated_tokens
+    for rid, p in zip("01", prompts):
+        ids, text, _ = _joined(runs["delta"][rid])[0]
+        assert ids == hf_greedy(hf_model, p, len(ids))
+        shown = ids[:-1] if rid == "1" else ids  # the stop token's text is left out
+        assert (tok.decode(p[-5:] + shown) == tok.decode(p[-5:]) + text)
+    assert _joined(runs["delta"]["1"])[0][2] == "stop"
+
+
+def test_delta_outputs_after_recompute_preemption_send_no_token_twice(llama_ckpt):
+    # A small KV cache preempts (recompute): a preempted request prefills its streamed tokens again,
+    # but they were sent already.
+    path, hf_model = llama_ckpt
+    config = dict(model=str(path), backend="naive", policy="chunked", block_size=4, max_model_len=48,
+                  max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=14,
+                  policy_options={"preemption_mode": "recompute"}, check_invariants=True)
+    prompts = [list(range(10, 30)), list(range(40, 58)), list(range(60, 75)), list(range(80, 101))]
+    engine = LLMEngine(EngineConfig(**config))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                     output_kind="delta"))
+    got = _stream(engine)
+    assert sum(got[str(i)][-1].metrics.num_preemptions for i in range(4)) > 0
+    for i, p in enumerate(prompts):
+        ids, text, reason = _joined(got[str(i)])[0]
+        assert ids == hf_greedy(hf_model, p, 20) and reason == "length"
+        assert engine.tokenizer.decode(p[-5:] + ids) == engine.tokenizer.decode(p[-5:]) + text
+
+
+def test_final_only_outputs_come_once_and_generate_returns_final_outputs_whatever_the_kind(llama_ckpt):
+    path, _ = llama_ckpt
+    config = dict(model=str(path), max_model_len=128, block_size=16, backend="naive", seed=0)
+    engine = LLMEngine(EngineConfig(**config))
+    _kind_requests(engine, "cumulative")
+    cumulative = {rid: outs[-1] for rid, outs in _stream(engine).items()}
+    engine = LLMEngine(EngineConfig(**config))
+    _kind_requests(engine, "final_only")
+    final_only = _stream(engine)
+    assert {rid: len(outs) for rid, outs in final_only.items()} == {"0": 1, "1": 1, "2": 1}
+    assert all(final_only[rid][0].outputs == cumulative[rid].outputs for rid in "012")
+    llm = LLM(**config)
+    for kind in ("delta", "final_only"):
+        params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, output_kind=kind),
+                  SamplingParams(n=3, max_tokens=25, temperature=1.0, seed=3, ignore_eos=True, output_kind=kind)]
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 8, 7, 6, 5]}], params)
+        assert outs[0].outputs == cumulative["0"].outputs and outs[1].outputs == cumulative["2"].outputs
+        assert len(outs[1].metrics.token_times) == 25
+
+
+def test_delta_outputs_decode_a_window_not_the_whole_output_each_step(llama_ckpt, monkeypatch):
+    # Cumulative outputs decode the whole text every step (quadratic in the output length); the
+    # deltas decode a few tokens per step and the whole output once, at the finish.
+    path, _ = llama_ckpt
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=256, block_size=16, backend="naive"))
+    decoded = []
+    decode = engine.tokenizer.decode
+    monkeypatch.setattr(engine.tokenizer, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+    monkeypatch.setattr(LLMEngine, "_output", lambda *a: pytest.fail("a cumulative output was built"))
+    n = 150
+    engine.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                         output_kind="delta"))
+    got = _stream(engine)
+    assert len(_joined(got["r"])[0][0]) == n
+    assert sum(decoded) < 16 * n  # a cumulative output's decodes would total about n * n
