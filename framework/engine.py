@@ -491,13 +491,21 @@ class LLMEngine:
             newly_finished = req.is_finished and not stream.finished
             if not ids and not newly_finished:
                 continue
-            new_times.extend(req.token_times[stream.num_tokens - num_prompt:])
+            sent = stream.num_tokens - num_prompt  # output tokens already streamed
+            new_times.extend(req.token_times[sent:])
             text = ""
-            if self.tokenizer is not None and req.sampling_params.detokenize:
+            if req.detokenizer is not None:
+                # Stop strings: the detokenizer's text, which never shows what a stop string may
+                # yet cut, so what was sent stays a prefix of the final text.
+                text = req.detokenizer.output_text(req.is_finished)[stream.num_chars:]
+                stream.num_chars += len(text)
+            elif self.tokenizer is not None and req.sampling_params.detokenize:
                 text = self._delta_text(req, stream)
             stream.num_tokens = req.num_tokens
             stream.finished = req.is_finished
-            completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason))
+            logprobs = req.logprobs[sent:] if req.logprobs is not None else None
+            completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason,
+                                                req.cumulative_logprob, logprobs))
         token_times = new_times if len(children) == 1 else sorted(set(new_times))
         finished = all(r.is_finished for r in children)
         metrics = RequestMetrics(

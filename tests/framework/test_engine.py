@@ -660,6 +660,48 @@ def test_delta_outputs_add_up_to_the_cumulative_output(llama_ckpt, preparer):
     assert _joined(runs["delta"]["1"])[0][2] == "stop"
 
 
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+def test_delta_outputs_with_stop_strings_and_logprobs_add_up_to_the_cumulative_output(llama_ckpt, preparer):
+    # A stop string taken from the middle of the model's own text, and logprobs: the deltas'
+    # text never runs past what the final text keeps, and joined, text, ids, stop reason and
+    # logprobs are the cumulative output's.
+    path, _ = llama_ckpt
+    config = dict(model=str(path), max_model_len=128, block_size=16, backend="naive", seed=0, preparer=preparer)
+    prompt = list(range(20, 31))
+    engine = LLMEngine(EngineConfig(**config))
+    engine.add_request("free", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    free = _stream(engine)["free"][-1].outputs[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    assert len(free) > 10 and len(stop) == 3
+    runs = {}
+    for kind in ("cumulative", "delta"):
+        engine = LLMEngine(EngineConfig(**config))
+        engine.add_request("0", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=stop,
+                                                       logprobs=2, output_kind=kind))
+        engine.add_request("1", prompt, SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=1, ignore_eos=True,
+                                                       stop=[stop], logprobs=1, output_kind=kind))
+        runs[kind] = _stream(engine)
+    for rid in "01":
+        final = runs["cumulative"][rid][-1]
+        deltas = runs["delta"][rid]
+        joined = _joined(deltas)
+        assert joined == {c.index: (c.token_ids, c.text, c.finish_reason) for c in final.outputs}
+        for c in final.outputs:
+            shown = ""
+            for o in deltas:
+                for d in o.outputs:
+                    if d.index == c.index:
+                        shown += d.text
+                        assert c.text.startswith(shown)
+            got_logprobs = [lp for o in deltas for d in o.outputs if d.index == c.index for lp in d.logprobs]
+            assert got_logprobs == c.logprobs and len(got_logprobs) == len(c.token_ids)
+            last = [d for o in deltas for d in o.outputs if d.index == c.index][-1]
+            assert last.stop_reason == c.stop_reason and last.cumulative_logprob == c.cumulative_logprob
+    greedy = runs["cumulative"]["0"][-1].outputs[0]
+    assert greedy.finish_reason == "stop" and greedy.stop_reason == stop and stop not in greedy.text
+    assert free.startswith(greedy.text) and len(greedy.text) < len(free)
+
+
 def test_delta_outputs_after_recompute_preemption_send_no_token_twice(llama_ckpt):
     # A small KV cache preempts (recompute): a preempted request prefills its streamed tokens again,
     # but they were sent already.
