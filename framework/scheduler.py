@@ -213,7 +213,7 @@ class Scheduler:
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
             request.status_message = reason
-            request.finished_time = self.clock.now()
+            request.finished_time = self._ignored_time(request)
             self._finished_outside_step.append(request)
             return
         self._receive(request)
@@ -503,9 +503,14 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED_IGNORED
         request.status_message = reason
-        request.finished_time = self.clock.now()
+        request.finished_time = self._ignored_time(request)
         step.out.ignored.append(request)
         self._finished_outside_step.append(request)
+
+    def _ignored_time(self, request: Request) -> float:
+        """When an ignored request finished: now (as vLLM), but not before it arrived; a request
+        added ahead of its arrival time would otherwise get a negative end-to-end latency."""
+        return max(self.clock.now(), request.arrival_time)
 
     # -- parallel sampling (vLLM v0) -------------------------------------------------------------
     def fork(self, parent: Request, child: Request, first_token: int, now: float | None = None) -> None:

@@ -164,3 +164,33 @@ def test_latency_statistics_do_not_depend_on_the_order_of_the_values():
     assert latency_stats("ttft", shuffled) == latency_stats("ttft", values) == latency_stats("ttft", sorted(values))
     mean = math.fsum(values) / len(values)  # exactly rounded: the sorted sum is within a few ulps of it
     assert latency_stats("ttft", values)["mean_ttft_ms"] == pytest.approx(1000 * mean, rel=1e-13)
+
+
+def test_ignored_requests_finish_when_ignored_and_stay_out_of_the_latencies():
+    # From a real engine: a prompt that can never fit finishes, ignored, when it is added (as
+    # vLLM), not before its arrival; the summary counts it failed and keeps it out of every latency.
+    from framework import EngineConfig, LLMEngine, SamplingParams
+    from framework.clock import VirtualClock
+
+    clock = VirtualClock()
+    clock.advance(2.0)
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=32), clock=clock)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("ok", [5, 6, 7], params)
+    engine.add_request("long", list(range(3, 43)), params)
+    engine.add_request("ahead", list(range(3, 43)), params, arrival_time=3.0)  # added before it arrives
+    outs = {}
+    while engine.has_unfinished_requests():
+        clock.advance(0.25)
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["long"].metrics.finished_time == 2.0 and outs["long"].metrics.e2el == 0.0
+    assert outs["ahead"].metrics.finished_time == 3.0 and outs["ahead"].metrics.e2el == 0.0
+    assert outs["ok"].metrics.e2el == 0.75  # three steps of 0.25 s
+    records = [RequestRecord.from_output(outs[rid], 2.0) for rid in ("ok", "long", "ahead")]
+    assert [r.status for r in records] == ["length", "ignored", "ignored"]
+    s = summarize(records, 1.0)
+    assert s["completed"] == 1 and s["failed"] == 2
+    assert s["failure_reasons"] == {"prompt of N tokens is longer than max_model_len=32": 2}
+    for stat in ("mean", "median", "p90", "p99"):
+        assert s[f"{stat}_e2el_ms"] == 750.0 and s[f"{stat}_queueing_delay_ms"] == 250.0
+    assert s["total_input_tokens"] == 3 and s["request_throughput"] == 1.0
