@@ -175,7 +175,9 @@ class LLMEngine:
                 # Sample i takes seed + i (as vLLM), wrapped into SamplingParams' [0, 2**63): a
                 # seed near the top is valid and must not fail for the samples after it.
                 seed = None if params.seed is None else (params.seed + i) % 2**63
-                child_params = dataclasses.replace(params, n=1, seed=seed)
+                # The prompt's logprobs are the request's, not a sample's: the first computes them.
+                prompt_logprobs = params.prompt_logprobs if i == 0 else None
+                child_params = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
             req = Request(rid, ids, child_params, arrival, priority=priority, eos_token_ids=self._eos,
                           max_model_len=self.config.max_model_len, prompt=text,
                           parent_id=request_id if params.n > 1 else None, index=i)
@@ -201,7 +203,7 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError, one line naming the option, for sampling parameters this engine cannot
-        serve: more logprobs than ``max_logprobs`` (or the vocabulary), stop strings without a
+        serve: more (prompt) logprobs than ``max_logprobs`` (or the vocabulary), stop strings without a
         tokenizer or real tokens to decode, or an option the executor cannot honour."""
         if params.stop:
             # Stop strings are matched against the decoded output.
@@ -211,13 +213,13 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"SamplingParams.stop is matched against the output text, and model "
                                  f"{self.config.model!r} has no tokenizer to decode it; use stop_token_ids")
-        if params.logprobs is not None:
-            limit, name = self.config.max_logprobs, "the engine's max_logprobs"
-            if self.model_config.vocab_size < limit:
-                limit, name = self.model_config.vocab_size, "the model's vocabulary size"
-            if params.logprobs > limit:
-                raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds {name} ({limit}); "
-                                 f"ask for at most {limit}")
+        limit, name = self.config.max_logprobs, "the engine's max_logprobs"
+        if self.model_config.vocab_size < limit:
+            limit, name = self.model_config.vocab_size, "the model's vocabulary size"
+        for option in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, option)
+            if value is not None and value > limit:
+                raise ValueError(f"SamplingParams.{option}={value} exceeds {name} ({limit}); ask for at most {limit}")
         self.executor.check_request(params)
 
     def _sequence_in_use(self, rid: str) -> bool:
@@ -263,6 +265,8 @@ class LLMEngine:
             self.scheduler.step_failed(out)
             raise
         sampled = result.sampled
+        if result.prompt_logprobs:
+            self._append_prompt_logprobs(result.prompt_logprobs)
         # One time for the step's tokens, forks' first tokens included: a streaming client gets
         # them together, and RequestMetrics.token_times counts one entry per step.
         now = self.clock.now()
@@ -319,6 +323,24 @@ class LLMEngine:
                     logprob.decoded_token = self.tokenizer.decode([token_id])
             req.logprobs.append(entry)
             req.cumulative_logprob += entry[req.token_ids[-1]].logprob
+
+    def _append_prompt_logprobs(self, prompt_logprobs: dict[str, list[dict[int, Logprob]]]) -> None:
+        """Extend each request's prompt logprobs with the entries its prompt chunk computed this
+        step (the executor computes only the positions the request lacks), text decoded as
+        ``_append_logprobs`` does."""
+        for rid, entries in prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.prompt_logprobs is None:
+                raise RuntimeError(f"executor {self.config.executor!r} returned prompt logprobs for {rid}, "
+                                   f"which does not ask for them")
+            if len(req.prompt_logprobs) + len(entries) > req.num_prompt_tokens:
+                raise RuntimeError(f"executor {self.config.executor!r} returned more prompt logprobs for {rid} "
+                                   f"than its prompt has tokens")
+            if self.tokenizer is not None and req.sampling_params.detokenize:
+                for entry in entries:
+                    for token_id, logprob in entry.items():
+                        logprob.decoded_token = self.tokenizer.decode([token_id])
+            req.prompt_logprobs.extend(entries)
 
     def _settle_forks(self, finished: Iterable[Request]) -> None:
         """A leader among ``finished`` (requests that finished before sampling: ignored, aborted)
@@ -468,7 +490,16 @@ class LLMEngine:
             outputs=completions, finished=finished, metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
-            priority=first.priority)
+            priority=first.priority, prompt_logprobs=_prompt_logprobs(first))
+
+
+def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
+    """``req``'s prompt logprobs for an output: None until the prompt's are all computed (a
+    request prefilled over several steps streams them with its first token), and never the
+    list still growing."""
+    if req.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens:
+        return None
+    return req.prompt_logprobs
 
     def _delta_output(self, request_id: str, children: list[Request]) -> RequestOutput:
         """A DELTA request's output: for each sequence with something new since the request's

@@ -28,10 +28,13 @@ GiB = 1 << 30
 class ExecutorOutput:
     """Sampled token per request that reached its last known token this step, and, for those
     of them that ask for logprobs, the ``{token_id: Logprob}`` of that position (no decoded
-    text: the engine adds it)."""
+    text: the engine adds it). ``prompt_logprobs`` gives each request asking for them the
+    entries of the prompt tokens this step's positions predicted, in order, continuing the
+    request's ``prompt_logprobs`` list (positions it already has are not computed again)."""
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 class Executor(ABC):
@@ -50,8 +53,9 @@ class Executor(ABC):
     #: Whether the sampled tokens are a model's, with text to decode: a simulator's synthetic
     #: tokens have none, and the engine refuses what would read it (``SamplingParams.stop``).
     produces_text: ClassVar[bool] = True
-    #: Whether ``execute`` returns ``ExecutorOutput.logprobs`` for the requests that ask for them
-    #: (``SamplingParams.logprobs``); without it the engine refuses such requests.
+    #: Whether ``execute`` returns ``ExecutorOutput.logprobs`` and ``prompt_logprobs`` for the
+    #: requests that ask for them (``SamplingParams.logprobs`` and ``prompt_logprobs``); without
+    #: it the engine refuses such requests.
     returns_logprobs: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
@@ -78,6 +82,10 @@ class Executor(ABC):
         if params.logprobs is not None and not self.returns_logprobs:
             raise ValueError(f"executor={self.name or type(self).__name__} cannot return logprobs (SamplingParams.logprobs="
                              f"{params.logprobs}): leave logprobs None, or run executor=model")
+        if params.prompt_logprobs is not None and not self.returns_logprobs:
+            raise ValueError(f"executor={self.name or type(self).__name__} cannot return prompt logprobs "
+                             f"(SamplingParams.prompt_logprobs={params.prompt_logprobs}): leave prompt_logprobs "
+                             f"None, or run executor=model")
 
     @abstractmethod
     def kv_block_counts(self) -> tuple[int, int]: ...

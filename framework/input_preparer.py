@@ -11,6 +11,7 @@ import torch
 
 from framework.attention import AttentionMetadata
 from framework.registry import Registry
+from framework.request import Request
 from framework.scheduler import SchedulerOutput
 
 
@@ -50,11 +51,26 @@ class SamplingMetadata:
 
 
 @dataclass
+class PromptLogprobsMetadata:
+    """The step's prompt positions whose logprobs requests asked for (``SamplingParams.
+    prompt_logprobs``): ``indices`` into the step's flat hidden states and the prompt token each
+    position predicts (``token_ids``, the next one), both on the device; request ``req_ids[i]``
+    owns the next ``counts[i]`` of them and asks for ``num_logprobs[i]`` top tokens."""
+
+    indices: torch.Tensor
+    token_ids: torch.Tensor
+    req_ids: list[str]
+    counts: list[int]
+    num_logprobs: list[int]
+
+
+@dataclass
 class ModelInput:
     """One forward pass: flat ``input_ids``/``positions`` of all scheduled tokens, the attention
     metadata, and which hidden states to sample from (``logits_indices``), for which requests.
     ``req_ids[i]`` is the request of the attention metadata's row ``i``. ``host`` keeps the CPU
-    arrays the preparer computed (for tests, debugging and simulators)."""
+    arrays the preparer computed (for tests, debugging and simulators). ``prompt_logprobs`` names
+    the prompt positions to compute logprobs of, None when no scheduled request needs any."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -64,6 +80,7 @@ class ModelInput:
     sampling: SamplingMetadata
     host: dict[str, np.ndarray] = field(default_factory=dict)
     req_ids: list[str] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobsMetadata | None = None
 
 
 class InputPreparer(ABC):
@@ -168,6 +185,35 @@ class InputPreparer(ABC):
                 meta.logprob_rows, meta.logprob_rows_cpu = self._tensor(rows), rows
                 meta.num_logprobs = num_logprobs[rows].tolist()
         return meta
+
+    def prompt_logprobs_metadata(self, reqs: list[Request], first_index: np.ndarray, computed: np.ndarray,
+                                 seq_lens: np.ndarray) -> PromptLogprobsMetadata | None:
+        """The prompt positions of ``reqs`` (requests asking for prompt logprobs) this step
+        computes and whose logprobs they still lack: request ``i`` computes positions
+        ``computed[i] .. seq_lens[i] - 1``, its first at flat index ``first_index[i]``. Position
+        ``p`` predicts prompt token ``p + 1``, so the last prompt position (which samples) is not
+        one; positions before ``len(req.prompt_logprobs) - 1`` were done before (a request
+        recomputed after preemption) and are skipped. None when no position is left."""
+        req_ids: list[str] = []
+        counts: list[int] = []
+        num_logprobs: list[int] = []
+        indices: list[np.ndarray] = []
+        targets: list[int] = []
+        for req, first, ctx, end in zip(reqs, first_index.tolist(), computed.tolist(), seq_lens.tolist()):
+            assert req.prompt_logprobs is not None
+            start = max(ctx, len(req.prompt_logprobs) - 1)
+            end = min(end, len(req.prompt_token_ids) - 1)
+            if start >= end:
+                continue
+            req_ids.append(req.request_id)
+            counts.append(end - start)
+            num_logprobs.append(req.sampling_params.prompt_logprobs)
+            indices.append(np.arange(first + start - ctx, first + end - ctx, dtype=np.int64))
+            targets += req.prompt_token_ids[start + 1:end + 1]
+        if not req_ids:
+            return None
+        return PromptLogprobsMetadata(self._tensor(np.concatenate(indices)),
+                                      self._tensor(np.array(targets, dtype=np.int64)), req_ids, counts, num_logprobs)
 
     def penalties(self, rows: np.ndarray, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
                   presence: np.ndarray, frequency: np.ndarray, repetition: np.ndarray) -> Penalties | None:

@@ -63,14 +63,20 @@ class ModelRunner:
             return ExecutorOutput()
         meta = self.backend.build_metadata(inputs.attn_metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
+        output = ExecutorOutput()
+        prompt = inputs.prompt_logprobs
+        if prompt is not None:
+            # Logits of the prompt positions whose logprobs are asked for, besides the sampled rows.
+            prompt_logits = self.model.compute_logits(hidden[prompt.indices])
+            output.prompt_logprobs = dict(zip(prompt.req_ids, self.sampler.prompt_logprobs(prompt_logits, prompt)))
         if not inputs.sample_req_ids:
-            return ExecutorOutput()
+            return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampling = inputs.sampling
         sampler_output = self.sampler.sample(logits, sampling)
         tokens = sampler_output.sampled.cpu().numpy()
         self.preparer.record_sampled(inputs, tokens)
-        output = ExecutorOutput(dict(zip(inputs.sample_req_ids, tokens.tolist())))
+        output.sampled = dict(zip(inputs.sample_req_ids, tokens.tolist()))
         if sampler_output.logprobs is not None:
             assert sampling.logprob_rows_cpu is not None and sampling.num_logprobs is not None
             rids = map(inputs.sample_req_ids.__getitem__, sampling.logprob_rows_cpu.tolist())

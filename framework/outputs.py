@@ -92,6 +92,16 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One request's output so far: its ``n`` sequences in ``outputs``.
+
+    With ``SamplingParams.prompt_logprobs = k``, ``prompt_logprobs`` has one entry per prompt
+    token, as vLLM's: None for the first (nothing predicts it), then for token ``i`` a
+    ``{token_id: Logprob}`` of that token (first) and the ``k`` most likely tokens at its position
+    (``k`` or ``k + 1`` entries), of the distribution the model predicts from tokens ``< i`` (the
+    raw float32 ``log_softmax``, as ``CompletionOutput.logprobs``). Computed once for all ``n``
+    sequences; a streamed output carries them from the step that completes the prompt. None
+    without it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -102,3 +112,4 @@ class RequestOutput:
     #: Why the request ended early (e.g. an ignored prompt), else None.
     status_message: str | None = None
     priority: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

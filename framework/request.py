@@ -58,7 +58,7 @@ class Request:
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
         "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra", "arrival_order",
         "detokenizer",
-        "logprobs", "cumulative_logprob",
+        "logprobs", "cumulative_logprob", "prompt_logprobs",
     )
 
     def __init__(
@@ -115,6 +115,11 @@ class Request:
         #: sum of the output tokens' logprobs (the engine appends them); None otherwise.
         self.logprobs: list[dict[int, Any]] | None = None if sampling_params.logprobs is None else []
         self.cumulative_logprob: float | None = None if sampling_params.logprobs is None else 0.0
+        #: With ``sampling_params.prompt_logprobs``: None for the first prompt token, then one
+        #: ``{token_id: Logprob}`` per prompt token computed so far (the engine appends them chunk
+        #: by chunk; ``len - 1`` prompt positions are done, and never computed again); else None.
+        self.prompt_logprobs: list[dict[int, Any] | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None])
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -136,6 +141,12 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are asked for and some are still to be computed: until then the
+        prompt is computed in full, without prefix-cache hits (vLLM v1 skips them too)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_prefill(self) -> bool:

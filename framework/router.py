@@ -45,8 +45,11 @@ class Replica:
         return self.engine.allocator.usage
 
     def prefix_tokens(self, request: Request) -> int:
-        """Tokens of ``request``'s prompt this replica's prefix cache holds (whole blocks)."""
+        """Tokens of ``request``'s prompt this replica's prefix cache holds (whole blocks); 0
+        for a request that will not use them (its prompt logprobs are still to come)."""
         self._settle(self.index, self._now)
+        if request.needs_prompt_logprobs:
+            return 0  # it will compute its whole prompt (Scheduler.find_prefix)
         if not self._own_hashes:
             return self.engine.allocator.find_prefix(request).num_tokens
         shared, request.block_hashes = request.block_hashes, []

@@ -1,12 +1,12 @@
 """Batched sampling on the device: penalties, greedy, temperature, min-p, top-k, top-p,
-per-request seeds, and the logprobs of the rows that ask for them."""
+per-request seeds, and the logprobs (of sampled tokens and of prompts) of the rows that ask."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from framework.input_preparer import Penalties, SamplingMetadata
+from framework.input_preparer import Penalties, PromptLogprobsMetadata, SamplingMetadata
 from framework.outputs import Logprob
 
 
@@ -70,6 +70,19 @@ class Sampler:
         sampled = self(logits, meta)
         assert meta.num_logprobs is not None
         return SamplerOutput(sampled, gather_logprobs(raw, sampled[meta.logprob_rows], max(meta.num_logprobs)))
+
+    def prompt_logprobs(self, logits: torch.Tensor, meta: PromptLogprobsMetadata) -> list[list[dict[int, Logprob]]]:
+        """Each of ``meta.req_ids``' prompt logprobs, from ``logits`` (one row per position of
+        ``meta.indices``): the predicted prompt token's logprob and rank, then the request's
+        ``num_logprobs`` most likely tokens, of the raw float32 ``log_softmax`` as ``sample``'s."""
+        raw = logits.float().log_softmax(dim=-1)
+        tensors = gather_logprobs(raw, meta.token_ids, max(meta.num_logprobs))
+        dicts = tensors.to_dicts([k for k, count in zip(meta.num_logprobs, meta.counts) for _ in range(count)])
+        out, start = [], 0
+        for count in meta.counts:
+            out.append(dicts[start:start + count])
+            start += count
+        return out
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = logits.float()

@@ -40,6 +40,9 @@ class SamplingParams:
     ``output_kind`` (a ``RequestOutputKind`` or its name: ``'cumulative'``, ``'delta'``,
     ``'final_only'``) says what ``LLMEngine.step`` returns for the request; ``LLM.generate`` and
     ``LLMEngine.advance`` return complete final outputs whatever it is.
+    ``prompt_logprobs = k`` returns, for every prompt token after the first, the logprobs of that
+    token and the ``k`` most likely ones at its position (``RequestOutput.prompt_logprobs``; same
+    cap); such a request computes its whole prompt, without prefix-cache hits, as in vLLM v1.
     Fields added after the first nine are last, so positional construction keeps its meaning.
     """
 
@@ -60,6 +63,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -98,10 +102,12 @@ class SamplingParams:
         if not listed or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"SamplingParams.stop must be None, a non-empty string or a list of them, got {self.stop!r}")
         self.stop = stop
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"SamplingParams.logprobs must be None (off) or an integer >= 0, got {self.logprobs!r}")
-        if self.logprobs is not None:  # a numpy integer would reach torch.topk and the engine's checks
-            self.logprobs = int(self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise ValueError(f"SamplingParams.{name} must be None (off) or an integer >= 0, got {value!r}")
+            if value is not None:  # a numpy integer would reach torch.topk and the engine's checks
+                setattr(self, name, int(value))
         for name in ("ignore_eos", "detokenize", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")

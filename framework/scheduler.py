@@ -368,8 +368,10 @@ class Scheduler:
 
     # -- operations for policies -----------------------------------------------------------------
     def find_prefix(self, request: Request) -> PrefixHit:
-        """Cached blocks the request could start from (only for a request holding no blocks)."""
-        if request.num_computed_tokens or request.block_ids:
+        """Cached blocks the request could start from (only for a request holding no blocks).
+        None for a request whose prompt logprobs are still to come: a hit would skip the
+        positions that compute them, so, as vLLM v1, it computes its whole prompt."""
+        if request.num_computed_tokens or request.block_ids or request.needs_prompt_logprobs:
             return PrefixHit()
         return self.allocator.find_prefix(request)
 

@@ -137,6 +137,8 @@ class SequenceGroupPreparer(InputPreparer):
         sample_data: list[SequenceData] = []  # the tokens each sample has seen (a fork's: its leader's)
         num_prefills = num_prefill_tokens = 0
         total = 0
+        # Prompt chunks of requests asking for prompt logprobs: request, first flat index, span.
+        prompt_logprob_chunks: list[tuple[Request, int, int, int]] = []
         for meta in metas:
             block_tables = meta.block_tables
             if meta.is_prompt:
@@ -160,6 +162,8 @@ class SequenceGroupPreparer(InputPreparer):
                     tables.append(table)
                     req = request_of[sid]
                     req_ids.append(req.request_id)
+                    if req.prompt_logprobs is not None and ctx < req.num_prompt_tokens - 1:
+                        prompt_logprob_chunks.append((req, total, ctx, seq_len))
                     num_prefills += 1
                     num_prefill_tokens += q
                     total += q
@@ -214,9 +218,14 @@ class SequenceGroupPreparer(InputPreparer):
             np.array([p.min_p for p in params], dtype=np.float32),
             self._penalties(params, sample_data),
             np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64))
-        return self.model_input(host, req_ids, [r.request_id for r in sample_reqs], sampling,
-                                num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
-                                num_decode_tokens=total - num_prefill_tokens)
+        model_input = self.model_input(host, req_ids, [r.request_id for r in sample_reqs], sampling,
+                                       num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
+                                       num_decode_tokens=total - num_prefill_tokens)
+        if prompt_logprob_chunks:
+            reqs, first, ctx, end = zip(*prompt_logprob_chunks)
+            model_input.prompt_logprobs = self.prompt_logprobs_metadata(
+                list(reqs), *(np.array(x, dtype=np.int64) for x in (first, ctx, end)))
+        return model_input
 
     def _penalties(self, params: list[SamplingParams], data: list[SequenceData]) -> Penalties | None:
         """The penalised samples' tokens (prompt then output, padded with -1) and penalties, as

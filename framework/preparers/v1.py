@@ -22,7 +22,8 @@ from operator import attrgetter, itemgetter
 import numpy as np
 import torch
 
-from framework.input_preparer import PREPARERS, InputPreparer, ModelInput, Penalties, SamplingMetadata
+from framework.input_preparer import (PREPARERS, InputPreparer, ModelInput, Penalties, PromptLogprobsMetadata,
+                                      SamplingMetadata)
 from framework.request import Request
 from framework.scheduler import SchedulerOutput
 
@@ -90,6 +91,9 @@ class FlatBatchPreparer(InputPreparer):
         # SamplingParams.logprobs per row (-1: None), and how many live rows ask for logprobs.
         self.num_logprobs = np.full(rows, -1, dtype=np.int64)
         self._num_logprob_rows = 0
+        # Whether each row asks for prompt logprobs, and how many live rows do.
+        self.asks_prompt_logprobs = np.zeros(rows, dtype=bool)
+        self._num_prompt_logprob_rows = 0
         self._row_flags = [0] * rows
         self._num_live = [0] * 64  # live rows with each combination of flags
         self.row_of: dict[str, int] = {}
@@ -125,6 +129,9 @@ class FlatBatchPreparer(InputPreparer):
             if params.logprobs is not None:
                 self.num_logprobs[row] = params.logprobs
                 self._num_logprob_rows += 1
+            if params.prompt_logprobs is not None:
+                self.asks_prompt_logprobs[row] = True
+                self._num_prompt_logprob_rows += 1
             self._row_flags[row] = flags = _flags(req)
             self._num_live[flags] += 1
 
@@ -137,6 +144,9 @@ class FlatBatchPreparer(InputPreparer):
                 if self.num_logprobs[row] >= 0:
                     self.num_logprobs[row] = -1
                     self._num_logprob_rows -= 1
+                if self.asks_prompt_logprobs[row]:
+                    self.asks_prompt_logprobs[row] = False
+                    self._num_prompt_logprob_rows -= 1
                 self._num_live[self._row_flags[row]] -= 1
                 heapq.heappush(self._free_rows, row)
                 freed.append(row)
@@ -258,7 +268,21 @@ class FlatBatchPreparer(InputPreparer):
         if self.check:
             self._check_rows(reqs, ids, rows)
         self.row_num_computed[rows] = seq_lens
-        return self.build(ids, rows, num_sched, computed, seq_lens, num_tokens, state[:, 4])
+        model_input = self.build(ids, rows, num_sched, computed, seq_lens, num_tokens, state[:, 4])
+        if self._num_prompt_logprob_rows:
+            model_input.prompt_logprobs = self._prompt_logprobs(reqs, ids, rows, computed, seq_lens,
+                                                                model_input.host["query_start_loc"])
+        return model_input
+
+    def _prompt_logprobs(self, reqs: list[Request], ids: list[str], rows: np.ndarray, computed: np.ndarray,
+                         seq_lens: np.ndarray, query_start_loc: np.ndarray) -> PromptLogprobsMetadata | None:
+        """The prompt positions of the scheduled rows that ask for prompt logprobs and are still
+        in their prompt (``InputPreparer.prompt_logprobs_metadata``)."""
+        idx = (self.asks_prompt_logprobs[rows] & (computed < self.row_num_prompt_tokens[rows] - 1)).nonzero()[0]
+        if not len(idx):
+            return None
+        return self.prompt_logprobs_metadata(self._requests(reqs, ids, idx.tolist()), query_start_loc.take(idx),
+                                             computed.take(idx), seq_lens.take(idx))
 
     def build(self, req_ids: list[str], rows: np.ndarray, num_sched: np.ndarray, computed: np.ndarray,
               seq_lens: np.ndarray, num_tokens: np.ndarray, row_start: np.ndarray) -> ModelInput:

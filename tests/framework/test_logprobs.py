@@ -129,8 +129,6 @@ def test_logprobs_off_by_default_and_capped(llama_ckpt):
         LLM(model=str(path), max_logprobs=-1)
     with pytest.raises(ValueError, match="SamplingParams.logprobs must be None"):
         SamplingParams(logprobs=-1)
-    with pytest.raises(TypeError):
-        SamplingParams(prompt_logprobs=1)  # not implemented: refused, not ignored
     big = LLMEngine(model=str(path), backend="naive", max_model_len=64, max_logprobs=1000)
     with pytest.raises(ValueError, match=r"exceeds the model's vocabulary size \(512\)"):
         big.add_request("a", [5, 6], SamplingParams(logprobs=513))
