@@ -492,15 +492,6 @@ class LLMEngine:
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority, prompt_logprobs=_prompt_logprobs(first))
 
-
-def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
-    """``req``'s prompt logprobs for an output: None until the prompt's are all computed (a
-    request prefilled over several steps streams them with its first token), and never the
-    list still growing."""
-    if req.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens:
-        return None
-    return req.prompt_logprobs
-
     def _delta_output(self, request_id: str, children: list[Request]) -> RequestOutput:
         """A DELTA request's output: for each sequence with something new since the request's
         last output (tokens, or its finish), a completion of only the new token ids and text;
@@ -538,6 +529,10 @@ def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
             completions.append(CompletionOutput(req.index, text, ids, req.status.finish_reason, req.stop_reason,
                                                 req.cumulative_logprob, logprobs))
         token_times = new_times if len(children) == 1 else sorted(set(new_times))
+        # Prompt logprobs go out once, with the first output that has them (as vLLM's DELTA).
+        head = self._streams[first.request_id]
+        prompt_logprobs = None if head.sent_prompt_logprobs else _prompt_logprobs(first)
+        head.sent_prompt_logprobs |= prompt_logprobs is not None
         finished = all(r.is_finished for r in children)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
@@ -556,7 +551,7 @@ def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
             outputs=completions, finished=finished, metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
-            priority=first.priority)
+            priority=first.priority, prompt_logprobs=prompt_logprobs)
 
     def _delta_text(self, req: Request, stream: _Stream) -> str:
         """The text ``req``'s tokens since ``stream`` last saw it add. Mid-stream it decodes the
@@ -581,15 +576,25 @@ def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
         return text
 
 
+def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
+    """``req``'s prompt logprobs for an output: None until the prompt's are all computed (a
+    request prefilled over several steps streams them with its first token), and never the
+    list still growing."""
+    if req.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens:
+        return None
+    return req.prompt_logprobs
+
+
 @dataclass
 class _Stream:
     """A DELTA sequence's progress: ``num_tokens`` of its ``token_ids`` (prompt included) sent,
-    ``num_chars`` of its text; the text window starts at ``prefix_offset``, and its new part at
+    ``num_chars`` of its text, whether the request's prompt logprobs went out (first sequence's); the text window starts at ``prefix_offset``, and its new part at
     ``read_offset`` (vLLM's incremental detokenizer's offsets)."""
 
     num_tokens: int
     num_chars: int = 0
     finished: bool = False
+    sent_prompt_logprobs: bool = False
     prefix_offset: int = 0
     read_offset: int = 0
 

@@ -702,6 +702,27 @@ def test_delta_outputs_with_stop_strings_and_logprobs_add_up_to_the_cumulative_o
     assert free.startswith(greedy.text) and len(greedy.text) < len(free)
 
 
+def test_delta_outputs_send_prompt_logprobs_once(llama_ckpt):
+    # A chunked prompt (16 tokens a step) asking for prompt logprobs, n=2: exactly one DELTA
+    # output carries them, and they are the cumulative run's.
+    path, _ = llama_ckpt
+    config = dict(model=str(path), max_model_len=128, block_size=16, backend="naive", seed=0, policy="chunked",
+                  max_num_batched_tokens=16, max_num_seqs=4)
+    prompt = list(range(20, 60))
+    runs = {}
+    for kind in ("cumulative", "delta"):
+        engine = LLMEngine(EngineConfig(**config))
+        engine.add_request("0", prompt, SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=2, ignore_eos=True,
+                                                       prompt_logprobs=2, output_kind=kind))
+        runs[kind] = _stream(engine)["0"]
+    want = runs["cumulative"][-1].prompt_logprobs
+    assert want is not None and len(want) == len(prompt) and want[0] is None
+    carrying = [o for o in runs["delta"] if o.prompt_logprobs is not None]
+    assert len(carrying) == 1 and carrying[0].prompt_logprobs == want
+    assert _joined(runs["delta"]) == {c.index: (c.token_ids, c.text, c.finish_reason)
+                                      for c in runs["cumulative"][-1].outputs}
+
+
 def test_delta_outputs_after_recompute_preemption_send_no_token_twice(llama_ckpt):
     # A small KV cache preempts (recompute): a preempted request prefills its streamed tokens again,
     # but they were sent already.
