@@ -259,9 +259,15 @@ class LLMEngine:
         cumulative output per running request every step."""
         start = self.clock.now()
         out = self.scheduler.schedule()
+        seeded = _seeded_generator_states(out) if out.runs else []
         try:
             result = self.executor.execute(out) if out.runs else ExecutorOutput()
         except BaseException:
+            # The step's requests sample their positions again when recomputed: a seeded one's
+            # generator goes back to where the step found it (the sampler may have drawn from it
+            # before the failure), so it samples what it would have had the step not failed.
+            for generator, state in seeded:
+                generator.set_state(state)
             self.scheduler.step_failed(out)
             raise
         sampled = result.sampled
@@ -601,6 +607,13 @@ class _Stream:
     def __post_init__(self) -> None:
         self.prefix_offset = max(self.num_tokens - DETOKENIZE_CONTEXT, 0)
         self.read_offset = self.num_tokens
+
+
+def _seeded_generator_states(out: SchedulerOutput) -> list[tuple[Any, Any]]:
+    """The generator and its state of each seeded request ``out`` schedules, and of each parallel
+    sample still to be forked from one of them (its first token is drawn from its own generator)."""
+    return [(r.generator, r.generator.get_state()) for req in out.scheduled for r in (req, *req.forks)
+            if r.generator is not None]
 
 
 def decode_continuation(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:

@@ -534,6 +534,51 @@ def test_stepping_on_after_a_failed_forward_pass_matches_transformers(llama_ckpt
         hf_greedy(hf_model, p, s.max_tokens) for p, s in zip(prompts, params)]
 
 
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+def test_seeded_samples_are_the_same_after_a_step_that_failed_once_it_had_sampled(llama_ckpt, preparer):
+    """A step that failed after the sampler drew from the seeded requests' generators (a Ctrl-C
+    landing as the sampled tokens come back) left those generators advanced: the recomputed
+    requests, and the parallel samples still to fork (v0), then sampled other tokens than a run
+    with no failure. Their generators now go back to where the failed step found them."""
+    path, _ = llama_ckpt
+    prompts = [list(range(10, 30)), list(range(40, 49)), list(range(60, 75))]
+    params = [SamplingParams(max_tokens=8, n=2, temperature=1.0, seed=i, ignore_eos=True, presence_penalty=0.5,
+                             repetition_penalty=1.2, logprobs=1) for i in range(len(prompts))]
+
+    def run(fail_at):
+        llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+                  max_model_len=64, max_num_batched_tokens=32, max_num_seqs=6, check_invariants=True)
+        engine = llm.engine
+        for i, (p, s) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, s)
+        _interrupt_after(engine.executor.runner.sampler, "sample", when=fail_at)
+        outs, failed = step_through_interrupts(engine)
+        assert failed == len(fail_at)
+        return {rid: [c.token_ids for c in out.outputs] for rid, out in outs.items()}, outs
+
+    (tokens, outs), (want_tokens, want) = run({1, 3, 6}), run(set())
+    assert tokens == want_tokens
+    for rid, out in want.items():  # each token's logprobs once, as without the failures
+        for got, expected in zip(outs[rid].outputs, out.outputs):
+            assert [len(d) for d in got.logprobs] == [len(d) for d in expected.logprobs]
+            assert got.cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-4)
+
+
+def _interrupt_after(obj, method, when):
+    """Make the ``when``-th calls (1-based) of ``obj.method`` raise KeyboardInterrupt once they
+    have run, as a Ctrl-C landing just after them would."""
+    calls, original = [], getattr(obj, method)
+
+    def interrupted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) in when:
+            raise KeyboardInterrupt
+        return result
+
+    setattr(obj, method, interrupted)
+
+
 @pytest.mark.parametrize("preparer, mode", [("v0", "swap"), ("v1", "swap"), ("v0", "recompute")])
 def test_stepping_on_after_steps_that_failed_before_their_swaps_and_copies_matches_transformers(
         llama_ckpt, preparer, mode):
