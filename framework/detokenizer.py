@@ -19,7 +19,8 @@ class StopStringDetokenizer:
     """Output text of one sequence, fed its sampled tokens by ``Request.check_stop``.
 
     ``append`` takes the next token (never an EOS or ``stop_token_ids`` token that ended the
-    sequence: its text is not shown) and returns the stop string it completes, or None. The text
+    sequence: its text is not shown) and returns the stop string it completes, or None; with
+    ``final`` (the sequence's last token) it decodes whatever is still pending. The text
     it then holds is cut before that string (after it with ``include_stop_str_in_output``),
     while the token ids keep every token up to the one that completed it, as vLLM's do.
     Decoding skips special tokens and starts after the prompt's last few tokens, as the engine's
@@ -27,7 +28,7 @@ class StopStringDetokenizer:
     """
 
     __slots__ = ("tokenizer", "stop", "include_stop_str_in_output", "holdback", "_keep", "_ids", "_read",
-                 "_pieces", "_length", "_tail")
+                 "_shown", "_pieces", "_length", "_tail")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: list[str],
                  include_stop_str_in_output: bool = False) -> None:
@@ -42,6 +43,8 @@ class StopStringDetokenizer:
         #: Tokens still to decode: a context of shown tokens (``_ids[:_read]``), then new ones.
         self._ids = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
         self._read = len(self._ids)
+        #: Characters of the pending tokens' (``_ids[_read:]``) text already taken into the text.
+        self._shown = 0
         # The text as pieces (a str grown by += is copied whole each time), its length, and its
         # last ``_keep`` characters.
         self._pieces: list[str] = []
@@ -57,16 +60,24 @@ class StopStringDetokenizer:
     def output_text(self, finished: bool) -> str:
         """The text to show: all of it once finished, else less the last ``holdback`` characters
         (vLLM's streaming never shows text that a stop string may yet cut)."""
+        if finished and self._read < len(self._ids):
+            # Bytes still pending (an incomplete or invalid character at the end) show as the
+            # full decode shows them: U+FFFD. A sequence that ended on a stop string has none.
+            new = self._decode_next(final=True)
+            self._pieces.append(new)
+            self._length += len(new)
         text = self.text
         if finished or not self.holdback:
             return text
         return text[:max(len(text) - self.holdback, 0)]
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, final: bool = False) -> str | None:
         """Decode ``token_id`` after the tokens before it; the stop string its text completes, or
         None. Of several it completes, the one starting earliest in the text (so the cut text
-        holds none of them; vLLM takes the one listed first)."""
-        new = self._decode_next(token_id)
+        holds none of them; vLLM takes the one listed first). ``final``: no token follows, so
+        text held back for an incomplete character is decoded (and searched) now."""
+        self._ids.append(token_id)
+        new = self._decode_next(final)
         if not new:
             return None
         # Every stop string ending before ``new`` was found on an earlier token, so one found
@@ -86,20 +97,30 @@ class StopStringDetokenizer:
         cut = start + at + (len(found) if self.include_stop_str_in_output else 0)
         self._pieces = [self.text[:cut]]
         self._length = cut
+        self._read, self._shown = len(self._ids), 0  # nothing after the stop string is shown
         return found
 
-    def _decode_next(self, token_id: int) -> str:
-        """The text ``token_id`` adds, as vLLM's incremental detokenizer finds it: decode the
-        tokens since the last shown context with and without the new ones and take the
-        difference; "" while the text ends in an incomplete character (U+FFFD), whose bytes the
-        next tokens complete (the tokens are then decoded together)."""
+    def _decode_next(self, final: bool = False) -> str:
+        """The text the tokens appended since the last shown context add, as vLLM's incremental
+        detokenizer finds it: decode the tokens since that context with and without the new ones
+        and take the difference. While the text ends in U+FFFD (an incomplete character, whose
+        bytes the next tokens may complete), the new tokens stay pending, decoded again with the
+        next, and only the text before the U+FFFD run is taken: it cannot change, and a stop
+        string in it must end the sequence now, not a token later (or never, on the last token).
+        With ``final`` the whole is taken."""
         ids = self._ids
-        ids.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(ids[:self._read], skip_special_tokens=True)
         whole = decode(ids, skip_special_tokens=True)
-        if len(whole) <= len(prefix) or whole.endswith("\ufffd"):
+        if len(whole) <= len(prefix):
             return ""
-        del ids[:self._read]  # the new tokens are the next token's context
-        self._read = len(ids)
-        return whole[len(prefix):]
+        done = final or not whole.endswith("\ufffd")
+        if not done:
+            whole = whole.rstrip("\ufffd")
+        new = whole[len(prefix) + self._shown:]
+        if done:
+            del ids[:self._read]  # the new tokens are the next token's context
+            self._read, self._shown = len(ids), 0
+        else:
+            self._shown += len(new)
+        return new

@@ -176,16 +176,15 @@ class Request:
         if last in params.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
+        capped = (self.num_output_tokens >= params.max_tokens
+                  or self.max_model_len is not None and self.num_tokens >= self.max_model_len)
         if self.detokenizer is not None:
-            stop = self.detokenizer.append(last)
+            # On the last token, text held back for an incomplete character is searched too.
+            stop = self.detokenizer.append(last, final=capped)
             if stop is not None:
                 self.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
+        return RequestStatus.FINISHED_LENGTH_CAPPED if capped else None
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

@@ -7,6 +7,7 @@ import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams
 from framework.detokenizer import StopStringDetokenizer
+from framework.request import Request
 from tests.conftest import hf_greedy
 
 PROMPT_TEXT = "w5 w17 w3 w300 w42"
@@ -184,6 +185,64 @@ def test_multibyte_characters_split_across_tokens_are_matched_whole():
         text, ids, reason, ref_stop = reference(tok, prompt, tokens, stops, include)
         assert (detok.text, tokens[:k], stop if stop else None) == (text, ids, ref_stop)
         assert reason == ("stop" if stop else "length")
+
+
+def chunk_tokenizer(chunks):
+    """A byte-level tokenizer with one token per byte plus one per chunk of bytes in ``chunks``
+    (so a token may end part-way through a character), and the chunks' token ids."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte-to-character map, which the ByteLevel decoder inverts.
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    to_char = {b: chr(b if b in shown else next(extra)) for b in range(256)}
+    spell = ["".join(to_char[b] for b in chunk) for chunk in chunks]
+    vocab = {c: i for i, c in enumerate(sorted(to_char.values()))}
+    for word in spell:
+        vocab.setdefault(word, len(vocab))
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=raw), [vocab[w] for w in spell]
+
+
+def test_a_stop_string_before_an_incomplete_character_ends_the_sequence_at_its_token():
+    # "テ" and the first byte of "キ" in one token: the text is "aテ" plus an incomplete
+    # character. The stop string is there now (the reference finds it); waiting for the
+    # character to complete stopped a token late, or, on the last allowed token, not at all.
+    tok, tokens = chunk_tokenizer([b"a", "テ".encode() + "キ".encode()[:1], "キ".encode()[1:] + b"b", b"c"])
+    prompt = [tok.convert_tokens_to_ids("p")]
+    for stops, include in [(["テ"], False), (["aテ"], True), (["zz"], False)]:
+        for max_tokens in (2, 4):
+            req = Request("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=stops,
+                                                      include_stop_str_in_output=include), 0.0)
+            req.detokenizer = StopStringDetokenizer(tok, prompt, req.sampling_params.stop, include)
+            for token in tokens:
+                req.append_output_token(token, 0.0)
+                status = req.check_stop()
+                if status is not None:
+                    break
+            text, ids, reason, stop = reference(tok, prompt, tokens[:max_tokens], stops, include)
+            assert (req.detokenizer.output_text(True), req.output_token_ids, status.finish_reason,
+                    req.stop_reason) == (text, ids, reason, stop)
+
+
+def test_finished_text_ends_as_the_full_decode_does():
+    # Bytes that never make a character (0x80 alone), or an incomplete one cut by the finish
+    # (a length cap, an abort, an EOS), show as U+FFFD, as the full decode (and the engine's text
+    # without stop strings) shows them; they were dropped from a stop-string request's text.
+    tok, tokens = chunk_tokenizer([b"ab", b"\x80", b"\x80", "テ".encode()[:2]])
+    prompt = [tok.convert_tokens_to_ids("p")]
+    for k in range(1, len(tokens) + 1):
+        # The last allowed token, or a finish check_stop never saw (an abort).
+        for max_tokens, finish in [(k, "length"), (k + 1, None)]:
+            req = Request("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop="zz"), 0.0)
+            req.detokenizer = StopStringDetokenizer(tok, prompt, ["zz"])
+            for token in tokens[:k]:
+                req.append_output_token(token, 0.0)
+                status = req.check_stop()
+            assert getattr(status, "finish_reason", None) == finish
+            assert req.detokenizer.output_text(True) == reference(tok, prompt, tokens[:k], [])[0]
 
 
 # -- what cannot stop on text -------------------------------------------------------------------
