@@ -224,7 +224,8 @@ class RooflineCostModel(CostModel):
         another device, a model of another shape (GEMMs of other sizes reach other fractions of
         the peaks), another dtype (another peak, other kernels), tensor-parallel degree (smaller
         GEMMs per device) or KV block size. Provenance a calibration leaves out is not checked."""
-        fitted_on = calibration.get("hardware", {}).get("name")
+        # `hardware: null` (a calibration that names no device) is no provenance, as a missing one.
+        fitted_on = (calibration.get("hardware") or {}).get("name")
         if fitted_on is not None and fitted_on != self.hardware.name:
             logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
                            fitted_on, self.hardware.name)

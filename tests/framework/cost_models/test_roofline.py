@@ -366,6 +366,16 @@ def test_malformed_calibration_files_are_reported(tmp_path, text, message):
         RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
 
 
+def test_a_calibration_naming_no_hardware_loads_as_one_without_provenance(tmp_path, caplog):
+    # `hardware: null` passed load_calibration's check, then failed with AttributeError: 'NoneType'
+    # object has no attribute 'get'.
+    path = tmp_path / "cal.yaml"
+    path.write_text("params: {step_overhead_us: 50.0}\nhardware: null\n")
+    with caplog.at_level("WARNING", logger="framework.cost_models.roofline"):
+        m = RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
+    assert m.params["step_overhead_us"] == 50.0 and not caplog.records
+
+
 @pytest.mark.parametrize("tp", [True, 2.0, "2"])
 def test_tensor_parallel_size_must_be_an_integer(tp):
     # A bool is no device count: true ran as one device, and the run's summary said `true`.
