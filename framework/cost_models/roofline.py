@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from framework.config import parse_finite_float, read_yaml
+from framework.config import DTYPE_ALIASES, is_finite_number, parse_finite_float, read_yaml
 from framework.cost_model import COST_MODELS, BatchShape, CostModel, model_shape
 from framework.hardware import Hardware
 from models.config import ModelConfig
@@ -225,10 +225,20 @@ class RooflineCostModel(CostModel):
         the peaks), another dtype (another peak, other kernels), tensor-parallel degree (smaller
         GEMMs per device) or KV block size. Provenance a calibration leaves out is not checked."""
         # `hardware: null` (a calibration that names no device) is no provenance, as a missing one.
-        fitted_on = (calibration.get("hardware") or {}).get("name")
+        fitted_hw = calibration.get("hardware") or {}
+        fitted_on = fitted_hw.get("name")
         if fitted_on is not None and fitted_on != self.hardware.name:
             logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
                            fitted_on, self.hardware.name)
+        elif fitted_on is not None:
+            # The same device with other figures: the efficiencies are fractions of the figures the
+            # fit was made against (a calibration written when the preset had one peak for every
+            # dtype, or a figure overridden on the command line), so the times it fitted would change.
+            differ = self._figures_differ(fitted_hw, calibration.get("dtype") or self.dtype)
+            if differ:
+                logger.warning("calibration fitted on hardware %r with other figures than this simulation's (%s): its "
+                               "efficiency factors are fractions of them and may not carry over", fitted_on,
+                               ", ".join(differ))
         shape = calibration.get("model_shape")
         if isinstance(shape, dict):
             differ = [f"{k} {shape[k]} vs {v}" for k, v in model_shape(self.model).items() if k in shape and shape[k] != v]
@@ -242,6 +252,22 @@ class RooflineCostModel(CostModel):
         if differ:
             logger.warning("calibration measured with other settings than this simulation's (%s): its efficiency "
                            "factors may not carry over", ", ".join(differ))
+
+    def _figures_differ(self, fitted_hw: Mapping[str, Any], fitted_dtype: Any) -> list[str]:
+        """``"FIGURE fitted vs now"`` for the figures the efficiency factors are fractions of (the
+        peak FLOP/s in the dtype measured, when it is this simulation's, and the memory bandwidth)
+        where the calibration's device description gives another; figures it lacks are not checked."""
+        differ = []
+        peaks = fitted_hw.get("peak_tflops")
+        if isinstance(fitted_dtype, str) and DTYPE_ALIASES.get(fitted_dtype) == self.dtype:  # else warned as a setting
+            fitted_peak = peaks.get(self.dtype) if isinstance(peaks, Mapping) else peaks
+            now = self.hardware.peak_flops(self.dtype)
+            if is_finite_number(fitted_peak) and fitted_peak * 1e12 != now:
+                differ.append(f"{self.dtype} peak_tflops {fitted_peak:g} vs {now / 1e12:g}")
+        bandwidth = fitted_hw.get("memory_bandwidth_gb_s")
+        if is_finite_number(bandwidth) and bandwidth != self.hardware.memory_bandwidth_gb_s:
+            differ.append(f"memory_bandwidth_gb_s {bandwidth:g} vs {self.hardware.memory_bandwidth_gb_s:g}")
+        return differ
 
     def fit_vector(self) -> list[float]:
         return self._inv + [self.params[name] for name in _OVERHEADS] + [float(v) for v in self._passes[1:]]

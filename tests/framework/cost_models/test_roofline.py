@@ -366,6 +366,50 @@ def test_malformed_calibration_files_are_reported(tmp_path, text, message):
         RooflineCostModel(LLAMA3_8B, A100, calibration=str(path))
 
 
+def test_a_calibration_fitted_against_other_figures_of_the_same_device_is_warned_about(tmp_path, caplog):
+    """A bfloat16 fit made when the cpu preset had one peak (0.3 TFLOP/s for every dtype) holds
+    efficiencies that are fractions of 0.3: against today's bfloat16 peak of 0.6 its compute legs
+    take half the time it fitted, and this went without a word (the device's name is the same)."""
+    import yaml
+
+    from framework.hardware import Hardware
+    from framework.profile import calibration_record
+
+    tiny = ModelConfig.from_hf(PRESETS["tiny-llama"])
+    cpu = load_hardware("cpu")
+    old_cpu = Hardware(**{**cpu.to_dict(), "peak_tflops": 0.3})  # the preset as it was
+    params = {"matmul_efficiency": 0.5, "attention_efficiency": 0.5, "step_overhead_us": 0.0, "seq_overhead_us": 0.0}
+    record = calibration_record("roofline", "tiny-llama", old_cpu, 2, 16, params, {}, [], model_config=tiny)
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump(record))
+    shape = BatchShape(num_seqs=1, num_tokens=512, num_sampled=1, num_prefill_seqs=1, prefill_tokens=512,
+                       prefill_context=512, prefill_pairs=512 * 513 // 2)
+    fitted = RooflineCostModel(tiny, old_cpu, 2, calibration=str(path), kernels_per_layer=0, kernels_per_step=0)
+    applied = RooflineCostModel(tiny, cpu, 2, calibration=str(path), kernels_per_layer=0, kernels_per_step=0)
+    assert applied.dtype == "bfloat16" and applied.step_time(shape) < 0.75 * fitted.step_time(shape)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="framework.cost_models.roofline"):
+        RooflineCostModel(tiny, cpu, 2, calibration=str(path))
+        assert [r.getMessage() for r in caplog.records] == [
+            "calibration fitted on hardware 'cpu' with other figures than this simulation's (bfloat16 peak_tflops "
+            "0.3 vs 0.6): its efficiency factors are fractions of them and may not carry over"]
+        caplog.clear()
+        RooflineCostModel(tiny, old_cpu, 2, calibration=str(path))  # the figures it was fitted against
+        assert not caplog.records
+        # A fit recorded with today's per-dtype peaks: only the dtype measured is compared, and
+        # another bandwidth is named too.
+        path.write_text(yaml.safe_dump(calibration_record("roofline", "tiny-llama", cpu, 4, 16, params, {}, [],
+                                                          model_config=tiny, dtype="float32")))
+        RooflineCostModel(tiny, cpu, 4, calibration=str(path))
+        assert not caplog.records
+        faster = Hardware(**{**cpu.to_dict(), "peak_tflops": {"float32": 0.6}, "memory_bandwidth_gb_s": 40})
+        RooflineCostModel(tiny, faster, 4, calibration=str(path))
+        assert [r.getMessage() for r in caplog.records] == [
+            "calibration fitted on hardware 'cpu' with other figures than this simulation's (float32 peak_tflops "
+            "0.3 vs 0.6, memory_bandwidth_gb_s 20 vs 40): its efficiency factors are fractions of them and may not "
+            "carry over"]
+
+
 def test_a_calibration_naming_no_hardware_loads_as_one_without_provenance(tmp_path, caplog):
     # `hardware: null` passed load_calibration's check, then failed with AttributeError: 'NoneType'
     # object has no attribute 'get'.
