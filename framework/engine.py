@@ -203,16 +203,12 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError, one line naming the option, for sampling parameters this engine cannot
-        serve: more (prompt) logprobs than ``max_logprobs`` (or the vocabulary), stop strings without a
-        tokenizer or real tokens to decode, or an option the executor cannot honour."""
-        if params.stop:
-            # Stop strings are matched against the decoded output.
-            if not self.executor.produces_text:
-                raise ValueError(f"executor {self.config.executor!r} samples synthetic tokens with no text: it "
-                                 f"cannot simulate SamplingParams.stop (stop strings); use stop_token_ids or max_tokens")
-            if self.tokenizer is None:
-                raise ValueError(f"SamplingParams.stop is matched against the output text, and model "
-                                 f"{self.config.model!r} has no tokenizer to decode it; use stop_token_ids")
+        serve: an option the executor cannot honour (``Executor.check_request``), stop strings
+        without a tokenizer, more (prompt) logprobs than ``max_logprobs`` (or the vocabulary)."""
+        self.executor.check_request(params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop is matched against the output text, and model "
+                             f"{self.config.model!r} has no tokenizer to decode it; use stop_token_ids")
         limit, name = self.config.max_logprobs, "the engine's max_logprobs"
         if self.model_config.vocab_size < limit:
             limit, name = self.model_config.vocab_size, "the model's vocabulary size"
@@ -220,7 +216,6 @@ class LLMEngine:
             value = getattr(params, option)
             if value is not None and value > limit:
                 raise ValueError(f"SamplingParams.{option}={value} exceeds {name} ({limit}); ask for at most {limit}")
-        self.executor.check_request(params)
 
     def _sequence_in_use(self, rid: str) -> bool:
         """Whether ``rid`` names an unfinished sequence: one the scheduler holds, or a parallel

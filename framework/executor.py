@@ -79,13 +79,15 @@ class Executor(ABC):
     def check_request(self, params: SamplingParams) -> None:
         """ValueError, one line naming the option, for sampling parameters this executor cannot
         honour (checked before the request is queued)."""
-        if params.logprobs is not None and not self.returns_logprobs:
-            raise ValueError(f"executor={self.name or type(self).__name__} cannot return logprobs (SamplingParams.logprobs="
-                             f"{params.logprobs}): leave logprobs None, or run executor=model")
-        if params.prompt_logprobs is not None and not self.returns_logprobs:
-            raise ValueError(f"executor={self.name or type(self).__name__} cannot return prompt logprobs "
-                             f"(SamplingParams.prompt_logprobs={params.prompt_logprobs}): leave prompt_logprobs "
-                             f"None, or run executor=model")
+        name = self.name or type(self).__name__
+        if params.stop and not self.produces_text:
+            raise ValueError(f"executor={name} samples synthetic tokens with no text: it cannot simulate "
+                             f"SamplingParams.stop (stop strings); use stop_token_ids or max_tokens")
+        for option in ("logprobs", "prompt_logprobs") if not self.returns_logprobs else ():
+            value = getattr(params, option)
+            if value is not None:
+                raise ValueError(f"executor={name} cannot return {option.replace('_', ' ')} (SamplingParams.{option}="
+                                 f"{value}): leave {option} None, or run executor=model")
 
     @abstractmethod
     def kv_block_counts(self) -> tuple[int, int]: ...

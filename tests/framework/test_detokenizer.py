@@ -268,7 +268,7 @@ def test_a_single_stop_string_is_a_list_of_one():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(model="tiny-llama"), "model 'tiny-llama' has no tokenizer"),
     (dict(model="tiny-llama", executor="sim", executor_options={"hardware": "cpu"}),
-     "executor 'sim' samples synthetic tokens with no text: it cannot simulate SamplingParams.stop"),
+     "executor=sim samples synthetic tokens with no text: it cannot simulate SamplingParams.stop"),
 ])
 def test_stop_strings_without_text_are_refused_with_nothing_queued(kwargs, match):
     llm = LLM(max_model_len=128, **kwargs)
