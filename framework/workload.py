@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from framework.registry import Registry
+from framework.registry import BadOptionsError, Registry
 from framework.sampling_params import SamplingParams
 
 
@@ -113,4 +113,9 @@ def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
         SamplingParams(**{**SAMPLING_DEFAULTS, **sampling})
     except (TypeError, ValueError) as exc:
         raise ValueError(str(exc).replace("SamplingParams.", "workload.", 1)) from None
-    return WORKLOADS.create_from(options), sampling
+    try:
+        return WORKLOADS.create_from(options), sampling
+    except BadOptionsError as exc:
+        # The sampling keys were split off above, so the workload's own options it lists lack
+        # them: a misspelt repetition_penalty would be answered with a list that omits it.
+        raise BadOptionsError(f"{exc}; and every workload's sampling keys: {', '.join(SAMPLING_KEYS)}") from None

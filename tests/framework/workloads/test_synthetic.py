@@ -159,3 +159,18 @@ def test_a_bad_seed_is_a_configuration_error(options, seed):
     # ValueError naming no option, after the engine was built.
     with pytest.raises(ValueError, match=rf"workload.seed must be an integer in \[0, 2\*\*63\), got {seed!r}"):
         create_workload({**options, "seed": seed})
+
+
+@pytest.mark.parametrize("name, options", [
+    ("synthetic", {}), ("trace", {"path": "experiments/traces/sample.jsonl"}),
+    ("sharegpt", {"path": "experiments/data/sharegpt_sample.json"})])
+def test_a_misspelt_sampling_key_is_answered_with_the_sampling_keys(name, options):
+    # The sampling keys are split off before the workload is built: its list of options alone
+    # would leave out the very key a user misspelt (+workload.repetiton_penalty=1.1).
+    with pytest.raises(ValueError) as info:
+        create_workload({"name": name, **options, "repetiton_penalty": 1.1})
+    message = str(info.value)
+    assert "repetiton_penalty" in message and "\n" not in message
+    for key in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "ignore_eos"):
+        assert key in message
