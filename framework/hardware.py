@@ -58,7 +58,10 @@ class Hardware:
                 continue
             value = getattr(self, name)
             if not (is_finite_number(value) and value > 0):
-                raise ValueError(f"hardware {self.name!r}: {name} must be a finite number > 0, got {value!r}")
+                # peak_tflops may also be a mapping: a list or null is told of that form too.
+                valid = (f"a finite number > 0 (every dtype's peak) or a mapping of dtypes ({', '.join(DTYPE_BYTES)}) "
+                         f"to TFLOP/s" if name == "peak_tflops" else "a finite number > 0")
+                raise ValueError(f"hardware {self.name!r}: {name} must be {valid}, got {value!r}")
         for name in ("launch_overhead_us", "interconnect_gb_s", "interconnect_latency_us", "pcie_gb_s",
                      "runtime_reserved_gib"):
             value = getattr(self, name)

@@ -232,6 +232,15 @@ def test_bad_peak_mappings_are_one_line_errors(peaks, message):
         load_hardware({**load_hardware("a100-80gb").to_dict(), "peak_tflops": peaks})
 
 
+@pytest.mark.parametrize("peaks", [[312, 19.5], None, True])
+def test_a_peak_neither_number_nor_mapping_is_told_both_forms(peaks):
+    # A list (or null) was answered "must be a finite number > 0", as if one number were the only form.
+    with pytest.raises(ValueError, match=r"^hardware 'a100-80gb': peak_tflops must be a finite number > 0 \(every "
+                                         r"dtype's peak\) or a mapping of dtypes \(float32, float16, bfloat16\) to "
+                                         rf"TFLOP/s, got {re.escape(repr(peaks))}$"):
+        load_hardware({**load_hardware("a100-80gb").to_dict(), "peak_tflops": peaks})
+
+
 def test_a_dtype_the_hardware_lists_no_peak_for_is_refused():
     # The cpu preset has no FP16 arithmetic: a float16 simulation is refused, not given bf16's peak.
     with pytest.raises(ValueError, match=r"^hardware 'cpu' gives no peak_tflops for float16; it lists float32, "
@@ -250,7 +259,8 @@ def test_hardware_that_names_nothing_is_a_one_line_error(bad):
     ("launch_overhead_us", math.nan, "launch_overhead_us must be a finite number >= 0, got nan"),
     ("runtime_reserved_gib", math.nan, "runtime_reserved_gib must be a finite number >= 0"),
     ("memory_gib", math.inf, "memory_gib must be a finite number > 0, got inf"),
-    ("peak_tflops", "abc", "peak_tflops must be a finite number > 0, got 'abc'"),
+    ("peak_tflops", "abc", r"peak_tflops must be a finite number > 0 \(every dtype's peak\) or a mapping of dtypes "
+                           r"\(float32, float16, bfloat16\) to TFLOP/s, got 'abc'"),
     ("pcie_gb_s", "25", "pcie_gb_s must be a finite number >= 0")])
 def test_hardware_figures_must_be_finite_numbers(field, value, message):
     # A NaN launch overhead made every simulated step time NaN (a "completed" run with no latencies);
