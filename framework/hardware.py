@@ -74,13 +74,16 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: peak_tflops must be a number or a mapping of dtypes "
                              f"({', '.join(DTYPE_BYTES)}) to TFLOP/s, got an empty mapping")
         out: dict[str, float] = {}
+        given: dict[str, Any] = {}  # the key each canonical dtype was given under, for the error
         for dtype, value in peaks.items():
             canonical = DTYPE_ALIASES.get(dtype) if isinstance(dtype, str) else None
             if canonical is None:
                 raise ValueError(f"hardware {self.name!r}: peak_tflops has a peak for {dtype!r}, which is no dtype; "
                                  f"dtypes: {sorted(DTYPE_ALIASES)}")
-            if canonical in out:
-                raise ValueError(f"hardware {self.name!r}: peak_tflops gives {canonical} twice ({dtype!r} is an alias)")
+            if canonical in given:
+                raise ValueError(f"hardware {self.name!r}: peak_tflops gives {canonical} twice, as {given[canonical]!r} "
+                                 f"and {dtype!r}; give it once")
+            given[canonical] = dtype
             if not (is_finite_number(value) and value > 0):
                 raise ValueError(f"hardware {self.name!r}: peak_tflops[{dtype}] must be a finite number > 0, "
                                  f"got {value!r}")
