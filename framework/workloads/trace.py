@@ -177,8 +177,10 @@ def save_trace(path: str | Path, requests: list[WorkloadRequest], sampling: dict
     """Write ``requests`` as JSONL that ``load_trace`` reads back to the same requests, less the
     text of text prompts (their token ids are kept). Each entry holds the sampling keys its
     request is sent with (``sampling``, the workload's, under the request's own) where they differ
-    from the defaults, so a replay samples as the run did whatever the replaying workload's
-    config; an entry of default sampling has none, as files had before. (orjson: a simulated
+    from the defaults (``SAMPLING_DEFAULTS``, then ``SamplingParams``'), so a replay under the
+    trace workload's defaults samples as the run did; an entry of default sampling has none, as
+    files had before, so the replaying workload's own keys apply to it (and to the keys an
+    entry leaves out). (orjson: a simulated
     run's workload holds millions of token ids, which the json module writes 5x slower.)"""
     shared = non_default_sampling(sampling or {})
     with open(path, "wb") as f:
