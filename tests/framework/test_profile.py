@@ -10,7 +10,7 @@ from framework import LLM, SamplingParams
 from framework.config import EngineConfig
 from framework.cost_model import BatchShape, model_shape
 from framework.cost_models.roofline import CURVE, PARAMS
-from framework.profile import Profiler, grid_cells, main, measure
+from framework.profile import Profiler, grid_cells, main, measure, profile_engine_config
 from models.config import ModelConfig
 from models.presets import PRESETS
 
@@ -33,6 +33,18 @@ def test_profile_writes_a_calibration_the_sim_loads(tmp_path):
     cost = llm.engine.executor.cost_model
     assert {**cost.params, CURVE: cost.extra_weight_passes} == data["params"]
     assert len(llm.generate({"prompt_token_ids": [5] * 50}, SamplingParams(max_tokens=5))[0].outputs[0].token_ids) == 5
+
+
+def test_profiled_steps_build_outputs_only_for_finished_requests(monkeypatch):
+    """A profiled step costs what an experiment's step costs: no output for a running request."""
+    from framework.engine import LLMEngine
+
+    engine = LLMEngine(profile_engine_config([(3, 8, 4)]))
+    built = []
+    real = LLMEngine._output
+    monkeypatch.setattr(LLMEngine, "_output", lambda self, rid, children: built.append(rid) or real(self, rid, children))
+    Profiler(engine).run_cell(3, 8, 4)
+    assert sorted(built) == [f"profile-1-{i}" for i in range(3)]  # one each, when it finished
 
 
 def test_repeats_reduce_to_the_chosen_statistic():
