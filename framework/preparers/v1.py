@@ -30,7 +30,7 @@ from framework.scheduler import SchedulerOutput
 _request_id = attrgetter("request_id")
 
 # Which sampler features a row needs; the preparer counts the live rows of each combination.
-_RANDOM, _TOP_K, _TOP_P, _SEEDED, _MIN_P, _PENALIZED = 1, 2, 4, 8, 16, 32
+_RANDOM, _TOP_K, _TOP_P, _SEEDED, _MIN_P, _PENALIZED, _LOGPROBS, _PROMPT_LOGPROBS = 1, 2, 4, 8, 16, 32, 64, 128
 # Compared as the float32 the sampler sees: below 2**-150 a temperature rounds to 0 (greedy), and
 # from 1 - 2**-25 a top-p rounds to 1 (off).
 _MIN_TEMPERATURE, _MAX_TOP_P = 2.0 ** -150, 1.0 - 2.0 ** -25
@@ -40,7 +40,8 @@ def _flags(req: Request) -> int:
     p = req.sampling_params
     return ((_RANDOM if p.temperature > _MIN_TEMPERATURE else 0) | (_TOP_K if p.top_k > 0 else 0)
             | (_TOP_P if p.top_p < _MAX_TOP_P else 0) | (_SEEDED if req.generator is not None else 0)
-            | (_MIN_P if p.min_p > 0 else 0) | (_PENALIZED if p.penalized else 0))
+            | (_MIN_P if p.min_p > 0 else 0) | (_PENALIZED if p.penalized else 0)
+            | (_LOGPROBS if p.logprobs is not None else 0) | (_PROMPT_LOGPROBS if p.prompt_logprobs is not None else 0))
 
 
 class _HostArrays(dict):
@@ -88,14 +89,11 @@ class FlatBatchPreparer(InputPreparer):
         (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
          self.repetition_penalty) = self._row_floats.T
         self.generators: list[torch.Generator | None] = [None] * rows
-        # SamplingParams.logprobs per row (-1: None), and how many live rows ask for logprobs.
+        # SamplingParams.logprobs per row (-1: None), and whether it asks for prompt logprobs.
         self.num_logprobs = np.full(rows, -1, dtype=np.int64)
-        self._num_logprob_rows = 0
-        # Whether each row asks for prompt logprobs, and how many live rows do.
         self.asks_prompt_logprobs = np.zeros(rows, dtype=bool)
-        self._num_prompt_logprob_rows = 0
         self._row_flags = [0] * rows
-        self._num_live = [0] * 64  # live rows with each combination of flags
+        self._num_live = [0] * 256  # live rows with each combination of flags
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(rows))  # a heap: the lowest free row is reused first
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int64)
@@ -126,12 +124,8 @@ class FlatBatchPreparer(InputPreparer):
             row_floats[row] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
                                params.frequency_penalty, params.repetition_penalty)
             self.generators[row] = req.generator
-            if params.logprobs is not None:
-                self.num_logprobs[row] = params.logprobs
-                self._num_logprob_rows += 1
-            if params.prompt_logprobs is not None:
-                self.asks_prompt_logprobs[row] = True
-                self._num_prompt_logprob_rows += 1
+            self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+            self.asks_prompt_logprobs[row] = params.prompt_logprobs is not None
             self._row_flags[row] = flags = _flags(req)
             self._num_live[flags] += 1
 
@@ -141,12 +135,6 @@ class FlatBatchPreparer(InputPreparer):
             row = self.row_of.pop(rid, None)
             if row is not None:
                 self.generators[row] = None
-                if self.num_logprobs[row] >= 0:
-                    self.num_logprobs[row] = -1
-                    self._num_logprob_rows -= 1
-                if self.asks_prompt_logprobs[row]:
-                    self.asks_prompt_logprobs[row] = False
-                    self._num_prompt_logprob_rows -= 1
                 self._num_live[self._row_flags[row]] -= 1
                 heapq.heappush(self._free_rows, row)
                 freed.append(row)
@@ -269,7 +257,7 @@ class FlatBatchPreparer(InputPreparer):
             self._check_rows(reqs, ids, rows)
         self.row_num_computed[rows] = seq_lens
         model_input = self.build(ids, rows, num_sched, computed, seq_lens, num_tokens, state[:, 4])
-        if self._num_prompt_logprob_rows:
+        if self._live_flags() & _PROMPT_LOGPROBS:
             model_input.prompt_logprobs = self._prompt_logprobs(reqs, ids, rows, computed, seq_lens,
                                                                 model_input.host["query_start_loc"])
         return model_input
@@ -346,9 +334,7 @@ class FlatBatchPreparer(InputPreparer):
 
     def _sampling(self, sample_rows: np.ndarray) -> SamplingMetadata:
         """The sampled rows' parameters; a filter, penalty or logprobs no live row uses is not looked at."""
-        live = 0
-        for flags in compress(range(64), self._num_live):
-            live |= flags
+        live = self._live_flags()
         generators = {}
         if live & _SEEDED:
             gens = self.generators
@@ -358,7 +344,14 @@ class FlatBatchPreparer(InputPreparer):
                                       self.top_p[sample_rows] if live & _TOP_P else None, generators,
                                       self.min_p[sample_rows] if live & _MIN_P else None,
                                       self._penalties(sample_rows) if live & _PENALIZED else None,
-                                      self.num_logprobs[sample_rows] if self._num_logprob_rows else None)
+                                      self.num_logprobs[sample_rows] if live & _LOGPROBS else None)
+
+    def _live_flags(self) -> int:
+        """The sampler features (``_flags``) some live row needs."""
+        live = 0
+        for flags in compress(range(256), self._num_live):
+            live |= flags
+        return live
 
     def _penalties(self, sample_rows: np.ndarray) -> Penalties | None:
         """The penalised sampled rows' tokens, gathered from the token table (their rows hold every
