@@ -217,6 +217,42 @@ def _interrupts_held() -> Iterator[None]:
                 signal.raise_signal(pending[0])
 
 
+@contextmanager
+def _repeats_dropped() -> Iterator[None]:
+    """One interrupt per run: the first SIGINT or SIGTERM acts as it would (a KeyboardInterrupt
+    that stops serving); those after it are dropped until the block ends (the run's summary is
+    written). In a parallel sweep a worker gets Ctrl-C twice, from the terminal and forwarded by
+    its parent (``framework.run``): the second must not cut short the stop the first started and
+    cost the run its metrics. A signal whose handler is no Python function is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken = False
+
+    def once(handler: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
+        def handle(signum: int, frame: Any) -> None:
+            nonlocal taken
+            if taken:
+                return
+            try:
+                handler(signum, frame)
+            except KeyboardInterrupt:
+                taken = True
+                raise
+        return handle
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, handler in previous.items():
+        if callable(handler):
+            signal.signal(s, once(handler))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            if callable(handler):
+                signal.signal(s, handler)
+
+
 def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
                    run_name: str | None = None, group: str | None = None,
                    on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
@@ -229,7 +265,7 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     anything runs; a failure while serving raises anything but (a ValueError then comes as the
     cause of a RuntimeError), after writing a ``failed`` summary. A KeyboardInterrupt while
     requests run stops the run, keeps what was measured and returns a summary with ``status:
-    interrupted``. ``run_name`` / ``group`` name the run and its sweep for loggers. ``clock`` overrides the config's ``clock`` (one replica only);
+    interrupted``; a SIGINT or SIGTERM after it is dropped until that summary is written. ``run_name`` / ``group`` name the run and its sweep for loggers. ``clock`` overrides the config's ``clock`` (one replica only);
     ``on_engine`` sees each engine once it is built (to add step callbacks, e.g. one that
     advances a ``VirtualClock``).
     """
@@ -303,40 +339,43 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
         if progress is not None:
             progress.update(1)
 
-    wall_start = time.perf_counter()
-    try:
-        result = cluster.run(_handed_over(requests), sampling, on_output, start=start)
-    except Exception as exc:
-        recorder.close()
-        # The requests finished before the failure are measured (their rows are in requests.csv):
-        # the summary keeps their metrics, as an interrupted run's does.
+    # From the first interrupt until the summary is written, a repeated one is the same one.
+    with _repeats_dropped():
+        wall_start = time.perf_counter()
         try:
-            measured = summarize(records, max(e.clock.now() for e in engines) - start, slo, recorder.step_totals,
-                                 _hit_rate([e.allocator.stats for e in engines], hits0))
-        except Exception as summary_exc:  # the failure itself is what must be reported
-            log.warning("could not summarize the requests finished before the failure: %s", summary_exc)
-            measured = {}
-        failed = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False, **meta, **measured}
-        recorder.write_summary(failed)
-        run_logger.log_summary(failed)  # the logger's record says failed too, with what was measured
-        run_logger.finish(False)
-        if isinstance(exc, ValueError):  # a ValueError from here on is a failure, not a configuration error
-            raise RuntimeError(f"serving failed: {type(exc).__name__}: {exc}") from exc
-        raise
-    finally:
-        for engine, callback in callbacks:
-            engine.step_callbacks.remove(callback)
-        if progress is not None:
-            progress.close()
-    wall_time = time.perf_counter() - wall_start
-    with _interrupts_held():  # the run is measured: its summary is written before a Ctrl-C goes on
-        recorder.close()
-        summary = {"status": "interrupted" if result.interrupted else "completed", "interrupted": result.interrupted,
-                   **meta, "num_sent": result.num_sent, "num_unfinished": len(result.unfinished),
-                   "wall_time_s": wall_time,
-                   **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
-                               _hit_rate([e.allocator.stats for e in engines], hits0))}
-        recorder.write_summary(summary)
+            result = cluster.run(_handed_over(requests), sampling, on_output, start=start)
+        except Exception as exc:
+            recorder.close()
+            # The requests finished before the failure are measured (their rows are in requests.csv):
+            # the summary keeps their metrics, as an interrupted run's does.
+            try:
+                measured = summarize(records, max(e.clock.now() for e in engines) - start, slo, recorder.step_totals,
+                                     _hit_rate([e.allocator.stats for e in engines], hits0))
+            except Exception as summary_exc:  # the failure itself is what must be reported
+                log.warning("could not summarize the requests finished before the failure: %s", summary_exc)
+                measured = {}
+            failed = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False, **meta,
+                      **measured}
+            recorder.write_summary(failed)
+            run_logger.log_summary(failed)  # the logger's record says failed too, with what was measured
+            run_logger.finish(False)
+            if isinstance(exc, ValueError):  # a ValueError from here on is a failure, not a configuration error
+                raise RuntimeError(f"serving failed: {type(exc).__name__}: {exc}") from exc
+            raise
+        finally:
+            for engine, callback in callbacks:
+                engine.step_callbacks.remove(callback)
+            if progress is not None:
+                progress.close()
+        wall_time = time.perf_counter() - wall_start
+        with _interrupts_held():  # the run is measured: its summary is written before a Ctrl-C goes on
+            recorder.close()
+            summary = {"status": "interrupted" if result.interrupted else "completed",
+                       "interrupted": result.interrupted, **meta, "num_sent": result.num_sent, "num_unfinished": len(result.unfinished),
+                       "wall_time_s": wall_time,
+                       **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
+                                   _hit_rate([e.allocator.stats for e in engines], hits0))}
+            recorder.write_summary(summary)
     # The logger gets the metrics before the plots are drawn (seconds for a big run), so a Ctrl-C
     # there leaves them in the tracker as in summary.json.
     run_logger.log_summary(summary)

@@ -14,7 +14,10 @@ with status 2; any other failure keeps its traceback. Either way the run's ``sum
 run directory exists; they exit with status 2 too, in a sweep as in a single run. Ctrl-C stops
 the run, keeps what it measured and exits with status 130 (SIGTERM, as a batch scheduler sends
 at its time limit, likewise, with status 143); a sweep stopped so also gets the comparison of
-the runs it made. In a sweep, a job that fails is logged (a configuration error in one line,
+the runs it made. A parallel sweep's parent (``hydra/launcher=parallel``) that gets the signal
+alone (``kill -INT PID`` from a scheduler or a supervisor) forwards it to its workers and waits,
+30 s at most, for their jobs to write their summaries (a second signal stops the waiting); a
+terminal's Ctrl-C, which reaches the workers too, waits likewise. In a sweep, a job that fails is logged (a configuration error in one line,
 anything else with its traceback) and marked ``failed`` in its summary; the other jobs run, the
 comparison is written, and the sweep exits with status 1.
 """
@@ -22,8 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -64,6 +70,65 @@ def _stopped() -> int:
     return EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED
 
 
+#: How long a parallel sweep's parent, stopped, waits for its workers' jobs to write their summaries.
+WORKERS_GRACE_S = 30.0
+
+#: Set while the parent waits for them: a second signal stops the waiting.
+_waiting = False
+
+
+def _workers() -> list[multiprocessing.process.BaseProcess]:
+    """The worker processes of a parallel sweep (joblib's loky workers) this process started."""
+    if CompareCallback.sweep_dir is None:
+        return []
+    return [p for p in multiprocessing.active_children() if type(p).__name__ == "LokyProcess"]
+
+
+def _running(sweep_dir: Path) -> bool:
+    """Whether a job of the sweep has a summary that says ``running`` (or one half written)."""
+    for path in sweep_dir.glob("*/summary.json"):
+        try:
+            if json.loads(path.read_text()).get("status") == "running":
+                return True
+        except (OSError, ValueError):
+            return True
+    return False
+
+
+def _stop(signum: int, frame: object) -> None:
+    """The command's SIGINT and SIGTERM handler: a KeyboardInterrupt, as Python's Ctrl-C handler
+    raises (SIGTERM also sets the exit status 143). In a parallel sweep's parent it first forwards
+    the signal to the workers and waits (``WORKERS_GRACE_S`` at most, or until the next signal)
+    until no job's summary says ``running``: joblib kills its workers with SIGKILL as soon as the
+    parent is interrupted, and a job killed so keeps no metrics. A worker stops its job as on
+    Ctrl-C and writes its summary. A terminal's Ctrl-C reaches the workers too, and the forwarded
+    signal is dropped as a repeat (``framework.experiment``); the waiting then spares them the
+    race against the SIGKILL they used to lose."""
+    global _terminated, _waiting
+    if signum == signal.SIGTERM:
+        _terminated = True
+    reason = "SIGTERM" if signum == signal.SIGTERM else ""
+    workers = [] if _waiting else _workers()
+    sweep_dir = CompareCallback.sweep_dir
+    if not workers or sweep_dir is None:
+        raise KeyboardInterrupt(reason)
+    _waiting = True
+    try:
+        for worker in workers:
+            try:
+                os.kill(worker.pid, signum)
+            except (OSError, TypeError):  # gone already, or never started (no pid)
+                pass
+        print(f"interrupted: waiting up to {WORKERS_GRACE_S:.0f} s for the sweep's jobs to write their summaries "
+              f"(interrupt again to stop now)", file=sys.stderr)
+        deadline = time.monotonic() + WORKERS_GRACE_S
+        while _running(sweep_dir) and any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        _waiting = False
+    raise KeyboardInterrupt(reason)
+
+
 def _run_name(hc: object) -> str | None:
     """A readable name for a sweep job: its overrides (``+policy=fcfs,workload.rate=4``)."""
     name = hc.job.override_dirname  # type: ignore[attr-defined]
@@ -79,10 +144,14 @@ store_plugin_options(CONF_DIR)  # +policy=NAME for a policy from an installed pa
 #: Jobs this process has started; none when Hydra itself stopped the command (see ``cli``).
 _jobs_started = 0
 
+#: Set when a job of this process was interrupted: a parallel sweep's worker that picks up a job
+#: queued before the interrupt stops it at once, as Ctrl-C stops the sweep in a single process.
+_job_interrupted = False
+
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    global _jobs_started
+    global _jobs_started, _job_interrupted
     _jobs_started += 1
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -91,11 +160,14 @@ def main(cfg: DictConfig) -> None:
     except ValueError:  # not the main thread (a launcher running jobs in threads): leave it
         previous = None
     try:
+        if _job_interrupted and multiprocessing.parent_process() is not None:
+            raise KeyboardInterrupt  # a worker's next job, queued before its last one was interrupted
         group = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
         summary = run_experiment(cfg, run_dir, run_name=_run_name(hc), group=group)
     except KeyboardInterrupt:
         # Ctrl-C outside the serving loop (which handles its own): while the engine was built,
         # or a second one while the plots were drawn. What was measured is written already.
+        _job_interrupted = True
         measured = _mark(run_dir, "interrupted")
         print(f"interrupted: {'what was measured is' if measured else 'nothing was measured yet; the run is'} "
               f"in {run_dir}", file=sys.stderr)
@@ -126,6 +198,7 @@ def main(cfg: DictConfig) -> None:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if summary.get("interrupted"):
+        _job_interrupted = True
         print(f"interrupted: what was measured is in {run_dir}", file=sys.stderr)
         sys.exit(_stopped())
 
@@ -158,7 +231,8 @@ def _legacy_overrides(argv: list[str]) -> list[str]:
 def _compare_stopped_sweep(failure: BaseException | None = None) -> None:
     """A sweep stopped by Ctrl-C still gets the comparison of the runs it made. A job whose summary
     still says ``running`` was killed where no handler runs (joblib's launcher SIGKILLs its workers
-    when only the parent is interrupted, and waits for them to die): it is marked ``interrupted``;
+    once the parent is interrupted: the parent waits for their summaries first, see ``_stop``, but
+    not past ``WORKERS_GRACE_S`` or a second Ctrl-C): it is marked ``interrupted``;
     or ``failed``, with ``failure``, when the launcher itself failed mid-sweep (a joblib worker
     killed by the OS, which takes the other workers' jobs down with it)."""
     sweep_dir = CompareCallback.sweep_dir
@@ -224,8 +298,10 @@ def cli() -> None:
     # SIGTERM stops the whole command as Ctrl-C does, not only a job under way: outside a job
     # (composing, between sweep jobs, a joblib sweep's parent waiting on its workers) its default
     # action would kill the process on the spot, with no comparison and, in a parallel sweep, the
-    # workers left running as orphans with summaries that say "running".
-    signal.signal(signal.SIGTERM, _terminate)
+    # workers left running as orphans with summaries that say "running". Either signal, sent to a
+    # parallel sweep's parent alone (a scheduler's, a supervisor's), reaches its workers (_stop).
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         main()
     except KeyboardInterrupt:  # outside a run (composing the config, between sweep jobs, comparing)

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from framework.compare import comparison_rows, label_keys, main, write_comparison
+from tests.hydra_support import read_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -261,8 +262,9 @@ def test_ctrl_c_in_a_sweep_through_the_cli_keeps_a_comparison(tmp_path):
     assert "| completed |" in table and "| interrupted |" in table and "comparison of the runs so far" in err
 
 
-def start_parallel_sweep(sweep_dir):
-    """A two-job joblib sweep, returned once both jobs are serving (a second into their steps)."""
+def start_parallel_sweep(sweep_dir, new_session=False):
+    """A two-job joblib sweep, returned once both jobs are serving (each has written a row of
+    ``requests.csv``: a finished request, so an interrupted job has metrics to keep)."""
     import time
 
     proc = subprocess.Popen(
@@ -270,28 +272,51 @@ def start_parallel_sweep(sweep_dir):
          "workload.num_requests=5000", "workload.rate=20,40", "progress=false", "plots=false",
          f"hydra.sweep.dir={sweep_dir}"],
         cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        text=True, start_new_session=new_session)
+
+    def serving(i):
+        path = sweep_dir / str(i) / "requests.csv"
+        return path.is_file() and len(path.read_text().splitlines()) > 1
+
     deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and \
-            not all((sweep_dir / str(i) / "steps.csv").exists() for i in range(2)):
+    while proc.poll() is None and time.monotonic() < deadline and not all(serving(i) for i in range(2)):
         time.sleep(0.1)
-    time.sleep(1.0)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
     return proc
 
 
-def test_a_parallel_sweep_interrupted_through_its_parent_marks_every_job(tmp_path):
-    """``kill -INT`` to the parent only (not a terminal's Ctrl-C to the group): joblib kills its
-    workers with SIGKILL, which no job can handle, so the parent marks what they left ``running``."""
+def assert_stopped_with_metrics(sweep_dir):
+    """Every job of the sweep says ``interrupted`` and keeps its metrics: those of the requests
+    whose rows are in its requests.csv (counted here), and the comparison shows both jobs."""
+    for i in range(2):
+        summary = json.loads((sweep_dir / str(i) / "summary.json").read_text())
+        rows = read_csv(sweep_dir / str(i) / "requests.csv")
+        assert summary["status"] == "interrupted" and summary["interrupted"] is True
+        assert rows and summary["completed"] + summary["failed"] == len(rows)
+        assert summary["request_throughput"] > 0 and summary["mean_ttft_ms"] > 0
+    rows = read_csv(sweep_dir / "comparison.csv")
+    assert [row["status"] for row in rows] == ["interrupted", "interrupted"]
+    assert all(float(row["request_throughput"]) > 0 for row in rows)
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["parent-only", "process-group"])
+def test_a_parallel_sweep_interrupted_keeps_every_jobs_metrics(tmp_path, group):
+    """``kill -INT`` to the parent only (a scheduler's or a supervisor's): the parent forwards it to
+    its workers and waits for their summaries, which joblib's SIGKILL on the parent's interrupt
+    used to cut short (``interrupted``, no metrics). A terminal's Ctrl-C (the process group) gets
+    to the workers twice, from the terminal and forwarded: they keep their metrics too."""
     import signal
 
     sweep_dir = tmp_path / "sweep"
-    proc = start_parallel_sweep(sweep_dir)
-    proc.send_signal(signal.SIGINT)
+    proc = start_parallel_sweep(sweep_dir, new_session=group)
+    if group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
-    statuses = [json.loads((sweep_dir / str(i) / "summary.json").read_text())["status"] for i in range(2)]
-    assert statuses == ["interrupted", "interrupted"]
-    assert (sweep_dir / "comparison.md").read_text().count("| interrupted |") == 2
+    assert_stopped_with_metrics(sweep_dir)
+    assert "comparison of the runs so far" in err
 
 
 def _children(pid):
@@ -310,8 +335,8 @@ def _children(pid):
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 def test_a_parallel_sweep_terminated_through_its_parent_stops_as_on_ctrl_c(tmp_path):
     """``kill PID`` (SIGTERM) to a joblib sweep's parent, which runs no job itself: status 143,
-    every job marked ``interrupted``, the comparison written and no worker left running. SIGTERM's
-    default action used to kill the parent alone: its workers ran on as orphans, their summaries
+    every job ``interrupted`` with its metrics (the parent forwards SIGTERM to its workers), the
+    comparison written and no worker left running. SIGTERM's default action used to kill the parent alone: its workers ran on as orphans, their summaries
     said ``running`` and no comparison was written."""
     import signal
     import time
@@ -323,9 +348,7 @@ def test_a_parallel_sweep_terminated_through_its_parent_stops_as_on_ctrl_c(tmp_p
     try:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 143, err[-3000:]
-        statuses = [json.loads((sweep_dir / str(i) / "summary.json").read_text())["status"] for i in range(2)]
-        assert statuses == ["interrupted", "interrupted"]
-        assert (sweep_dir / "comparison.md").read_text().count("| interrupted |") == 2
+        assert_stopped_with_metrics(sweep_dir)
         deadline = time.monotonic() + 30
         while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)

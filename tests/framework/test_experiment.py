@@ -513,3 +513,72 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     assert proc.returncode == 143, err[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted" and 5 <= summary["completed"] == len(read_csv(tmp_path / "requests.csv"))
+
+
+def test_a_repeated_interrupt_is_dropped_until_the_summary_is_written():
+    # A parallel sweep's worker gets a terminal's Ctrl-C twice (from the terminal, and forwarded
+    # by its parent): the second, while the first stops the run, must not cost it its summary.
+    import signal
+
+    from framework.experiment import _repeats_dropped
+
+    with _repeats_dropped():
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # dropped
+    with pytest.raises(KeyboardInterrupt):  # the block's end gives Ctrl-C back
+        signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _fake_worker(sweep_dir, insist):
+    """A stand-in for a loky worker serving job 0 of ``sweep_dir``: SIGINT makes it write the
+    job's ``interrupted`` summary a moment later; with ``insist`` it ignores SIGINT."""
+    import signal
+
+    def stop(signum, frame):
+        time.sleep(0.3)
+        (sweep_dir / "0" / "summary.json").write_text(json.dumps({"status": "interrupted", "completed": 3}))
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN if insist else stop)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("insist", [False, True], ids=["waits-for-the-summary", "second-ctrl-c-stops-waiting"])
+def test_a_parallel_sweeps_parent_forwards_an_interrupt_and_waits_for_the_jobs(tmp_path, insist):
+    import multiprocessing
+    import signal
+    import threading
+
+    from framework import run
+    from framework.compare import CompareCallback
+
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "running"}))
+    # Named as loky's processes, which the parent looks for among its children.
+    LokyProcess = type("LokyProcess", (multiprocessing.get_context("fork").Process,), {})
+    worker = LokyProcess(target=_fake_worker, args=(tmp_path, insist), daemon=True)
+    worker.start()
+    previous = signal.signal(signal.SIGINT, run._stop)
+    CompareCallback.sweep_dir = tmp_path
+    again = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        time.sleep(0.5)  # the worker's handler is set
+        start = time.monotonic()
+        if insist:
+            again.start()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        waited = time.monotonic() - start
+    finally:
+        again.cancel()
+        signal.signal(signal.SIGINT, previous)
+        CompareCallback.sweep_dir = None
+        worker.kill()
+        worker.join()
+    status = json.loads((tmp_path / "0" / "summary.json").read_text())["status"]
+    if insist:  # the worker did not answer; the second Ctrl-C ended the wait long before its limit
+        assert status == "running" and 1.4 < waited < 10
+    else:  # the worker got the signal and the parent waited for its summary
+        assert status == "interrupted" and 0.25 < waited < 10
