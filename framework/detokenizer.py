@@ -28,7 +28,7 @@ class StopStringDetokenizer:
     """
 
     __slots__ = ("tokenizer", "stop", "include_stop_str_in_output", "holdback", "_keep", "_ids", "_read",
-                 "_shown", "_pieces", "_length", "_tail")
+                 "_shown", "_pieces", "_length", "_tail", "_in_prompt")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: list[str],
                  include_stop_str_in_output: bool = False) -> None:
@@ -43,6 +43,8 @@ class StopStringDetokenizer:
         #: Tokens still to decode: a context of shown tokens (``_ids[:_read]``), then new ones.
         self._ids = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
         self._read = len(self._ids)
+        #: Whether the context is still the prompt's tail (no output text settled yet).
+        self._in_prompt = True
         #: Characters of the pending tokens' (``_ids[_read:]``) text already taken into the text.
         self._shown = 0
         # The text as pieces (a str grown by += is copied whole each time), its length, and its
@@ -112,6 +114,15 @@ class StopStringDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(ids[:self._read], skip_special_tokens=True)
         whole = decode(ids, skip_special_tokens=True)
+        if self._in_prompt and (final or not whole.endswith("\ufffd")):
+            self._in_prompt = False
+            if not whole.startswith(prefix):
+                # A character split across the prompt's end: decoded after the prompt's text,
+                # the output's would lose characters. As ``decode_continuation`` (the text of a
+                # request without stop strings), the output is decoded alone.
+                del ids[:self._read]
+                self._read = 0
+                prefix, whole = "", decode(ids, skip_special_tokens=True)
         if len(whole) <= len(prefix):
             return ""
         done = final or not whole.endswith("\ufffd")

@@ -7,6 +7,7 @@ import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams
 from framework.detokenizer import StopStringDetokenizer
+from framework.engine import decode_continuation
 from framework.request import Request
 from tests.conftest import hf_greedy
 
@@ -243,6 +244,24 @@ def test_finished_text_ends_as_the_full_decode_does():
                 status = req.check_stop()
             assert getattr(status, "finish_reason", None) == finish
             assert req.detokenizer.output_text(True) == reference(tok, prompt, tokens[:k], [])[0]
+
+
+def test_a_character_split_across_the_prompts_end_shows_as_without_stop_strings():
+    # The prompt ends with the first byte of "é", the output starts with its second: decoded
+    # after the prompt's text, the output's first characters were taken by position from a text
+    # that had merged them, so a stop-string request's text lost them, unlike the same request
+    # without stop strings (decode_continuation decodes such an output alone).
+    tok, (first, second, ab, stop) = chunk_tokenizer(["é".encode()[:1], "é".encode()[1:], b"ab", b"zz"])
+    prompt = [tok.convert_tokens_to_ids("p"), first]
+    tokens = [second, ab, stop]
+    for k in range(1, len(tokens) + 1):
+        detok = StopStringDetokenizer(tok, prompt, ["zz"])
+        found = [detok.append(t, final=i == k - 1) for i, t in enumerate(tokens[:k])]
+        text = decode_continuation(tok, prompt, tokens[:k])
+        if "zz" in text:
+            assert found[-1] == "zz" and detok.output_text(True) == text[:text.index("zz")]
+        else:
+            assert set(found) == {None} and detok.output_text(True) == text
 
 
 # -- what cannot stop on text -------------------------------------------------------------------
