@@ -1,8 +1,8 @@
-"""Stop strings: a request's output text decoded one token at a time, as vLLM's incremental
-detokenizer does, and checked for ``SamplingParams.stop`` as it grows.
+"""A sequence's output text decoded one token at a time, as vLLM's incremental detokenizer
+does: checked for ``SamplingParams.stop`` as it grows, and streamed by DELTA outputs.
 
-Each token costs two decodes of a few tokens, and the check reads only the new text plus the
-longest stop string's length of what came before it, so a request of ``n`` tokens costs O(n)
+Each token costs two decodes of a few tokens, and the stop check reads only the new text plus
+the longest stop string's length of what came before it, so a request of ``n`` tokens costs O(n)
 in all, not a decode or a scan of its whole text per token.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 DETOKENIZE_CONTEXT = 5
 
 
-class StopStringDetokenizer:
+class IncrementalDetokenizer:
     """Output text of one sequence, fed its sampled tokens by ``Request.check_stop``.
 
     ``append`` takes the next token (never an EOS or ``stop_token_ids`` token that ended the
@@ -30,13 +30,13 @@ class StopStringDetokenizer:
     __slots__ = ("tokenizer", "stop", "include_stop_str_in_output", "holdback", "_keep", "_ids", "_read",
                  "_shown", "_pieces", "_length", "_tail", "_in_prompt")
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: list[str],
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop_str_in_output = include_stop_str_in_output
         #: Text before new text that a stop string ending in the new text may start in.
-        self._keep = max(map(len, stop)) - 1
+        self._keep = max(map(len, stop), default=1) - 1
         #: Characters a streamed (unfinished) output holds back: they may begin a stop string
         #: whose end is still to come, which would cut them; 0 when the stop string is kept.
         self.holdback = 0 if include_stop_str_in_output else self._keep
@@ -59,19 +59,27 @@ class StopStringDetokenizer:
             self._pieces = ["".join(self._pieces)]
         return self._pieces[0] if self._pieces else ""
 
-    def output_text(self, finished: bool) -> str:
-        """The text to show: all of it once finished, else less the last ``holdback`` characters
-        (vLLM's streaming never shows text that a stop string may yet cut)."""
+    def output_text(self, finished: bool, start: int = 0) -> str:
+        """The text to show from character ``start`` on: all of it once finished, else less the
+        last ``holdback`` characters (vLLM's streaming never shows text that a stop string may
+        yet cut). A delta (``start`` > 0) joins only the pieces it covers, so streaming a
+        sequence costs O(its length) in all."""
         if finished and self._read < len(self._ids):
             # Bytes still pending (an incomplete or invalid character at the end) show as the
             # full decode shows them: U+FFFD. A sequence that ended on a stop string has none.
             new = self._decode_next(final=True)
             self._pieces.append(new)
             self._length += len(new)
-        text = self.text
-        if finished or not self.holdback:
-            return text
-        return text[:max(len(text) - self.holdback, 0)]
+        end = self._length if finished else max(self._length - self.holdback, 0)
+        if not start:
+            return self.text[:end]
+        pos, covering = self._length, []  # the last pieces, back to ``start``
+        for piece in reversed(self._pieces):
+            if pos <= start:
+                break
+            covering.append(piece)
+            pos -= len(piece)
+        return "".join(reversed(covering))[start - pos:end - pos]
 
     def append(self, token_id: int, final: bool = False) -> str | None:
         """Decode ``token_id`` after the tokens before it; the stop string its text completes, or

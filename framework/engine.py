@@ -14,7 +14,7 @@ import numpy as np
 from framework.block_allocator import ALLOCATORS
 from framework.clock import Clock
 from framework.config import EngineConfig, is_finite_number
-from framework.detokenizer import DETOKENIZE_CONTEXT, StopStringDetokenizer
+from framework.detokenizer import DETOKENIZE_CONTEXT, IncrementalDetokenizer
 from framework.executor import EXECUTORS, ExecutorOutput
 from framework.fast_forward import DecodePlan, commit_decode_run, plan_decode_run
 from framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -107,6 +107,8 @@ class LLMEngine:
         self._leaders: dict[str, Request] = {}
         #: How far each sequence of a DELTA request has been streamed, by sequence id.
         self._streams: dict[str, _Stream] = {}
+        #: Whether a seeded request was ever added: only then does a step save generator states.
+        self._any_seeded = False
         self._generator_device = self.executor.device
         self.step_callbacks: list[Callable[[StepStats, SchedulerOutput], None]] = []
         self.num_steps = 0
@@ -181,11 +183,15 @@ class LLMEngine:
             req = Request(rid, ids, child_params, arrival, priority=priority, eos_token_ids=self._eos,
                           max_model_len=self.config.max_model_len, prompt=text,
                           parent_id=request_id if params.n > 1 else None, index=i)
-            if params.stop:
-                req.detokenizer = StopStringDetokenizer(self.tokenizer, ids, params.stop,
-                                                        params.include_stop_str_in_output)
+            if params.stop or (params.output_kind is RequestOutputKind.DELTA and self.tokenizer is not None
+                               and params.detokenize):
+                # Stop strings are matched, and a delta's text is streamed, as the text grows.
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                         params.include_stop_str_in_output)
             if child_params.seed is not None:
                 import torch
+
+                self._any_seeded = True
 
                 req.generator = torch.Generator(device=self._generator_device).manual_seed(child_params.seed)
             children.append(req)
@@ -254,7 +260,7 @@ class LLMEngine:
         cumulative output per running request every step."""
         start = self.clock.now()
         out = self.scheduler.schedule()
-        seeded = _seeded_generator_states(out) if out.runs else []
+        seeded = _seeded_generator_states(out) if out.runs and self._any_seeded else []
         try:
             result = self.executor.execute(out) if out.runs else ExecutorOutput()
         except BaseException:
@@ -319,16 +325,13 @@ class LLMEngine:
             if entry is None:
                 raise RuntimeError(f"executor {self.config.executor!r} returned no logprobs for {req.request_id}, "
                                    f"which asks for them")
-            if self.tokenizer is not None and req.sampling_params.detokenize:
-                for token_id, logprob in entry.items():
-                    logprob.decoded_token = self.tokenizer.decode([token_id])
+            self._decode_logprob_tokens(req, [entry])
             req.logprobs.append(entry)
             req.cumulative_logprob += entry[req.token_ids[-1]].logprob
 
     def _append_prompt_logprobs(self, prompt_logprobs: dict[str, list[dict[int, Logprob]]]) -> None:
         """Extend each request's prompt logprobs with the entries its prompt chunk computed this
-        step (the executor computes only the positions the request lacks), text decoded as
-        ``_append_logprobs`` does."""
+        step (the executor computes only the positions the request lacks)."""
         for rid, entries in prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
             if req is None or req.prompt_logprobs is None:
@@ -337,11 +340,16 @@ class LLMEngine:
             if len(req.prompt_logprobs) + len(entries) > req.num_prompt_tokens:
                 raise RuntimeError(f"executor {self.config.executor!r} returned more prompt logprobs for {rid} "
                                    f"than its prompt has tokens")
-            if self.tokenizer is not None and req.sampling_params.detokenize:
-                for entry in entries:
-                    for token_id, logprob in entry.items():
-                        logprob.decoded_token = self.tokenizer.decode([token_id])
+            self._decode_logprob_tokens(req, entries)
             req.prompt_logprobs.extend(entries)
+
+    def _decode_logprob_tokens(self, req: Request, entries: list[dict[int, Logprob]]) -> None:
+        """Each entry's tokens' text, decoded as vLLM does (each token alone), when ``req``
+        is detokenized."""
+        if self.tokenizer is not None and req.sampling_params.detokenize:
+            for entry in entries:
+                for token_id, logprob in entry.items():
+                    logprob.decoded_token = self.tokenizer.decode([token_id])
 
     def _settle_forks(self, finished: Iterable[Request]) -> None:
         """A leader among ``finished`` (requests that finished before sampling: ignored, aborted)
@@ -457,8 +465,7 @@ class LLMEngine:
             ids = req.output_token_ids
             text = ""
             if req.detokenizer is not None:
-                # Stop strings: the text decoded as it grew, cut at the stop string, held back
-                # while one may be starting.
+                # The text decoded as it grew: cut at a stop string, held back while one may start.
                 text = req.detokenizer.output_text(req.is_finished)
             elif self.tokenizer is not None and req.sampling_params.detokenize and ids:
                 # The stop token's text is left out (a non-special EOS or stop id would show).
@@ -472,34 +479,16 @@ class LLMEngine:
         # n > 1: one time per step that gave any sequence a token, as a streaming client receives
         # them, so TPOT and the ITLs are a sequence's pace, not the pace of all tokens together.
         token_times = first.token_times if len(children) == 1 else sorted({t for r in children for t in r.token_times})
-        finished = all(r.is_finished for r in children)
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=_min(r.first_scheduled_time for r in children),
-            first_token_time=_min(r.first_token_time for r in children),
-            last_token_time=token_times[-1] if token_times else None,
-            finished_time=_max(r.finished_time for r in children) if finished else None,
-            # A finished request's times never change again: its output may share the list.
-            token_times=token_times if finished else list(token_times),
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_generated_tokens=sum(r.num_output_tokens for r in children),
-            num_cached_tokens=first.num_cached_tokens,
-            num_preemptions=sum(r.num_preemptions for r in children),
-            num_swaps=sum(r.num_swaps for r in children))
-        return RequestOutput(
-            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=completions, finished=finished, metrics=metrics,
-            num_cached_tokens=first.num_cached_tokens,
-            status_message=next((r.status_message for r in children if r.status_message), None),
-            priority=first.priority, prompt_logprobs=_prompt_logprobs(first))
+        if not all(r.is_finished for r in children):
+            token_times = list(token_times)  # a finished request's never change: its output may share them
+        return self._request_output(request_id, children, completions, token_times, _prompt_logprobs(first))
 
     def _delta_output(self, request_id: str, children: list[Request]) -> RequestOutput:
         """A DELTA request's output: for each sequence with something new since the request's
-        last output (tokens, or its finish), a completion of only the new token ids and text;
-        ``metrics.token_times`` holds the new tokens' times, the other metrics are cumulative.
-        Work is proportional to what is new: the text is decoded over a window of a few tokens
-        (as vLLM's incremental detokenizer), and once, whole, when a sequence finishes, so the
-        deltas' text adds up to exactly the cumulative output's."""
+        last output (tokens, or its finish), a completion of only the new token ids, text (from
+        its ``IncrementalDetokenizer``, so the deltas add up to the cumulative text) and
+        logprobs; ``metrics.token_times`` holds the new tokens' times, the other metrics are
+        cumulative. Work is proportional to what is new."""
         first = children[0]
         num_prompt = first.num_prompt_tokens
         completions = []
@@ -518,12 +507,8 @@ class LLMEngine:
             new_times.extend(req.token_times[sent:])
             text = ""
             if req.detokenizer is not None:
-                # Stop strings: the detokenizer's text, which never shows what a stop string may
-                # yet cut, so what was sent stays a prefix of the final text.
-                text = req.detokenizer.output_text(req.is_finished)[stream.num_chars:]
+                text = req.detokenizer.output_text(req.is_finished, stream.num_chars)
                 stream.num_chars += len(text)
-            elif self.tokenizer is not None and req.sampling_params.detokenize:
-                text = self._delta_text(req, stream)
             stream.num_tokens = req.num_tokens
             stream.finished = req.is_finished
             logprobs = req.logprobs[sent:] if req.logprobs is not None else None
@@ -534,6 +519,15 @@ class LLMEngine:
         head = self._streams[first.request_id]
         prompt_logprobs = None if head.sent_prompt_logprobs else _prompt_logprobs(first)
         head.sent_prompt_logprobs |= prompt_logprobs is not None
+        return self._request_output(request_id, children, completions, token_times, prompt_logprobs)
+
+    @staticmethod
+    def _request_output(request_id: str, children: list[Request], completions: list[CompletionOutput],
+                        token_times: list[float], prompt_logprobs: list[dict[int, Logprob] | None] | None
+                        ) -> RequestOutput:
+        """The ``RequestOutput`` of ``children``' completions: the request's metrics so far,
+        with ``token_times`` as the output kind gives them."""
+        first = children[0]
         finished = all(r.is_finished for r in children)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
@@ -542,7 +536,7 @@ class LLMEngine:
             last_token_time=_max(r.token_times[-1] if r.token_times else None for r in children),
             finished_time=_max(r.finished_time for r in children) if finished else None,
             token_times=token_times,
-            num_prompt_tokens=num_prompt,
+            num_prompt_tokens=first.num_prompt_tokens,
             num_generated_tokens=sum(r.num_output_tokens for r in children),
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(r.num_preemptions for r in children),
@@ -553,28 +547,6 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             status_message=next((r.status_message for r in children if r.status_message), None),
             priority=first.priority, prompt_logprobs=prompt_logprobs)
-
-    def _delta_text(self, req: Request, stream: _Stream) -> str:
-        """The text ``req``'s tokens since ``stream`` last saw it add. Mid-stream it decodes the
-        window from ``stream.prefix_offset`` and holds text back while it ends in an incomplete
-        character; the finish decodes the whole output once (without a stop token's text, as
-        ``_output``) and sends what is left of it."""
-        ids = req.token_ids
-        if req.is_finished:
-            shown = req.output_token_ids
-            if req.status == RequestStatus.FINISHED_STOPPED:
-                shown = shown[:-1]
-            whole = decode_continuation(self.tokenizer, req.prompt_token_ids, shown) if shown else ""
-            text = whole[stream.num_chars:]
-        else:
-            prefix = self.tokenizer.decode(ids[stream.prefix_offset:stream.read_offset], skip_special_tokens=True)
-            window = self.tokenizer.decode(ids[stream.prefix_offset:], skip_special_tokens=True)
-            if len(window) <= len(prefix) or not window.startswith(prefix) or window.endswith("\ufffd"):
-                return ""  # nothing whole yet: sent with a later token
-            text = window[len(prefix):]
-            stream.prefix_offset, stream.read_offset = stream.read_offset, len(ids)
-        stream.num_chars += len(text)
-        return text
 
 
 def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
@@ -589,19 +561,13 @@ def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
 @dataclass
 class _Stream:
     """A DELTA sequence's progress: ``num_tokens`` of its ``token_ids`` (prompt included) sent,
-    ``num_chars`` of its text, whether the request's prompt logprobs went out (first sequence's); the text window starts at ``prefix_offset``, and its new part at
-    ``read_offset`` (vLLM's incremental detokenizer's offsets)."""
+    ``num_chars`` of its text; for the first sequence, whether the request's prompt logprobs
+    went out."""
 
     num_tokens: int
     num_chars: int = 0
     finished: bool = False
     sent_prompt_logprobs: bool = False
-    prefix_offset: int = 0
-    read_offset: int = 0
-
-    def __post_init__(self) -> None:
-        self.prefix_offset = max(self.num_tokens - DETOKENIZE_CONTEXT, 0)
-        self.read_offset = self.num_tokens
 
 
 def _seeded_generator_states(out: SchedulerOutput) -> list[tuple[Any, Any]]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from framework.detokenizer import StopStringDetokenizer
+    from framework.detokenizer import IncrementalDetokenizer
     from framework.sampling_params import SamplingParams
 
 
@@ -109,8 +109,9 @@ class Request:
         #: Position in which the scheduler received the request (``Scheduler.add_request`` or a
         #: fork), 0 before: it orders requests that tie in everything else, as a queue would.
         self.arrival_order = 0
-        #: The output text checked for ``SamplingParams.stop`` (set by the engine), else None.
-        self.detokenizer: StopStringDetokenizer | None = None
+        #: The output text decoded as it grows (set by the engine for a request with stop strings
+        #: or DELTA outputs), else None.
+        self.detokenizer: IncrementalDetokenizer | None = None
         #: With ``sampling_params.logprobs``: one ``{token_id: Logprob}`` per output token, and the
         #: sum of the output tokens' logprobs (the engine appends them); None otherwise.
         self.logprobs: list[dict[int, Any]] | None = None if sampling_params.logprobs is None else []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams
-from framework.detokenizer import StopStringDetokenizer
+from framework.detokenizer import IncrementalDetokenizer
 from framework.engine import decode_continuation
 from framework.request import Request
 from tests.conftest import hf_greedy
@@ -178,7 +178,7 @@ def test_multibyte_characters_split_across_tokens_are_matched_whole():
     prompt = tok.encode("prix: ")
     tokens = tok.encode("café 3€ et thé, 5€ à emporter")
     for stops, include in [(["€ e"], False), (["é,", "€ à"], True), (["3€"], False), (["zz"], False)]:
-        detok = StopStringDetokenizer(tok, prompt, stops, include)
+        detok = IncrementalDetokenizer(tok, prompt, stops, include)
         for k, token in enumerate(tokens, 1):
             stop = detok.append(token)
             if stop is not None:
@@ -217,7 +217,7 @@ def test_a_stop_string_before_an_incomplete_character_ends_the_sequence_at_its_t
         for max_tokens in (2, 4):
             req = Request("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=stops,
                                                       include_stop_str_in_output=include), 0.0)
-            req.detokenizer = StopStringDetokenizer(tok, prompt, req.sampling_params.stop, include)
+            req.detokenizer = IncrementalDetokenizer(tok, prompt, req.sampling_params.stop, include)
             for token in tokens:
                 req.append_output_token(token, 0.0)
                 status = req.check_stop()
@@ -238,7 +238,7 @@ def test_finished_text_ends_as_the_full_decode_does():
         # The last allowed token, or a finish check_stop never saw (an abort).
         for max_tokens, finish in [(k, "length"), (k + 1, None)]:
             req = Request("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop="zz"), 0.0)
-            req.detokenizer = StopStringDetokenizer(tok, prompt, ["zz"])
+            req.detokenizer = IncrementalDetokenizer(tok, prompt, ["zz"])
             for token in tokens[:k]:
                 req.append_output_token(token, 0.0)
                 status = req.check_stop()
@@ -255,7 +255,7 @@ def test_a_character_split_across_the_prompts_end_shows_as_without_stop_strings(
     prompt = [tok.convert_tokens_to_ids("p"), first]
     tokens = [second, ab, stop]
     for k in range(1, len(tokens) + 1):
-        detok = StopStringDetokenizer(tok, prompt, ["zz"])
+        detok = IncrementalDetokenizer(tok, prompt, ["zz"])
         found = [detok.append(t, final=i == k - 1) for i, t in enumerate(tokens[:k])]
         text = decode_continuation(tok, prompt, tokens[:k])
         if "zz" in text:

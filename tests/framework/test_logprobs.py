@@ -24,19 +24,25 @@ def check_completion(completion, reference, k):
     assert logprobs is not None and len(logprobs) == len(ids) == len(reference)
     total = 0.0
     for token, entry, ref in zip(ids, logprobs, reference):
-        assert next(iter(entry)) == token, "the sampled token comes first"
-        assert entry[token].logprob == pytest.approx(ref[token].item(), abs=TOL)
-        # Its rank counts the tokens at least as likely; near-ties may go either way.
-        assert (ref > ref[token] + TOL).sum() + 1 <= entry[token].rank <= (ref >= ref[token] - TOL).sum()
-        # The sampled token keeps its place (first) when it is one of the top k too.
-        top = sorted((t for t in entry if t != token or len(entry) == k), key=lambda t: entry[t].rank)
-        assert len(top) == k and len(entry) in (k, k + 1)
-        kth = ref.topk(k).values[-1].item() if k else float("inf")
-        for rank, t in enumerate(top, 1):
-            assert entry[t].logprob == pytest.approx(ref[t].item(), abs=TOL)
-            assert entry[t].rank == rank and ref[t] >= kth - TOL, "the k most likely tokens, in order"
+        check_entry(entry, token, ref, k)
         total += entry[token].logprob
     assert completion.cumulative_logprob == pytest.approx(total, rel=1e-12)
+
+
+def check_entry(entry, token, ref, k):
+    """One position's ``{token_id: Logprob}``: ``token`` (the sampled or prompt token) first, with
+    ``ref``'s value and rank, then the ``k`` most likely tokens in order, ties aside."""
+    assert next(iter(entry)) == token, "the position's own token comes first"
+    assert entry[token].logprob == pytest.approx(ref[token].item(), abs=TOL)
+    # Its rank counts the tokens at least as likely; near-ties may go either way.
+    assert (ref > ref[token] + TOL).sum() + 1 <= entry[token].rank <= (ref >= ref[token] - TOL).sum()
+    # The token keeps its place (first) when it is one of the top k too.
+    top = sorted((t for t in entry if t != token or len(entry) == k), key=lambda t: entry[t].rank)
+    assert len(top) == k and len(entry) in (k, k + 1)
+    kth = ref.topk(k).values[-1].item() if k else float("inf")
+    for rank, t in enumerate(top, 1):
+        assert entry[t].logprob == pytest.approx(ref[t].item(), abs=TOL)
+        assert entry[t].rank == rank and ref[t] >= kth - TOL, "the k most likely tokens, in order"
 
 
 @pytest.mark.parametrize("preparer", ["v0", "v1"])

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from framework import LLM, LLMEngine, SamplingParams
+from tests.framework.test_logprobs import TOL, check_entry
 from tests.models.test_parity import parity_prompts
-
-TOL = 1e-4  # float32 logits of two implementations of the same model
 
 
 def hf_prompt_logprobs(hf_model, prompt):
@@ -25,15 +24,7 @@ def check_prompt_logprobs(prompt_logprobs, prompt, reference, k):
     assert prompt_logprobs is not None and len(prompt_logprobs) == len(prompt)
     assert prompt_logprobs[0] is None
     for token, entry, ref in zip(prompt[1:], prompt_logprobs[1:], reference):
-        assert next(iter(entry)) == token, "the prompt token comes first"
-        assert entry[token].logprob == pytest.approx(ref[token].item(), abs=TOL)
-        assert (ref > ref[token] + TOL).sum() + 1 <= entry[token].rank <= (ref >= ref[token] - TOL).sum()
-        top = sorted((t for t in entry if t != token or len(entry) == k), key=lambda t: entry[t].rank)
-        assert len(top) == k and len(entry) in (k, k + 1)
-        kth = ref.topk(k).values[-1].item() if k else float("inf")
-        for rank, t in enumerate(top, 1):
-            assert entry[t].logprob == pytest.approx(ref[t].item(), abs=TOL)
-            assert entry[t].rank == rank and ref[t] >= kth - TOL, "the k most likely tokens, in order"
+        check_entry(entry, token, ref, k)
 
 
 def count_positions(llm):
