@@ -84,8 +84,18 @@ def _workers() -> list[multiprocessing.process.BaseProcess]:
     return [p for p in multiprocessing.active_children() if type(p).__name__ == "LokyProcess"]
 
 
+def _started_jobs(sweep_dir: Path) -> list[Path]:
+    """The folders of the sweep's jobs that have started: Hydra writes a job's ``.hydra`` folder
+    before the job's function runs, so a folder with one and no ``summary.json`` is a job still
+    building its engine or warming up (``run_experiment`` writes its ``running`` summary next)."""
+    return sorted(path.parent for path in sweep_dir.glob("*/.hydra"))
+
+
 def _running(sweep_dir: Path) -> bool:
-    """Whether a job of the sweep has a summary that says ``running`` (or one half written)."""
+    """Whether a job of the sweep has yet to write how it ended: its summary says ``running`` (or
+    is half written), or it started and has written none yet."""
+    if any(not (job / "summary.json").exists() for job in _started_jobs(sweep_dir)):
+        return True
     for path in sweep_dir.glob("*/summary.json"):
         try:
             if json.loads(path.read_text()).get("status") == "running":
@@ -99,7 +109,8 @@ def _stop(signum: int, frame: object) -> None:
     """The command's SIGINT and SIGTERM handler: a KeyboardInterrupt, as Python's Ctrl-C handler
     raises (SIGTERM also sets the exit status 143). In a parallel sweep's parent it first forwards
     the signal to the workers and waits (``WORKERS_GRACE_S`` at most, or until the next signal)
-    until no job's summary says ``running``: joblib kills its workers with SIGKILL as soon as the
+    until every job that started has a summary that says how it ended (``_running``), one still
+    building its engine included: joblib kills its workers with SIGKILL as soon as the
     parent is interrupted, and a job killed so keeps no metrics. A worker stops its job as on
     Ctrl-C and writes its summary. A terminal's Ctrl-C reaches the workers too, and the forwarded
     signal is dropped as a repeat (``framework.experiment``); the waiting then spares them the
@@ -230,18 +241,20 @@ def _legacy_overrides(argv: list[str]) -> list[str]:
 
 def _compare_stopped_sweep(failure: BaseException | None = None) -> None:
     """A sweep stopped by Ctrl-C still gets the comparison of the runs it made. A job whose summary
-    still says ``running`` was killed where no handler runs (joblib's launcher SIGKILLs its workers
+    still says ``running``, or that started and wrote none, was killed where no handler runs (joblib's launcher SIGKILLs its workers
     once the parent is interrupted: the parent waits for their summaries first, see ``_stop``, but
     not past ``WORKERS_GRACE_S`` or a second Ctrl-C): it is marked ``interrupted``;
     or ``failed``, with ``failure``, when the launcher itself failed mid-sweep (a joblib worker
     killed by the OS, which takes the other workers' jobs down with it)."""
     sweep_dir = CompareCallback.sweep_dir
     if sweep_dir is not None:
-        for path in sorted(sweep_dir.glob("*/summary.json")):
+        jobs = {path.parent for path in sweep_dir.glob("*/summary.json")} | set(_started_jobs(sweep_dir))
+        for job in sorted(jobs):
+            summary = job / "summary.json"
             if failure is None:
-                _mark(path.parent, "interrupted")  # leaves a summary that says how its run ended
-            elif json.loads(path.read_text()).get("status") == "running":
-                _mark(path.parent, "failed", failure)
+                _mark(job, "interrupted")  # leaves a summary that says how its run ended
+            elif not summary.exists() or json.loads(summary.read_text()).get("status") == "running":
+                _mark(job, "failed", failure)
     table = compare_stopped_sweep()
     if table is not None:
         print(f"comparison of the runs so far: {table}", file=sys.stderr)

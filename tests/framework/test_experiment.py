@@ -491,6 +491,27 @@ def test_the_summary_says_how_the_run_ended(tmp_path, before, status, after):
     assert ("boom" in summary.get("error", "")) is (after == "failed")
 
 
+@pytest.mark.parametrize("failure", [None, RuntimeError("worker died")], ids=["interrupted", "launcher-failed"])
+def test_a_stopped_sweep_marks_a_job_killed_while_building_its_engine(tmp_path, failure):
+    # Killed before run_experiment wrote its "running" summary, a job left only Hydra's .hydra
+    # folder: the stopped sweep's marking passed it by, and the comparison left it out unsaid.
+    from framework import run
+    from framework.compare import CompareCallback
+
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "completed", "completed": 3}))
+    (tmp_path / "1" / ".hydra").mkdir(parents=True)
+    CompareCallback.sweep_dir = tmp_path
+    try:
+        run._compare_stopped_sweep(failure)
+    finally:
+        CompareCallback.sweep_dir = None
+    done, killed = (json.loads((tmp_path / str(i) / "summary.json").read_text()) for i in range(2))
+    assert done["status"] == "completed" and done["completed"] == 3
+    assert killed["status"] == ("interrupted" if failure is None else "failed")
+    assert ("worker died" in killed.get("error", "")) is (failure is not None)
+
+
 def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """A batch scheduler's time limit (or ``kill``) sends SIGTERM: the run keeps what it measured,
     its summary says ``interrupted`` and counts the rows written, and the status is 143."""
@@ -545,8 +566,9 @@ def _fake_worker(sweep_dir, insist):
     time.sleep(60)
 
 
-@pytest.mark.parametrize("insist", [False, True], ids=["waits-for-the-summary", "second-ctrl-c-stops-waiting"])
-def test_a_parallel_sweeps_parent_forwards_an_interrupt_and_waits_for_the_jobs(tmp_path, insist):
+@pytest.mark.parametrize("insist, building", [(False, False), (True, False), (False, True)],
+                         ids=["waits-for-the-summary", "second-ctrl-c-stops-waiting", "waits-for-a-job-building-its-engine"])
+def test_a_parallel_sweeps_parent_forwards_an_interrupt_and_waits_for_the_jobs(tmp_path, insist, building):
     import multiprocessing
     import signal
     import threading
@@ -554,8 +576,9 @@ def test_a_parallel_sweeps_parent_forwards_an_interrupt_and_waits_for_the_jobs(t
     from framework import run
     from framework.compare import CompareCallback
 
-    (tmp_path / "0").mkdir()
-    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "running"}))
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)  # Hydra writes it as the job starts
+    if not building:  # a job building its engine has written no summary yet (run_experiment writes "running" next)
+        (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "running"}))
     # Named as loky's processes, which the parent looks for among its children.
     LokyProcess = type("LokyProcess", (multiprocessing.get_context("fork").Process,), {})
     worker = LokyProcess(target=_fake_worker, args=(tmp_path, insist), daemon=True)
