@@ -146,12 +146,12 @@ class Cluster:
         n = len(engines)
         # With several replicas on a deterministic cost model, a replica's decode run is planned
         # to its natural end (a finish, a block shortage) and applied only when an event needs
-        # its state: its end, an arrival routed to it, a router reading its cache. An arrival
+        # its state: its last step, an arrival routed to it, a router reading its cache. An arrival
         # routed elsewhere then costs this replica nothing. Otherwise runs stop at the next arrival.
         lazy = n > 1 and all(getattr(getattr(e.executor, "cost_model", None), "deterministic", False) for e in engines)
-        # (time, kind, replica, version): a plan's end (kind 0: it finishes requests at that time,
-        # which an arrival then must see) or a replica's next step (kind 1: an arrival at its start
-        # time joins it). A settle bumps the replica's version, voiding its queued event.
+        # (time, kind, replica, version): a replica's next step, or the last step of its plan (which
+        # applies the plan); kind 1: an arrival at that time joins the step. A settle bumps the
+        # replica's version, voiding its queued event.
         events: list[tuple[float, int, int, int]] = []
         version = [0] * n
         plans: list[DecodePlan | None] = [None] * n
@@ -255,7 +255,13 @@ class Cluster:
                     emit_all(i, engine.step(final_only=True))
                 else:
                     plans[i] = plan
-                    heapq.heappush(events, (plan.end_times[-1], 0, i, version[i]))
+                    # Applied when its last step (the one that finishes requests) starts, as
+                    # stepping takes it: outputs then come out in stepping's order across replicas
+                    # (applied at the step's end, a step another replica started later came
+                    # first, and with it requests finishing after this one's). An arrival at that
+                    # start joins the step: routed here, it settles the plan before it.
+                    last_start = plan.end_times[-2] if len(plan.end_times) > 1 else plan.start_time
+                    heapq.heappush(events, (last_start, 1, i, version[i]))
                     continue
             if engine.has_unfinished_requests():
                 heapq.heappush(events, (engine.clock.now(), 1, i, version[i]))

@@ -292,6 +292,19 @@ def test_lazy_decode_runs_route_and_serve_exactly_like_stepping(router, max_mode
     assert (ignored > 20) if max_model_len == 512 else (ignored == 0)
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_outputs_across_replicas_come_in_the_order_stepping_gives(fast):
+    """A lazy decode run was applied at its last step's end: a step another replica started
+    during that last step, finishing later, had its output (and requests.csv row) out first."""
+    config = EngineConfig(model="llama-3-8b", executor="sim", executor_options={"fast_forward": fast})
+    cluster = Cluster.build(config, num_replicas=2, router="round_robin")
+    # r1 decodes on replica 0 until 0.0476 s, its last step from 0.0358 s; r2 arrives on
+    # replica 1 during that step, and its one-step prefill ends at 0.0522 s.
+    result = cluster.run([req(0.0, "r1", out=4), req(0.040, "r2", out=1)])
+    assert [(i, o.request_id) for i, o in result.outputs] == [(0, "r1"), (1, "r2")]
+    assert result.outputs[0][1].metrics.finished_time < result.outputs[1][1].metrics.finished_time
+
+
 def test_gc_paused_restores_the_collector_and_keeps_cycles_collectable():
     class Node:
         pass

@@ -60,8 +60,7 @@ def test_fast_forwarded_runs_write_the_same_files_as_stepping(tmp_path, engine):
         rows = read_csv(path / "steps.csv")
         return {r: [row for row in rows if row["replica"] == r] for r in ("0", "1")}
     assert per_replica(tmp_path / "fast") == per_replica(tmp_path / "slow")
-    assert sorted(read_csv(tmp_path / "fast" / "requests.csv"), key=lambda r: r["request_id"]) == \
-        sorted(read_csv(tmp_path / "slow" / "requests.csv"), key=lambda r: r["request_id"])
+    assert (tmp_path / "fast" / "requests.csv").read_bytes() == (tmp_path / "slow" / "requests.csv").read_bytes()
     assert fast.step_totals.summary() == slow.step_totals.summary()  # exactly: mean KV usage too
     if engine:
         assert sum(e.scheduler.num_preemptions for e in fast_cluster.engines) > 0
