@@ -161,6 +161,9 @@ class Cluster:
         # Requests ignored on arrival: counted finished at once, though a lazy plan may put off
         # their outputs (they come with the replica's next step) past later arrivals.
         counted: set[str] = set()
+        # Replicas holding such a request: stepping delivers it on their next step, so that step
+        # is taken as one (a lazy plan would deliver it with its last step, after other replicas').
+        ignored = [False] * n
 
         def emit_all(i: int, outputs: list[RequestOutput]) -> None:
             for out in outputs:
@@ -230,6 +233,7 @@ class Cluster:
                 if n > 1 and engine.is_finished(nxt.request_id):
                     replicas[i].num_finished += 1
                     counted.add(nxt.request_id)
+                    ignored[i] = True
                 if not busy[i]:
                     busy[i] = True
                     heapq.heappush(events, (engine.clock.now(), 1, i, version[i]))
@@ -250,7 +254,8 @@ class Cluster:
                 emit_all(i, engine.advance(a))
             else:
                 # A lazy plan ends at its first finish, so that the finish is an event.
-                plan = engine.plan_decode_run(through_finishes=False)
+                plan = None if ignored[i] else engine.plan_decode_run(through_finishes=False)
+                ignored[i] = False
                 if plan is None:
                     emit_all(i, engine.step(final_only=True))
                 else:

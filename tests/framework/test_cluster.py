@@ -305,6 +305,18 @@ def test_outputs_across_replicas_come_in_the_order_stepping_gives(fast):
     assert result.outputs[0][1].metrics.finished_time < result.outputs[1][1].metrics.finished_time
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_request_ignored_on_arrival_comes_out_with_its_replicas_next_step(fast):
+    """A lazy decode run delivered it with its last step, after other replicas' outputs."""
+    config = EngineConfig(model="llama-3-8b", executor="sim", max_model_len=128, executor_options={"fast_forward": fast})
+    cluster = Cluster.build(config, num_replicas=2, router="round_robin")
+    # r1 decodes on replica 0 until 0.0948 s; r2 finishes on replica 1 in a step from 0.0422 s;
+    # r3 (too long) arrives on replica 0 at 0.033 s, during its step to 0.0358 s.
+    result = cluster.run([req(0.0, "r1", out=8), req(0.030, "r2", out=2), req(0.033, "r3", n=200)])
+    assert [(i, o.request_id) for i, o in result.outputs] == [(0, "r3"), (1, "r2"), (0, "r1")]
+    assert result.outputs[0][1].outputs[0].token_ids == []  # ignored
+
+
 def test_gc_paused_restores_the_collector_and_keeps_cycles_collectable():
     class Node:
         pass
