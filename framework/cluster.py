@@ -147,7 +147,8 @@ class Cluster:
         # With several replicas on a deterministic cost model, a replica's decode run is planned
         # to its natural end (a finish, a block shortage) and applied only when an event needs
         # its state: its last step, an arrival routed to it, a router reading its cache. An arrival
-        # routed elsewhere then costs this replica nothing. Otherwise runs stop at the next arrival.
+        # routed elsewhere then costs this replica nothing. Otherwise runs stop at the next arrival
+        # (and at another replica's next step).
         lazy = n > 1 and all(getattr(getattr(e.executor, "cost_model", None), "deterministic", False) for e in engines)
         # (time, kind, replica, version): a replica's next step, or the last step of its plan (which
         # applies the plan); kind 1: an arrival at that time joins the step. A settle bumps the
@@ -251,7 +252,9 @@ class Cluster:
                 plans[i] = None
                 emit_all(i, engine.commit_decode_run(plan, len(plan.end_times)))
             elif not lazy:  # a step, or a run through finishes up to the next arrival
-                emit_all(i, engine.advance(a))
+                # Several replicas: and up to another replica's next step, whose outputs stepping
+                # gives before those of this replica's later steps (the run would give them first).
+                emit_all(i, engine.advance(min(a, events[0][0]) if events else a))
             else:
                 # A lazy plan ends at its first finish, so that the finish is an event.
                 plan = None if ignored[i] else engine.plan_decode_run(through_finishes=False)

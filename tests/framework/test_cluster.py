@@ -306,6 +306,18 @@ def test_outputs_across_replicas_come_in_the_order_stepping_gives(fast):
 
 
 @pytest.mark.parametrize("fast", [False, True])
+def test_a_cost_model_that_is_no_function_of_the_shape_gives_outputs_in_stepping_order_too(fast):
+    """Without lazy runs (a replay), a replica's decode run went through finishes up to the next
+    arrival, past other replicas' steps: its outputs came before theirs."""
+    config = EngineConfig(model="llama-3-8b", executor="sim", executor_options={
+        "fast_forward": fast, "cost_model": {"name": "replay", "durations": [0.01] * 20}})
+    cluster = Cluster.build(config, num_replicas=2, router="round_robin")
+    # r1 on replica 0 finishes in its step from 0.03 s; r2 on replica 1 in its step from 0.021 s.
+    result = cluster.run([req(0.0, "r1", out=4), req(0.001, "r2", out=3)])
+    assert [(i, o.request_id) for i, o in result.outputs] == [(1, "r2"), (0, "r1")]
+
+
+@pytest.mark.parametrize("fast", [False, True])
 def test_a_request_ignored_on_arrival_comes_out_with_its_replicas_next_step(fast):
     """A lazy decode run delivered it with its last step, after other replicas' outputs."""
     config = EngineConfig(model="llama-3-8b", executor="sim", max_model_len=128, executor_options={"fast_forward": fast})
