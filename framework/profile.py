@@ -178,13 +178,14 @@ def calibratable(cls: type[CostModel]) -> bool:
 
 
 def calibratable_cost_models() -> list[str]:
-    """The registered cost models that ``calibratable`` (a plugin that fails to load is left out)."""
+    """The registered cost models that ``calibratable`` (a plugin that fails to load is left out:
+    one that cannot be imported, names no cost model class or declares a taken name)."""
     names = []
     for name in COST_MODELS.list():
         try:
             if calibratable(COST_MODELS.get(name)):
                 names.append(name)
-        except ImportError:
+        except (ImportError, ValueError):  # the registry's refusals; the name was not asked for
             pass
     return names
 

@@ -1,6 +1,7 @@
 """``python -m framework.profile`` on the quick grid: it measures the real executor, fits, and
 writes a calibration the simulated executor loads."""
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -101,3 +102,24 @@ def test_a_grid_too_small_to_fit_is_a_usage_error(tmp_path, capsys):
     assert re.search(r"calibration needs at least 7 measured steps, got 3 \(the grid measured 3 distinct step "
                      r"shapes; add --lengths or --counts\)", capsys.readouterr().err)
     assert not (tmp_path / "c.yaml").exists()
+
+
+def test_a_broken_cost_model_plugin_does_not_hide_why_the_asked_one_cannot_be_calibrated(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Listing the calibratable cost models left out a plugin that failed to import, but one naming
+    no CostModel class raised the registry's ValueError, whose message replaced
+    "'replay' has no parameters to calibrate" although the user never asked for that plugin."""
+    from framework import COST_MODELS
+
+    (tmp_path / "odd_cost.py").write_text("def make():\n    return None\n")  # a function, not a class
+    info = tmp_path / "odd_cost-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: odd-cost\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[framework.cost_models]\nnotaclass = odd_cost:make\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "odd_cost", raising=False)
+    monkeypatch.setattr(COST_MODELS, "_entry_points", None)  # read again, with the package; restored after
+    with pytest.raises(SystemExit) as exc:
+        main(["--cost-model", "replay", "--out", str(tmp_path / "c.yaml")])
+    assert exc.value.code == 2
+    assert "error: cost model 'replay' has no parameters to calibrate; calibratable: roofline\n" in capsys.readouterr().err
