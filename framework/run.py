@@ -149,7 +149,8 @@ def _run_name(hc: object) -> str | None:
 #: conf/ by its absolute path: Hydra resolves a relative one against the calling module's package
 #: when run as a console script (``servelab-run``), and conf/ is not a package.
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-store_plugin_options(CONF_DIR)  # +policy=NAME for a policy from an installed package
+#: ``GROUP/NAME`` options of parts from installed packages (+policy=NAME for such a policy).
+PLUGIN_OPTIONS = store_plugin_options(CONF_DIR)
 
 
 #: Jobs this process has started; none when Hydra itself stopped the command (see ``cli``).
@@ -279,8 +280,11 @@ def _null_group_overrides(argv: list[str]) -> tuple[list[str], str | None]:
             out = [a for a in out if a.partition("=")[0] != group]
         # Hydra's own groups (hydra/launcher=...) have options outside conf/: left to Hydra.
         elif "/" not in group and (conf / group.lstrip("+")).is_dir():
-            options = sorted(p.stem for p in (conf / group.lstrip("+")).glob("*.yaml"))
-            return out, f"{arg}: the config group '{group.lstrip('+')}' needs one of its options: {', '.join(options)}"
+            name = group.lstrip("+")
+            # An installed plugin's option is one of the group's as much as a file's is.
+            options = sorted({p.stem for p in (conf / name).glob("*.yaml")}
+                             | {o.partition("/")[2] for o in PLUGIN_OPTIONS if o.partition("/")[0] == name})
+            return out, f"{arg}: the config group '{name}' needs one of its options: {', '.join(options)}"
         else:
             out.append(arg)
     return out, None
