@@ -290,6 +290,39 @@ def _null_group_overrides(argv: list[str]) -> tuple[list[str], str | None]:
     return out, None
 
 
+def _non_string_group_overrides(argv: list[str]) -> str | None:
+    """The error naming a conf/ group's options for an override that gives the group a value its
+    override grammar reads as no name (``backend=5``, ``logger=true``, ``workload=1.5``, a sweep
+    ``backend=5,naive``, a list ``backend=[naive,5]``), which Hydra fails on with a traceback from
+    its own internals ("Config group override must be a string or a list"); None when there is
+    none. Overrides Hydra cannot parse, and its own groups, are left to Hydra's own errors."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    conf = Path(CONF_DIR)
+    parser = None
+    for arg in argv:
+        group = arg.partition("=")[0].lstrip("+~")
+        if "/" in group or not group or not (conf / group).is_dir():
+            continue
+        parser = parser or OverridesParser.create()
+        try:
+            override = parser.parse_override(arg)
+            if override.is_delete():
+                continue
+            value = override.value()
+            values = list(override.sweep_iterator()) if override.is_sweep_override() else (
+                value if isinstance(value, list) else [value])
+        except Exception:  # unparsable, or a sweep only Hydra expands (glob): Hydra's to report
+            continue
+        # null is _null_group_overrides'; a mapping merges into the group's node, as Hydra reports.
+        bad = [v for v in values if not isinstance(v, (str, dict)) and v is not None]
+        if bad:
+            options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
+            return (f"{arg}: {bad[0]!r} is not an option of the config group '{group}'; "
+                    f"its options: {', '.join(options)}")
+    return None
+
+
 def _hydra_config_error(exc: SystemExit) -> bool:
     """Whether Hydra's exit 1 was a configuration error it reported itself. Hydra exits inside
     the ``except`` that caught the error, so the exit's context is that error: a composition or
@@ -309,6 +342,7 @@ def cli() -> None:
     """``python -m framework.run`` and the ``servelab-run`` script."""
     argv, error = _null_group_overrides(_legacy_overrides(sys.argv)[1:])
     sys.argv = [sys.argv[0], *argv]
+    error = error or _non_string_group_overrides(argv)
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)

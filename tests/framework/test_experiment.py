@@ -273,6 +273,10 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
     (["-m", "engine.max_num_seqs=1,["], "mismatched input"),
     # Hydra's own message for this one is a traceback from its internals.
     (["workload=null"], "error: workload=null: the config group 'workload' needs one of its options: .*chat"),
+    # So are these ("Config group override must be a string or a list. Got int"), in a sweep too.
+    (["backend=5"], "error: backend=5: 5 is not an option of the config group 'backend'; its options: .*naive"),
+    (["-m", "logger=none,true"], "error: logger=none,true: True is not an option of the config group 'logger'; "
+                                 "its options: none, wandb"),
 ])
 def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_status(tmp_path, overrides, message):
     done = cli(*overrides, "executor=sim", *BASE, *TINY, f"hydra.run.dir={tmp_path}", f"hydra.sweep.dir={tmp_path}",
