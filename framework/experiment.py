@@ -58,6 +58,14 @@ def _check_keys(node: str, options: Any, valid: tuple[str, ...]) -> None:
         raise ValueError(f"{node}: unknown key(s) {', '.join(map(str, unknown))}; valid: {', '.join(valid)}")
 
 
+def _check_node(cfg: DictConfig, key: str, what: str, optional: bool = True) -> None:
+    """ValueError unless ``cfg.key`` is a node (or null, when ``optional``): a value given to the
+    node itself (``slo=5``, ``scheduler=true``) failed as a TypeError, or was read as no settings."""
+    node = cfg.get(key)
+    if not (isinstance(node, DictConfig) or optional and node is None):
+        raise ValueError(f"{key} must be a node {what}, got {node!r}")
+
+
 def _split(group: Any, default_name: str, node: str) -> tuple[str, dict[str, Any]]:
     """A config group node (``node``) is ``{name: ..., **options}``."""
     return split_spec(OmegaConf.to_container(group, resolve=True) if isinstance(group, DictConfig) else group,
@@ -95,6 +103,8 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
                              f"simulated runs only (the device and cost model that time their steps): add "
                              f"executor=sim, or leave {'it' if len(simulated_only) == 1 else 'them'} out; "
                              f"executor={executor} runs on engine.device")
+    _check_node(cfg, "engine", "of engine settings (engine.max_num_seqs=32)", optional=False)
+    _check_node(cfg, "scheduler", "of check_invariants (scheduler.check_invariants=true)")
     model, model_options = _split(cfg.get("model"), "tiny-llama", "model")
     _check_keys("model", model_options, MODEL_KEYS)
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
@@ -119,6 +129,7 @@ def check_run_options(cfg: DictConfig) -> None:
         raise ValueError(f"warmup must be an integer >= 0 (short requests run before the measured ones), got {warmup!r}")
     for key in RUN_SWITCHES:
         check_bool(key, cfg.get(key, True))
+    _check_node(cfg, "slo", "of ttft_ms, tpot_ms and e2el_ms (slo.ttft_ms=200)")
     if cfg.get("slo"):
         _check_keys("slo", cfg.slo, tuple(f.name for f in dataclasses.fields(SLO)))
 

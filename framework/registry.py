@@ -50,7 +50,10 @@ def split_spec(spec: str | Mapping[str, Any] | None, default: str | None = None,
                node: str = "part") -> tuple[str | None, dict[str, Any]]:
     """A config node's part name and options: the node is a name, or ``{name: ..., **options}``;
     ``default`` when it names none. A node naming its class by Hydra's ``_target_`` instead is a
-    ValueError naming ``node``: parts are picked by registered name."""
+    ValueError naming ``node``: parts are picked by registered name; so is a node that is neither
+    (``cost_model=5`` on the command line)."""
+    if spec is not None and not isinstance(spec, (str, Mapping)):  # dict(5): "'int' object is not iterable"
+        raise ValueError(f"{node} must be a name or a mapping {{name: NAME, **options}}, got {spec!r}")
     options = {"name": spec} if isinstance(spec, str) else dict(spec or {})
     if not options.get("name") and "_target_" in options:
         # Taken for an option, it ran the default part instead (or failed naming it: "policy

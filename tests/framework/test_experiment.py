@@ -247,6 +247,13 @@ def cli(*args, cwd):
     (["executor=sim", "~cost_model.name", "+cost_model._target_=my.CostModel"],
      r"cost_model: _target_='my.CostModel' does not pick a cost_model here"),
     (["~logger.name", "+logger._target_=my.Logger"], r"logger: _target_='my.Logger' does not pick a logger here"),
+    # A value given to a node itself: TypeErrors ("'int' object is not iterable"), a string read
+    # as its letters ("unknown key(s) a, b, c"), or no settings at all (scheduler=5 ran as false).
+    (["slo=5"], r"slo must be a node of ttft_ms, tpot_ms and e2el_ms \(slo.ttft_ms=200\), got 5"),
+    (["slo=abc"], "slo must be a node of .*got 'abc'"),
+    (["scheduler=5"], r"scheduler must be a node of check_invariants .*got 5"),
+    (["engine=5"], "engine must be a node of engine settings .*got 5"),
+    (["executor=sim", "cost_model=5"], r"cost_model must be a name or a mapping \{name: NAME, \*\*options\}, got 5"),
 ])
 def test_configuration_errors_are_value_errors_raised_before_running(tmp_path, overrides, message):
     if overrides[0].startswith("policy."):

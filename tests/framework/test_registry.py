@@ -201,6 +201,9 @@ def test_create_from_a_config_node():
         LOGGERS.create_from({"project": "x"})
     with pytest.raises(BadOptionsError, match="logger 'none'"):
         LOGGERS.create_from({"name": "none", "colour": "blue"})
+    # Neither a name nor a node (logger=5 reaching it): was "'int' object is not iterable".
+    with pytest.raises(ValueError, match=r"logger must be a name or a mapping \{name: NAME, \*\*options\}, got 5"):
+        LOGGERS.create_from(5)
 
 
 def test_every_registry_in_the_package_is_exported_from_framework():
