@@ -79,14 +79,26 @@ def config_keys(run_dir: Path) -> dict[str, Any]:
     """The run's config, flattened, as its files say it (nothing filled in from its summary)."""
     # A run that failed on its configuration wrote no config.yaml; Hydra's copy says what it was.
     paths = [p for p in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml") if p.is_file()]
-    config = yaml.safe_load(paths[0].read_text()) if paths else {}
-    return flatten(config or {})
+    return flatten(_read_mapping(paths[0], yaml.safe_load, "YAML") or {} if paths else {})
+
+
+def _read_mapping(path: Path, parse: Any, syntax: str) -> Any:
+    """``path`` parsed by ``parse``: a mapping, or nothing (an empty YAML file). Anything else is
+    a ValueError naming the file (the parser's own error, a KeyError or AttributeError from
+    reading a list as a run's file, named neither the file nor the run)."""
+    try:
+        value = parse(path.read_text())
+    except (ValueError, yaml.YAMLError) as exc:  # json's JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: not a run's file (not valid {syntax}: {str(exc).splitlines()[0]})") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{path}: not a run's file (a {type(value).__name__} where a mapping belongs)")
+    return value
 
 
 def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(summary, flat config)`` of one run; the parts' names come from the summary, since a
     config without ``+policy`` has no policy node."""
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = _read_mapping(run_dir / "summary.json", json.loads, "JSON") or {}
     flat = config_keys(run_dir)
     written = set(flat)
     for part in PART_NAMES:

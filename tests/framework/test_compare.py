@@ -112,6 +112,19 @@ def test_cli(sweep, tmp_path, capsys):
     assert main([str(sweep), "--out", str(tmp_path / "d"), "--x", "engine.enable_prefix_caching"]) == 0
 
 
+@pytest.mark.parametrize("name, text, problem", [
+    ("summary.json", '{"status": "runn', "not valid JSON: "),
+    ("summary.json", "[1, 2]", "a list where a mapping belongs"),
+    ("config.yaml", "policy: [", "not valid YAML: "),
+    ("config.yaml", "- fcfs", "a list where a mapping belongs"),
+])
+def test_a_run_file_that_is_no_mapping_is_an_error_naming_it(sweep, capsys, name, text, problem):
+    # These used to fail naming no file: json's or YAML's own message, or an AttributeError traceback.
+    (sweep / "1" / name).write_text(text)
+    assert main([str(sweep)]) == 2
+    assert f"error: {sweep / '1' / name}: not a run's file ({problem}" in capsys.readouterr().err
+
+
 def test_tiny_multirun_end_to_end(tmp_path):
     """2 preemption modes x 2 rates through the CLI, then the comparison of the sweep."""
     sweep_dir = tmp_path / "sweep"
