@@ -160,7 +160,8 @@ def describe(cfg: DictConfig, cluster: Cluster) -> dict[str, Any]:
     config = cluster.engines[0].config
     identity = {**{part: getattr(config, part) for part in PART_NAMES}, "model": config.model,
                 "workload": workload.get("name"), "rate": workload.get("rate"),
-                "preemption_mode": config.policy_options.get("preemption_mode"),
+                # The policy's own: a run that left the policy group out (or its option) ran its default.
+                "preemption_mode": getattr(cluster.engines[0].policy, "preemption_mode", None),
                 "enable_prefix_caching": config.enable_prefix_caching}
     if hasattr(executor, "hardware"):
         identity.update(hardware=executor.hardware.name, tensor_parallel_size=executor.tp)

@@ -48,6 +48,8 @@ def test_a_run_writes_every_file(tmp_path, capsys):
     assert json.loads((tmp_path / "summary.json").read_text()) == pytest.approx(summary)
     assert summary["status"] == "completed" and not summary["interrupted"]
     assert summary["completed"] == 6 and summary["num_requests"] == 6 and summary["policy"] == "fcfs"
+    # No +policy: FCFS with its default preemption mode ran, which the summary said was None.
+    assert summary["preemption_mode"] == "recompute"
     # All six arrive at t=0 and FCFS prefills them together in the first 0.1 s step.
     assert summary["mean_ttft_ms"] == pytest.approx(100) and summary["p99_ttft_ms"] == pytest.approx(100)
     assert summary["mean_tpot_ms"] == pytest.approx(100) and summary["request_goodput"] > 0
