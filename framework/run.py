@@ -359,6 +359,14 @@ def cli() -> None:
         print("interrupted", file=sys.stderr)
         _compare_stopped_sweep()
         sys.exit(_stopped())
+    except ValueError as exc:
+        # Hydra checks its command-line flags (-m with --cfg, --info or -r: "Only one of --run,
+        # --multirun, --cfg, --info and --shell_completion can be specified") before it reports
+        # errors itself, so that one escaped as a traceback. A job's own errors never reach here.
+        if _jobs_started or CompareCallback.multirun_started:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     except SystemExit as exc:
         if exc.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
             _compare_stopped_sweep()

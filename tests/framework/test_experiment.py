@@ -284,6 +284,8 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
     (["workload=null"], "error: workload=null: the config group 'workload' needs one of its options: .*chat"),
     # So are these ("Config group override must be a string or a list. Got int"), in a sweep too.
     (["backend=5"], "error: backend=5: 5 is not an option of the config group 'backend'; its options: .*naive"),
+    # Hydra checks these flags before it reports errors itself: a ValueError traceback.
+    (["-m", "--cfg", "job"], "error: Only one of --run, --multirun, --cfg, --info and --shell_completion"),
     (["-m", "logger=none,true"], "error: logger=none,true: True is not an option of the config group 'logger'; "
                                  "its options: none, wandb"),
 ])
