@@ -295,7 +295,8 @@ def _non_string_group_overrides(argv: list[str]) -> str | None:
     override grammar reads as no name (``backend=5``, ``logger=true``, ``workload=1.5``, a sweep
     ``backend=5,naive``, a list ``backend=[naive,5]``), which Hydra fails on with a traceback from
     its own internals ("Config group override must be a string or a list"); None when there is
-    none. Overrides Hydra cannot parse, and its own groups, are left to Hydra's own errors."""
+    none. Overrides Hydra cannot parse, and its own groups, are left to Hydra's own errors. Runs
+    after ``_null_group_overrides``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     conf = Path(CONF_DIR)
@@ -314,11 +315,13 @@ def _non_string_group_overrides(argv: list[str]) -> str | None:
                 value if isinstance(value, list) else [value])
         except Exception:  # unparsable, or a sweep only Hydra expands (glob): Hydra's to report
             continue
-        # null is _null_group_overrides'; a mapping merges into the group's node, as Hydra reports.
-        bad = [v for v in values if not isinstance(v, (str, dict)) and v is not None]
+        # A plain GROUP=null is gone (_null_group_overrides), so a null here is one value of a sweep
+        # or a list (executor=null,sim), which a job cannot take as the group's default. A mapping
+        # merges into the group's node, as Hydra reports.
+        bad = [v for v in values if not isinstance(v, (str, dict))]
         if bad:
             options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
-            return (f"{arg}: {bad[0]!r} is not an option of the config group '{group}'; "
+            return (f"{arg}: {json.dumps(bad[0])} is not an option of the config group '{group}'; "
                     f"its options: {', '.join(options)}")
     return None
 

@@ -286,8 +286,10 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
     (["backend=5"], "error: backend=5: 5 is not an option of the config group 'backend'; its options: .*naive"),
     # Hydra checks these flags before it reports errors itself: a ValueError traceback.
     (["-m", "--cfg", "job"], "error: Only one of --run, --multirun, --cfg, --info and --shell_completion"),
-    (["-m", "logger=none,true"], "error: logger=none,true: True is not an option of the config group 'logger'; "
+    (["-m", "logger=none,true"], "error: logger=none,true: true is not an option of the config group 'logger'; "
                                  "its options: none, wandb"),
+    (["-m", "executor=null,sim"], "error: executor=null,sim: null is not an option of the config group 'executor'; "
+                                  "its options: model, sim"),
 ])
 def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_status(tmp_path, overrides, message):
     done = cli(*overrides, "executor=sim", *BASE, *TINY, f"hydra.run.dir={tmp_path}", f"hydra.sweep.dir={tmp_path}",
