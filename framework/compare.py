@@ -286,6 +286,8 @@ def write_comparison(dirs: Sequence[str | Path], out: str | Path | None = None, 
 
     rows = comparison_rows(dirs, x, label) if rows is None else rows
     out = Path(out) if out is not None else (Path(dirs[0]) if len(dirs) == 1 else Path("comparison"))
+    if out.exists() and not out.is_dir():  # mkdir's FileExistsError would not say what is wrong
+        raise ValueError(f"{out} is not a directory (the table and plots are written into one)")
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "comparison.md", "csv": out / "comparison.csv"}
     paths["markdown"].write_text(markdown(rows, x))
@@ -313,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_comparison(args.dirs, args.out, args.x, args.label.split(",") if args.label else None)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # --out where nothing can be written (read-only, a missing mount), a run unreadable
+        print(f"error: {exc.filename or args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))

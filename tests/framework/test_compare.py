@@ -110,6 +110,12 @@ def test_cli(sweep, tmp_path, capsys):
     assert f"--x key 'workload.rte' is not in the runs' configs; {differ}" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
     assert main([str(sweep), "--out", str(tmp_path / "d"), "--x", "engine.enable_prefix_caching"]) == 0
+    # An --out where no folder can be made was a FileExistsError / NotADirectoryError traceback.
+    (tmp_path / "file").write_text("")
+    assert main([str(sweep), "--out", str(tmp_path / "file")]) == 2
+    assert f"error: {tmp_path / 'file'} is not a directory (the table and plots" in capsys.readouterr().err
+    assert main([str(sweep), "--out", str(tmp_path / "file" / "sub")]) == 2
+    assert f"error: {tmp_path / 'file' / 'sub'}: Not a directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, text, problem", [
