@@ -281,10 +281,7 @@ def _null_group_overrides(argv: list[str]) -> tuple[list[str], str | None]:
         # Hydra's own groups (hydra/launcher=...) have options outside conf/: left to Hydra.
         elif "/" not in group and (conf / group.lstrip("+")).is_dir():
             name = group.lstrip("+")
-            # An installed plugin's option is one of the group's as much as a file's is.
-            options = sorted({p.stem for p in (conf / name).glob("*.yaml")}
-                             | {o.partition("/")[2] for o in PLUGIN_OPTIONS if o.partition("/")[0] == name})
-            return out, f"{arg}: the config group '{name}' needs one of its options: {', '.join(options)}"
+            return out, f"{arg}: the config group '{name}' needs one of its options: {', '.join(_group_options(name))}"
         else:
             out.append(arg)
     return out, None
@@ -320,10 +317,16 @@ def _non_string_group_overrides(argv: list[str]) -> str | None:
         # merges into the group's node, as Hydra reports.
         bad = [v for v in values if not isinstance(v, (str, dict))]
         if bad:
-            options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
             return (f"{arg}: {json.dumps(bad[0])} is not an option of the config group '{group}'; "
-                    f"its options: {', '.join(options)}")
+                    f"its options: {', '.join(_group_options(group))}")
     return None
+
+
+def _group_options(group: str) -> list[str]:
+    """The options of conf/ group ``group``: its files', and those installed plugins add (an
+    installed plugin's option is one of the group's as much as a file's is)."""
+    return sorted({p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")}
+                  | {o.partition("/")[2] for o in PLUGIN_OPTIONS if o.partition("/")[0] == group})
 
 
 def _hydra_config_error(exc: SystemExit) -> bool:

@@ -135,15 +135,18 @@ def test_the_entry_point_policy_runs_from_the_command_line(installed_plugin, tmp
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["policy"] == {"name": "srpt"}
 
 
-def test_a_group_left_without_an_option_lists_the_plugins_options_too(installed_plugin, tmp_path):
-    # +policy=null is answered with the group's options: they were conf/policy's files only.
+@pytest.mark.parametrize("override, said", [
+    ("+policy=null", "+policy=null: the config group 'policy' needs one of its options: "),
+    ("+policy=5", "+policy=5: 5 is not an option of the config group 'policy'; its options: "),
+])
+def test_a_group_given_no_option_lists_the_plugins_options_too(installed_plugin, tmp_path, override, said):
+    # Answered with the group's options, which were conf/policy's files only.
     site = next(p for p in sys.path if p.endswith("site"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "framework.run", "+policy=null", f"hydra.run.dir={tmp_path}"],
+    result = subprocess.run([sys.executable, "-m", "framework.run", override, f"hydra.run.dir={tmp_path}"],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "the config group 'policy' needs one of its options: chunked, fcfs, least_computed, priority_swap, sjf, " \
-           "srpt\n" in result.stderr
+    assert said + "chunked, fcfs, least_computed, priority_swap, sjf, srpt\n" in result.stderr
 
 
 def test_the_package_is_the_one_the_walkthrough_shows():
