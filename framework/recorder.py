@@ -2,8 +2,8 @@
 
 In the run directory: ``config.yaml`` (the resolved config), ``workload.jsonl`` (the requests
 sent, replayable as a trace), ``requests.csv`` (a row per finished request, as its output is
-made: in finish order, except that a simulated cluster's replicas deliver a decode run's outputs
-when the run is applied, so rows of different replicas may interleave out of time order),
+made: in the order of the steps that finish them, a cluster's replicas' steps by their start
+times, fast-forwarded or stepped one by one),
 ``steps.csv`` (a row per engine step) and ``summary.json`` (written at the start with
 ``status: running`` and rewritten at the end with ``completed``, ``interrupted`` or ``failed``).
 A cluster run's ``requests.csv`` and ``steps.csv`` have a ``replica`` column (after
