@@ -242,9 +242,10 @@ def _legacy_overrides(argv: list[str]) -> list[str]:
 
 def _compare_stopped_sweep(failure: BaseException | None = None) -> None:
     """A sweep stopped by Ctrl-C still gets the comparison of the runs it made. A job whose summary
-    still says ``running``, or that started and wrote none, was killed where no handler runs (joblib's launcher SIGKILLs its workers
-    once the parent is interrupted: the parent waits for their summaries first, see ``_stop``, but
-    not past ``WORKERS_GRACE_S`` or a second Ctrl-C): it is marked ``interrupted``;
+    still says ``running``, or that started and wrote none, was killed where no handler runs
+    (joblib's launcher SIGKILLs its workers once the parent is interrupted: the parent waits for
+    their summaries first, see ``_stop``, but not past ``WORKERS_GRACE_S`` or a second Ctrl-C):
+    it is marked ``interrupted``;
     or ``failed``, with ``failure``, when the launcher itself failed mid-sweep (a joblib worker
     killed by the OS, which takes the other workers' jobs down with it)."""
     sweep_dir = CompareCallback.sweep_dir
