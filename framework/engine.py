@@ -237,7 +237,11 @@ class LLMEngine:
             raise ValueError(f"abort_request takes a request id (str) or an iterable of them, got {request_id!r}")
         for rid in ids:
             for req in self._parents.get(rid, []):
-                self.scheduler.abort_request(req.request_id)
+                aborted = self.scheduler.abort_request(req.request_id)
+                if aborted is not None and aborted.forks:
+                    # A v0 leader aborted before its prompt completed takes its samples still to
+                    # fork with it now: is_finished says so at once, not after the next step.
+                    self._settle_forks([aborted])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)

@@ -823,3 +823,19 @@ def test_delta_outputs_decode_a_window_not_the_whole_output_each_step(llama_ckpt
     got = _stream(engine)
     assert len(_joined(got["r"])[0][0]) == n
     assert sum(decoded) < 16 * n  # a cumulative output's decodes would total about n * n
+
+
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+def test_a_request_of_parallel_samples_aborted_mid_prompt_is_finished_at_once(preparer):
+    # v0 forks samples 1.. from sample 0 once its prompt completes: aborted before that, they
+    # must finish with it, as every sample of a v1 request does, not only after the next step.
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, preparer=preparer, policy="chunked",
+                                    max_num_batched_tokens=8, max_num_seqs=8))
+    engine.add_request("a", list(range(10, 30)), SamplingParams(n=3, max_tokens=4, temperature=0.0))
+    engine.step()  # 8 of the 20 prompt tokens
+    engine.abort_request("a")
+    assert engine.is_finished("a")
+    out = engine.step()
+    assert [o.request_id for o in out] == ["a"] and out[0].finished
+    assert [c.finish_reason for c in out[0].outputs] == ["abort"] * 3
+    assert not engine.has_unfinished_requests()
