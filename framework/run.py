@@ -257,7 +257,14 @@ def _compare_stopped_sweep(failure: BaseException | None = None) -> None:
                 _mark(job, "interrupted")  # leaves a summary that says how its run ended
             elif not summary.exists() or json.loads(summary.read_text()).get("status") == "running":
                 _mark(job, "failed", failure)
-    table = compare_stopped_sweep()
+    try:
+        table = compare_stopped_sweep()
+    except KeyboardInterrupt:
+        # Ctrl-C again while the comparison is written (matplotlib's import and the plots take
+        # seconds) stops it, as a run's repeated Ctrl-C stops its plots: the caller still ends
+        # the command with the stopped status, not a traceback from inside the first one's handling.
+        print("interrupted: the comparison of the runs so far was not finished", file=sys.stderr)
+        return
     if table is not None:
         print(f"comparison of the runs so far: {table}", file=sys.stderr)
 

@@ -529,6 +529,44 @@ def test_a_stopped_sweep_marks_a_job_killed_while_building_its_engine(tmp_path, 
     assert ("worker died" in killed.get("error", "")) is (failure is not None)
 
 
+def test_a_ctrl_c_during_a_stopped_sweeps_comparison_ends_the_command_as_interrupted(tmp_path, monkeypatch, capsys):
+    # Ctrl-C twice on a sweep (as "interrupt again to stop now" invites): the second one may land
+    # while the first one's handler writes the comparison (matplotlib's import and the plots take
+    # seconds). It escaped as a KeyboardInterrupt traceback raised inside the first one's handling.
+    import signal
+
+    from framework import run
+    from framework.compare import CompareCallback
+
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "interrupted", "completed": 3}))
+
+    def stopped_sweep(*_):
+        raise KeyboardInterrupt  # the first Ctrl-C, stopping the sweep
+
+    def comparison_interrupted():
+        raise KeyboardInterrupt  # the second, while the comparison is written
+
+    monkeypatch.setattr(run, "main", stopped_sweep)
+    monkeypatch.setattr(run, "compare_stopped_sweep", comparison_interrupted)
+    monkeypatch.setattr(sys, "argv", ["framework.run", "-m"])
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    CompareCallback.sweep_dir = tmp_path
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            try:
+                run.cli()
+            except KeyboardInterrupt:
+                pytest.fail("the Ctrl-C during the comparison escaped the command's handling (a traceback)")
+    finally:
+        CompareCallback.sweep_dir = None
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert exit_.value.code == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert json.loads((tmp_path / "0" / "summary.json").read_text())["status"] == "interrupted"
+
+
 def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """A batch scheduler's time limit (or ``kill``) sends SIGTERM: the run keeps what it measured,
     its summary says ``interrupted`` and counts the rows written, and the status is 143."""
