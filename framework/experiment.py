@@ -391,12 +391,22 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
     # The logger gets the metrics before the plots are drawn (seconds for a big run), so a Ctrl-C
     # there leaves them in the tracker as in summary.json.
     run_logger.log_summary(summary)
-    plots = _plots(records, recorder.timeline(), run_dir) if plots_wanted else {}
-    if run_logger.implements("log_requests"):
-        columns = recorder.request_columns
-        run_logger.log_requests(columns, [dict(zip(columns, recorder.request_values(r, i)))
-                                          for r, i in zip(records, replica_of)])
-    run_logger.log_plots(plots)
+    try:
+        plots = _plots(records, recorder.timeline(), run_dir) if plots_wanted else {}
+        if run_logger.implements("log_requests"):
+            columns = recorder.request_columns
+            run_logger.log_requests(columns, [dict(zip(columns, recorder.request_values(r, i)))
+                                              for r, i in zip(records, replica_of)])
+        run_logger.log_plots(plots)
+    except BaseException as exc:
+        # The logger's run ends here too: left open, it would end unmarked, and the next job of a
+        # sweep in this process would log into it (wandb.init returns the run still active). A
+        # failure marks it failed, as summary.json is (framework/run.py); a Ctrl-C (the plots
+        # stopped) leaves the summary that says how the run ended.
+        if isinstance(exc, Exception):
+            run_logger.log_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        run_logger.finish(result.interrupted)
+        raise
     run_logger.finish(result.interrupted)
     print(format_summary(summary, f"{run_name} ({identity['workload']}, rate={identity['rate']})"))
     return summary

@@ -352,6 +352,33 @@ def test_a_ctrl_c_while_the_plots_are_drawn_leaves_the_summary_with_the_logger(t
     assert Recording.summaries[0]["completed"] == written["completed"] == 6
 
 
+@pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()])
+def test_a_run_that_stops_while_drawing_its_plots_finishes_its_logger(tmp_path, monkeypatch, error):
+    # The logger's run was left open: W&B ended it unmarked, and the next job of a sweep in the
+    # same process logged its metrics into it (wandb.init returns the active run).
+    from framework.run_logger import RunLogger
+
+    class Recording(RunLogger):
+        name = "recording"
+        events: list = []
+
+        def log_summary(self, summary):
+            self.events.append(("summary", summary["status"], summary.get("error")))
+
+        def finish(self, interrupted):
+            self.events.append(("finish", interrupted))
+
+    def failing_plots(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(experiment, "create_logger", lambda options: Recording())
+    monkeypatch.setattr(experiment, "_plots", failing_plots)
+    with pytest.raises(type(error)):
+        run_experiment(config("executor=sim"), tmp_path)
+    failed = [("summary", "failed", "OSError: disk full")] if isinstance(error, Exception) else []
+    assert Recording.events == [("summary", "completed", None), *failed, ("finish", False)]
+
+
 def test_cli_reports_a_config_the_run_cannot_read_in_one_line(tmp_path):
     # Hydra composes a config without the workload group; the run then finds none to read.
     done = cli("~workload", "executor=sim", *BASE, f"hydra.run.dir={tmp_path}", cwd=ROOT)
