@@ -31,7 +31,8 @@ def resolve_mode(mode: str | None) -> str:
         return mode
     env = os.environ.get("WANDB_MODE")
     if env:
-        return "offline" if env == "dryrun" else ("disabled" if env == "disabled" else env)
+        # W&B's legacy names: "dryrun" is offline, "run" online (and falls back as online does).
+        return {"dryrun": "offline", "run": "online"}.get(env, env)
     return "online" if _has_api_key() else "offline"
 
 

@@ -147,6 +147,26 @@ def test_online_failure_falls_back_to_offline(tmp_path, monkeypatch):
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
 
 
+def test_wandb_mode_run_is_online_and_falls_back_to_offline(tmp_path, monkeypatch):
+    # W&B takes WANDB_MODE=run as online; it reached wandb.init as "run", whose failed start was
+    # not retried offline, so the run went unlogged.
+    import wandb
+
+    real_init, modes = wandb.init, []
+
+    def online_fails(*args, mode=None, **kwargs):
+        modes.append(mode)
+        if mode in ("online", "run"):
+            raise ConnectionError("no network")
+        return real_init(*args, mode=mode, **kwargs)
+
+    monkeypatch.setenv("WANDB_MODE", "run")
+    monkeypatch.setattr(wandb, "init", online_fails)
+    run_experiment(config("logger=wandb"), tmp_path)
+    assert modes == ["online", "offline"]
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
+
+
 def test_mode_resolution(monkeypatch, tmp_path):
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     monkeypatch.setenv("HOME", str(tmp_path))
