@@ -144,6 +144,8 @@ class Cluster:
                in_flight: set[str], result: ServeResult) -> None:
         engines, replicas, router = self.engines, self.replicas, self.router
         n = len(engines)
+        # The routed request's length limit (its max_tokens=None's): the longest any replica takes.
+        route_len = max(e.config.max_model_len or 0 for e in engines) or None
         # With several replicas on a deterministic cost model, a replica's decode run is planned
         # to its natural end (a finish, a block shortage) and applied only when an event needs
         # its state: its last step, an arrival routed to it, a router reading its cache. An arrival
@@ -215,7 +217,8 @@ class Cluster:
                         raise ValueError(f"request id {nxt.request_id!r} is already in use")
                     for replica in replicas:
                         replica._now = a
-                    i = router.route(Request(nxt.request_id, nxt.prompt_token_ids, params, a, nxt.priority), replicas)
+                    i = router.route(Request(nxt.request_id, nxt.prompt_token_ids, params, a, nxt.priority,
+                                             max_model_len=route_len), replicas)
                     # Any integer index, numpy's too (a router's np.argmin over its replicas' loads).
                     if not (is_int(i) and 0 <= i < n):
                         raise ValueError(f"router {router.name!r} picked replica {i!r} of {n}")

@@ -152,7 +152,7 @@ def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes
                 return None
         if not params.ignore_eos and tokens[k] in req.eos_token_ids:
             return None
-        left = params.max_tokens - num_tokens + len(req.prompt_token_ids)
+        left = req.max_tokens - num_tokens + len(req.prompt_token_ids)
         if req.max_model_len is not None and req.max_model_len - num_tokens < left:
             left = req.max_model_len - num_tokens
         lefts.append(left)

@@ -54,7 +54,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "token_ids", "sampling_params", "arrival_time", "priority",
         "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "cpu_block_ids",
-        "block_hashes", "stop_reason", "status_message", "eos_token_ids", "max_model_len",
+        "block_hashes", "stop_reason", "status_message", "eos_token_ids", "max_model_len", "max_tokens",
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
         "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra", "arrival_order",
         "detokenizer",
@@ -92,6 +92,11 @@ class Request:
         self.status_message: str | None = None
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        #: The most output tokens this request generates: ``sampling_params.max_tokens``, or when
+        #: that is None (vLLM's "up to the context"), what ``max_model_len`` leaves after the
+        #: prompt. Computed once here: everyone who needs the limit reads this, never the params.
+        self.max_tokens: int = sampling_params.max_tokens if sampling_params.max_tokens is not None else (
+            _context_left(max_model_len, len(self.prompt_token_ids)))
         self.generator: Any = None
         self.parent_id = parent_id
         self.index = index
@@ -177,7 +182,7 @@ class Request:
         if last in params.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        capped = (self.num_output_tokens >= params.max_tokens
+        capped = (self.num_output_tokens >= self.max_tokens
                   or self.max_model_len is not None and self.num_tokens >= self.max_model_len)
         if self.detokenizer is not None:
             # On the last token, text held back for an incomplete character is searched too.
@@ -190,3 +195,12 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
+
+
+def _context_left(max_model_len: int | None, num_prompt_tokens: int) -> int:
+    """The output tokens ``max_model_len`` leaves after a prompt (0 for a prompt that fills it or
+    more, which the scheduler ignores); ValueError without a ``max_model_len``, which
+    ``max_tokens=None`` needs (the engine always gives one)."""
+    if max_model_len is None:
+        raise ValueError("SamplingParams.max_tokens=None generates up to max_model_len, and this request has none")
+    return max(max_model_len - num_prompt_tokens, 0)

@@ -25,8 +25,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1.0 disable those
     filters, as does ``min_p`` of 0 (else tokens less likely than ``min_p`` times the most likely
     one, after temperature, are dropped). ``seed`` makes one request's samples reproducible
-    whatever else is in the batch. ``max_tokens`` counts generated tokens; generation also stops
-    at the engine's ``max_model_len``.
+    whatever else is in the batch. ``max_tokens`` counts generated tokens (None: as many as the
+    engine's ``max_model_len`` leaves after the prompt, as vLLM); generation also stops at
+    ``max_model_len``. ``stop_token_ids`` of None is an empty list.
     ``stop`` (one string or a list) ends a sequence when its output text contains one of them, as
     vLLM's: ``finish_reason`` "stop", ``stop_reason`` the string, the text cut before it (after
     it with ``include_stop_str_in_output``); it needs ``detokenize`` and a tokenizer.
@@ -47,13 +48,13 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] | None = field(default_factory=list)
     detokenize: bool = True
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
@@ -68,8 +69,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"SamplingParams.max_tokens must be None (up to max_model_len) or an integer >= 1, "
+                             f"got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_int(self.top_k) or self.top_k < -1:
@@ -90,10 +92,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         if self.seed is not None:  # a numpy integer fails torch's manual_seed and overflows seed + i
             self.seed = int(self.seed)
+        if self.stop_token_ids is None:  # as vLLM: None is no stop tokens
+            self.stop_token_ids = []
         listed = isinstance(self.stop_token_ids, Iterable) and not isinstance(self.stop_token_ids, (str, bytes))
         ids = list(self.stop_token_ids) if listed else []
         if not listed or not all(is_int(t) for t in ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"SamplingParams.stop_token_ids must be None or a list of integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in ids]
         # As vLLM: one string is one stop string, None none; kept as a list.
         stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop

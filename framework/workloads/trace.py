@@ -1,6 +1,7 @@
 """Trace replay: requests read from a JSON or JSONL file.
 
-Each entry is an object with ``output_len`` (required), one of ``prompt_token_ids`` (a list of
+Each entry is an object with ``output_len`` (required; null generates up to the engine's
+``max_model_len``, as ``max_tokens=None``), one of ``prompt_token_ids`` (a list of
 ids), ``prompt`` (text, tokenised with the checkpoint's tokenizer) or ``prompt_len`` (random
 ids of that length, drawn from the workload's seed), and optionally ``arrival_time`` (seconds,
 default 0), ``priority`` (default 0), ``request_id`` (a string or an integer;
@@ -116,8 +117,9 @@ def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
     if len(given) != 1:
         raise TraceError(f"{where}: give exactly one of prompt_token_ids, prompt, prompt_len (got {given or 'none'})")
     output_len = entry.get("output_len")
-    if not is_int(output_len) or output_len < 1:
-        raise TraceError(f"{where}: output_len must be an integer >= 1, got {output_len!r}")
+    if "output_len" not in entry or output_len is not None and (not is_int(output_len) or output_len < 1):
+        raise TraceError(f"{where}: output_len must be an integer >= 1 or null (up to max_model_len), "
+                         f"got {output_len!r}")
     arrival = entry.get("arrival_time", 0.0)
     if not is_finite_number(arrival) or arrival < 0:  # NaN would never arrive
         raise TraceError(f"{where}: arrival_time must be a number >= 0 (seconds), got {arrival!r}")
@@ -152,7 +154,8 @@ def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
             non_default_sampling(sampling)
         except ValueError as exc:
             raise TraceError(f"{where}: {str(exc).replace('SamplingParams.', '', 1)}") from None
-    return WorkloadRequest(rid, [int(t) for t in ids], int(output_len), float(arrival), int(priority), text, sampling)
+    output_len = None if output_len is None else int(output_len)
+    return WorkloadRequest(rid, [int(t) for t in ids], output_len, float(arrival), int(priority), text, sampling)
 
 
 def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[WorkloadRequest]:

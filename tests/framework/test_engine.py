@@ -172,7 +172,8 @@ def test_a_cost_model_option_the_simulator_sets_itself_is_named_as_such():
     ({"top_k": 2.5}, "top_k"), ({"top_k": None}, "top_k"),
     ({"max_tokens": True}, "max_tokens"), ({"n": True}, "n must be"),
     ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
-    ({"stop_token_ids": None}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"stop_token_ids": 12}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"max_tokens": 2.0}, "max_tokens"), ({"max_tokens": "8"}, "max_tokens"),
     ({"stop_token_ids": "12"}, "stop_token_ids"),
     ({"min_p": -0.1}, r"^SamplingParams.min_p must be in \[0, 1\], got -0.1$"), ({"min_p": 1.5}, "min_p"),
     ({"min_p": float("nan")}, "min_p"), ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
@@ -358,6 +359,42 @@ def test_generation_stops_at_max_model_len():
     out = llm.generate({"prompt_token_ids": list(range(3, 3 + 28))},
                        SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_max_tokens_none_generates_up_to_max_model_len_as_transformers(llama_ckpt, preparer, n):
+    """vLLM's max_tokens=None: as many tokens as max_model_len leaves after each prompt."""
+    path, hf_model = llama_ckpt
+    llm = LLM(model=str(path), preparer=preparer, backend="naive", block_size=4, max_model_len=24,
+              max_num_batched_tokens=32, max_num_seqs=4, check_invariants=True)
+    prompts = [list(range(10, 15)), list(range(40, 60))]
+    outs = llm.generate(prompts, SamplingParams(n=n, max_tokens=None, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        want = hf_greedy(hf_model, prompt, 24 - len(prompt))
+        assert [c.token_ids for c in out.outputs] == [want] * n
+        assert [c.finish_reason for c in out.outputs] == ["length"] * n
+    alloc = llm.engine.allocator
+    assert alloc.num_free_blocks == alloc.num_usable_blocks
+
+
+def test_stop_token_ids_none_is_no_stop_tokens():
+    llm = small_llm()
+    outs = [llm.generate({"prompt_token_ids": [5, 6, 7]},
+                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=ids))[0]
+            for ids in (None, [])]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids and len(outs[0].outputs[0].token_ids) == 8
+    assert outs[0].outputs[0].finish_reason == "length"
+
+
+def test_max_tokens_none_under_the_simulator_runs_to_max_model_len():
+    llm = LLM(model="tiny-llama", executor="sim", max_model_len=40, max_num_batched_tokens=64, max_num_seqs=8)
+    outs = llm.generate([list(range(3, 10)), list(range(3, 30))],
+                        SamplingParams(n=2, max_tokens=None, temperature=0.0, ignore_eos=True))
+    assert [[len(c.token_ids) for c in o.outputs] for o in outs] == [[33, 33], [13, 13]]
+    assert {c.finish_reason for o in outs for c in o.outputs} == {"length"}
+    alloc = llm.engine.allocator
+    assert alloc.num_free_blocks == alloc.num_usable_blocks
 
 
 # -- sampling -----------------------------------------------------------------------------------

@@ -93,3 +93,24 @@ def test_rows_reach_the_disk_as_the_run_goes(tmp_path):
                 recorder.add_request(RequestRecord.from_output(out))
     assert [r["request_id"] for r in read_csv(tmp_path / "requests.csv")] == ["a"]
     recorder.close()
+
+
+def test_a_request_of_max_tokens_none_round_trips_through_workload_jsonl_and_replays(tmp_path):
+    # output_len None (max_tokens=None): written as null, read back as None, and served up to
+    # max_model_len, fast-forwarded over two routed replicas.
+    from framework.workload import WorkloadContext, WorkloadRequest
+    from framework.workloads.trace import load_trace
+
+    reqs = [WorkloadRequest("a", list(range(3, 10)), None, 0.0), WorkloadRequest("b", list(range(3, 20)), 5, 0.1)]
+    recorder = RunRecorder(tmp_path)
+    recorder.write_workload(reqs)
+    recorder.close()
+    back = load_trace(tmp_path / "workload.jsonl", WorkloadContext(vocab_size=1000))
+    assert back == reqs
+    config = EngineConfig(model="tiny-llama", executor="sim", max_model_len=48, max_num_batched_tokens=64, max_num_seqs=8)
+    cluster = Cluster.build(config, num_replicas=2)
+    outs = [o for _, o in cluster.run(back).outputs]
+    assert {o.request_id: (len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs} == {
+        "a": (41, "length"), "b": (5, "length")}
+    for engine in cluster.engines:
+        assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks

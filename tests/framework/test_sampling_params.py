@@ -19,3 +19,13 @@ def test_a_bad_output_kind_is_a_one_line_error_listing_the_kinds(bad):
     with pytest.raises(ValueError) as exc:
         SamplingParams(output_kind=bad)
     assert str(exc.value) == f"SamplingParams.output_kind must be one of cumulative, delta, final_only, got {bad!r}"
+
+
+def test_max_tokens_and_stop_token_ids_take_none_as_vllm():
+    # vLLM's max_tokens=None generates up to the context (Request.max_tokens resolves it), and
+    # its stop_token_ids=None is no stop tokens.
+    params = SamplingParams(max_tokens=None, stop_token_ids=None)
+    assert params.max_tokens is None and params.stop_token_ids == []
+    assert SamplingParams(stop_token_ids=None) == SamplingParams(stop_token_ids=[])
+    with pytest.raises(ValueError, match=r"max_tokens must be None \(up to max_model_len\) or an integer >= 1, got 0"):
+        SamplingParams(max_tokens=0)

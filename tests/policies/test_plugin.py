@@ -45,7 +45,7 @@ class ShortestOutputFirst(ChunkedPolicy):
     """`chunked`, admitting the waiting request that asks for the fewest tokens first."""
 
     def waiting_key(self, request):
-        return request.sampling_params.max_tokens, request.arrival_time
+        return request.max_tokens, request.arrival_time
 
 
 def __getattr__(name):  # the preparer loads torch: only when asked for
