@@ -25,8 +25,9 @@ class WorkloadRequest:
     """One request to send. ``prompt_token_ids`` is a list of ints or a 1-D integer numpy array
     (the synthetic workload's: 4 bytes a token); ``arrival_time`` is seconds after the start of the
     run; ``priority`` follows vLLM (a lower value is more urgent); ``output_len`` is exact when
-    ``ignore_eos`` (None: up to the engine's ``max_model_len``, as ``max_tokens=None``). ``sampling`` holds this request's own ``SAMPLING_KEYS`` (a trace's per-request
-    values), which win over the workload's; None when it has none."""
+    ``ignore_eos`` (None: up to the engine's ``max_model_len``, as ``max_tokens=None``).
+    ``sampling`` holds this request's own ``SAMPLING_KEYS`` (a trace's per-request values), which
+    win over the workload's; None when it has none."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
