@@ -192,7 +192,6 @@ class LLMEngine:
                 import torch
 
                 self._any_seeded = True
-
                 req.generator = torch.Generator(device=self._generator_device).manual_seed(child_params.seed)
             children.append(req)
         self._parents[request_id] = children

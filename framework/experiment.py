@@ -277,9 +277,10 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     anything runs; a failure while serving raises anything but (a ValueError then comes as the
     cause of a RuntimeError), after writing a ``failed`` summary. A KeyboardInterrupt while
     requests run stops the run, keeps what was measured and returns a summary with ``status:
-    interrupted``; a SIGINT or SIGTERM after it is dropped until that summary is written. ``run_name`` / ``group`` name the run and its sweep for loggers. ``clock`` overrides the config's ``clock`` (one replica only);
-    ``on_engine`` sees each engine once it is built (to add step callbacks, e.g. one that
-    advances a ``VirtualClock``).
+    interrupted``; a SIGINT or SIGTERM after it is dropped until that summary is written.
+    ``run_name`` / ``group`` name the run and its sweep for loggers. ``clock`` overrides the
+    config's ``clock`` (one replica only); ``on_engine`` sees each engine once it is built (to add
+    step callbacks, e.g. one that advances a ``VirtualClock``).
     """
     check_run_options(cfg)
     config = engine_config(cfg)
@@ -383,8 +384,8 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
         with _interrupts_held():  # the run is measured: its summary is written before a Ctrl-C goes on
             recorder.close()
             summary = {"status": "interrupted" if result.interrupted else "completed",
-                       "interrupted": result.interrupted, **meta, "num_sent": result.num_sent, "num_unfinished": len(result.unfinished),
-                       "wall_time_s": wall_time,
+                       "interrupted": result.interrupted, **meta, "num_sent": result.num_sent,
+                       "num_unfinished": len(result.unfinished), "wall_time_s": wall_time,
                        **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
                                    _hit_rate([e.allocator.stats for e in engines], hits0))}
             recorder.write_summary(summary)

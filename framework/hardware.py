@@ -107,7 +107,6 @@ class Hardware:
         """Peak FLOP/s in the device's own dtype (what ``dtype=auto`` runs in on it)."""
         return self.peak_flops(self.dtype)
 
-
     @property
     def memory_bandwidth(self) -> float:
         return self.memory_bandwidth_gb_s * 1e9

@@ -17,9 +17,10 @@ at its time limit, likewise, with status 143); a sweep stopped so also gets the 
 the runs it made. A parallel sweep's parent (``hydra/launcher=parallel``) that gets the signal
 alone (``kill -INT PID`` from a scheduler or a supervisor) forwards it to its workers and waits,
 30 s at most, for their jobs to write their summaries (a second signal stops the waiting); a
-terminal's Ctrl-C, which reaches the workers too, waits likewise. In a sweep, a job that fails is logged (a configuration error in one line,
-anything else with its traceback) and marked ``failed`` in its summary; the other jobs run, the
-comparison is written, and the sweep exits with status 1.
+terminal's Ctrl-C, which reaches the workers too, waits likewise. In a sweep, a job that fails
+is logged (a configuration error in one line, anything else with its traceback) and marked
+``failed`` in its summary; the other jobs run, the comparison is written, and the sweep exits
+with status 1.
 """
 from __future__ import annotations
 

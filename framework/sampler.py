@@ -145,6 +145,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
     """Each row's logprob and rank of ``token_ids`` and its ``k`` largest logprobs. The rank is
     how many tokens have a logprob at least the token's (1 for the most likely), as vLLM counts."""

@@ -88,9 +88,8 @@ def sampling_params(request: WorkloadRequest, sampling: dict[str, Any]) -> Sampl
     """Sampling for one request: exactly ``output_len`` tokens unless ``ignore_eos`` is false. The
     request's own keys win over the workload's ``sampling``, as a vLLM request's own sampling
     parameters win over the server's defaults."""
-    if request.sampling:
-        return SamplingParams(max_tokens=request.output_len, **{**SAMPLING_DEFAULTS, **sampling, **request.sampling})
-    return SamplingParams(max_tokens=request.output_len, **{**SAMPLING_DEFAULTS, **sampling})
+    return SamplingParams(max_tokens=request.output_len,
+                          **{**SAMPLING_DEFAULTS, **sampling, **(request.sampling or {})})
 
 
 def non_default_sampling(sampling: dict[str, Any]) -> dict[str, Any]:

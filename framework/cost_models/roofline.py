@@ -1,6 +1,7 @@
 """Roofline step times: every part of a step takes the longer of its compute time (FLOPs over
-the device's peak FLOP/s in the model's dtype) and its memory time (bytes over bandwidth), each derated by an efficiency factor,
-plus the overheads a serving stack pays per step, per request and per kernel.
+the device's peak FLOP/s in the model's dtype) and its memory time (bytes over bandwidth), each
+derated by an efficiency factor, plus the overheads a serving stack pays per step, per request
+and per kernel.
 
 Per tensor-parallel device, for ``N`` scheduled tokens of which ``S`` sample:
 

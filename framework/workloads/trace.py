@@ -6,8 +6,8 @@ ids), ``prompt`` (text, tokenised with the checkpoint's tokenizer) or ``prompt_l
 ids of that length, drawn from the workload's seed), and optionally ``arrival_time`` (seconds,
 default 0), ``priority`` (default 0), ``request_id`` (a string or an integer;
 default: the entry's position) and the request's own sampling keys ``temperature``, ``top_p``,
-``top_k``, ``min_p``, the three penalties and ``ignore_eos`` (``SAMPLING_KEYS``; they win over the workload's, which apply to the
-entries without them).
+``top_k``, ``min_p``, the three penalties and ``ignore_eos`` (``SAMPLING_KEYS``; they win over
+the workload's, which apply to the entries without them).
 
 A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
 skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Files are
@@ -183,8 +183,8 @@ def save_trace(path: str | Path, requests: list[WorkloadRequest], sampling: dict
     from the defaults (``SAMPLING_DEFAULTS``, then ``SamplingParams``'), so a replay under the
     trace workload's defaults samples as the run did; an entry of default sampling has none, as
     files had before, so the replaying workload's own keys apply to it (and to the keys an
-    entry leaves out). (orjson: a simulated
-    run's workload holds millions of token ids, which the json module writes 5x slower.)"""
+    entry leaves out). (orjson: a simulated run's workload holds millions of token ids, which
+    the json module writes 5x slower.)"""
     shared = non_default_sampling(sampling or {})
     with open(path, "wb") as f:
         for r in requests:

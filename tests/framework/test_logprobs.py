@@ -79,17 +79,23 @@ def test_parallel_samples_each_get_their_own_logprobs(llama_ckpt, preparer):
         check_completion(completion, hf_logprobs(hf_model, prompt, completion.token_ids), 2)
 
 
+def preempting_engine(path, option, value, **engine_options):
+    """An engine with a KV pool small enough to preempt (by recompute), serving 10 greedy requests
+    of 16 tokens, the odd ones with ``SamplingParams(option=value)``; and their prompts."""
+    engine = LLMEngine(model=str(path), backend="naive", block_size=8, max_model_len=160,
+                       num_gpu_blocks_override=26, max_num_seqs=8, check_invariants=True, **engine_options)
+    prompts = parity_prompts(n=10)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                     **{option: value if i % 2 else None}))
+    return engine, prompts
+
+
 def test_streamed_outputs_grow_without_repeats(llama_ckpt):
     """engine.step() outputs: every step's logprobs list one entry per token so far, and what a
     step returned is never changed after (a request preempted by recompute keeps its list)."""
     path, hf_model = llama_ckpt
-    engine = LLMEngine(model=str(path), backend="naive", block_size=8, max_model_len=160,
-                       max_num_batched_tokens=128, num_gpu_blocks_override=26, max_num_seqs=8,
-                       check_invariants=True)
-    prompts = parity_prompts(n=10)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
-                                                     logprobs=1 if i % 2 else None))
+    engine, prompts = preempting_engine(path, "logprobs", 1, max_num_batched_tokens=128)
     seen: dict[str, list] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from framework import LLM, LLMEngine, SamplingParams
-from tests.framework.test_logprobs import TOL, check_entry
+from tests.framework.test_logprobs import TOL, check_entry, preempting_engine
 from tests.models.test_parity import parity_prompts
 
 
@@ -110,13 +110,7 @@ def test_streamed_outputs_carry_them_once_the_prompt_is_done(llama_ckpt):
     """engine.step() outputs: None until the prompt's last chunk ran (the step of the first
     token), then the whole list, never changed after (through recompute preemption)."""
     path, hf_model = llama_ckpt
-    engine = LLMEngine(model=str(path), policy="chunked", backend="naive", block_size=8, max_model_len=160,
-                       max_num_batched_tokens=16, num_gpu_blocks_override=26, max_num_seqs=8,
-                       check_invariants=True)
-    prompts = parity_prompts(n=10)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
-                                                     prompt_logprobs=2 if i % 2 else None))
+    engine, prompts = preempting_engine(path, "prompt_logprobs", 2, policy="chunked", max_num_batched_tokens=16)
     seen: dict[str, list] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
