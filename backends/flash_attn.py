@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from backends.naive import write_kv
-from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
-from framework.registry import UnavailableError
+from framework.execution.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from framework.common.registry import UnavailableError
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from framework.execution.attention import BACKENDS, AttentionBackend, AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.naive import write_kv
-from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from framework.execution.attention import BACKENDS, AttentionBackend, AttentionMetadata
 
 
 @dataclass

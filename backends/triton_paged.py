@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from framework.attention import BACKENDS, AttentionBackend, AttentionMetadata
-from framework.registry import UnavailableError
+from framework.execution.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from framework.common.registry import UnavailableError
 
 _KERNELS = "backends.triton_kernels"
 INTERPRETER_NOTICE = ("servelab: no CUDA device for the triton attention backend; running its kernels "

@@ -35,10 +35,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from backends.flash_attn import missing_requirements  # noqa: E402
-from framework.attention import BACKENDS, AttentionMetadata  # noqa: E402
-from framework.config import DTYPE_ALIASES  # noqa: E402
-from framework.executors.model import resolve_device, resolve_dtype  # noqa: E402
-from framework.registry import UnavailableError, UnknownNameError  # noqa: E402
+from framework.execution.attention import BACKENDS, AttentionMetadata  # noqa: E402
+from framework.common.config import DTYPE_ALIASES  # noqa: E402
+from framework.execution.executors.model import resolve_device, resolve_dtype  # noqa: E402
+from framework.common.registry import UnavailableError, UnknownNameError  # noqa: E402
 
 
 @dataclass

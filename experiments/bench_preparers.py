@@ -23,10 +23,10 @@ import time
 
 import numpy as np
 
-from framework.input_preparer import PREPARERS, InputPreparer, ModelInput
-from framework.request import Request, RequestStatus
-from framework.sampling_params import SamplingParams
-from framework.scheduler import SchedulerOutput
+from framework.execution.input_preparer import PREPARERS, InputPreparer, ModelInput
+from framework.common.request import Request, RequestStatus
+from framework.common.sampling_params import SamplingParams
+from framework.scheduling.output import SchedulerOutput
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 4096

@@ -31,8 +31,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.errors import HydraException  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from framework.experiment import run_experiment  # noqa: E402
-from framework.registry import UnavailableError  # noqa: E402
+from framework.harness.experiment import run_experiment  # noqa: E402
+from framework.common.registry import UnavailableError  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -2,7 +2,7 @@
 pressure, on the CPU tiny model.
 
 Many short chats (priority 0) and a few long prompts (priority 1) arrive as a Poisson process,
-served by the run driver (``framework.cluster.Cluster``), which adds each at its arrival time.
+served by the run driver (``framework.harness.cluster.Cluster``), which adds each at its arrival time.
 Prints p50/p99 TTFT (chats, long prompts, all) and TPOT per run, the same figures as ratios
 against fcfs, and preemptions, swap volumes, time spent copying blocks and tokens recomputed
 after preemption.
@@ -24,10 +24,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 
 from framework import EngineConfig, LLMEngine  # noqa: E402
-from framework.clock import CPUClock, WallClock  # noqa: E402
-from framework.cluster import Cluster  # noqa: E402
-from framework.experiment import warm_up  # noqa: E402
-from framework.workload import WorkloadRequest  # noqa: E402
+from framework.common.clock import CPUClock, WallClock  # noqa: E402
+from framework.harness.cluster import Cluster  # noqa: E402
+from framework.harness.experiment import warm_up  # noqa: E402
+from framework.harness.workload import WorkloadRequest  # noqa: E402
 
 
 def workload(args, seed) -> tuple[list[WorkloadRequest], dict[str, str]]:

@@ -55,10 +55,10 @@ def measure(model: str, seconds: float, max_tokens: int = 400, seed: int = 0) ->
     """Milliseconds of each decode step and of each probe run right after it, for ``seconds``.
     A request's context grows by a token per step, so steps are reported ``at_typical_context``
     (by their position in their request): what the machine did, not the context length."""
-    from framework.clock import CPUClock
-    from framework.config import EngineConfig
-    from framework.engine import LLMEngine
-    from framework.sampling_params import SamplingParams
+    from framework.common.clock import CPUClock
+    from framework.common.config import EngineConfig
+    from framework.engine.llm_engine import LLMEngine
+    from framework.common.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, executor="model", max_model_len=PROMPT + max_tokens, num_threads=1),
                        clock=CPUClock())

@@ -17,7 +17,7 @@ which differs from the profile grid (random lengths, arrivals, prefix hits, queu
   |measured/group median - 1|. No cost model of the batch shape can predict steps more closely
   than their own group's median does.
 
-Real runs are timed by process CPU time (``framework.clock.CPUClock``), which leaves out the time
+Real runs are timed by process CPU time (``framework.common.clock.CPUClock``), which leaves out the time
 other processes hold the cores on a shared machine; ``--clock wall`` uses the wall clock. On a
 shared machine the speed also drifts by tens of percent over minutes, so by default the profile
 grid's cells run *between* the real run's steps (its clock paused meanwhile): calibration and
@@ -37,16 +37,16 @@ import time
 
 import numpy as np
 
-from framework.clock import CPUClock, WallClock
-from framework.cluster import Cluster
-from framework.config import EngineConfig
-from framework.cost_model import BatchShape
-from framework.engine import LLMEngine
-from framework.hardware import load_hardware
-from framework.profile import (STATISTICS, Profiler, calibrate, calibration_record, grid_cells,
+from framework.common.clock import CPUClock, WallClock
+from framework.harness.cluster import Cluster
+from framework.common.config import EngineConfig
+from framework.sim.cost_model import BatchShape
+from framework.engine.llm_engine import LLMEngine
+from framework.sim.hardware import load_hardware
+from framework.sim.profile import (STATISTICS, Profiler, calibrate, calibration_record, grid_cells,
                                profile_engine_config, record_shapes)
-from framework.workload import WorkloadContext, WorkloadRequest
-from framework.workloads.synthetic import SyntheticWorkload
+from framework.harness.workload import WorkloadContext, WorkloadRequest
+from framework.harness.workloads.synthetic import SyntheticWorkload
 
 #: The profile grid covers the regime the workload runs in: batches of 1-16, prompts up to 320.
 LENGTHS, COUNTS = [16, 48, 96, 192, 320], [1, 2, 3, 4, 6, 8, 12, 16]
@@ -101,7 +101,7 @@ def serve(engine: LLMEngine, seed: int, between_steps=None) -> tuple[dict, list[
 def real_run_with_calibration(seed: int, profile_repeats: int, clock: str, statistic: str = "median",
                               model: str = "tiny-llama") -> tuple[dict, list, dict]:
     """The real run, with the profile grid's cells run between its steps (its clock paused);
-    each grid shape's repeats reduce to ``statistic`` (``framework.profile.STATISTICS``)."""
+    each grid shape's repeats reduce to ``statistic`` (``framework.sim.profile.STATISTICS``)."""
     cells = grid_cells("default", LENGTHS, COUNTS)
     profile_engine = LLMEngine(profile_engine_config(cells, model, num_threads=1))
     timer = time.process_time if clock == "cpu" else time.perf_counter

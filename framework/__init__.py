@@ -18,28 +18,30 @@ if "OMP_WAIT_POLICY" not in _os.environ:
                        "for fast CPU runs", stacklevel=2)
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from framework.block_allocator import ALLOCATORS, BlockAllocator  # noqa: E402
-from framework.config import EngineConfig  # noqa: E402
-from framework.engine import LLMEngine, StepStats  # noqa: E402
-from framework.executor import EXECUTORS, Executor  # noqa: E402
-from framework.llm import LLM  # noqa: E402
-from framework.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
-from framework.registry import Registry, UnavailableError, UnknownNameError  # noqa: E402
-from framework.request import Request, RequestStatus  # noqa: E402
-from framework.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from framework.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulerPolicy  # noqa: E402
-from framework.cost_model import COST_MODELS, BatchShape, CostModel  # noqa: E402
-from framework.router import ROUTERS, Router  # noqa: E402
-from framework.cluster import Cluster  # noqa: E402
-from framework.workload import WORKLOADS, Workload  # noqa: E402
-from framework.run_logger import LOGGERS, RunLogger  # noqa: E402
+from framework.kv.block_allocator import ALLOCATORS, BlockAllocator  # noqa: E402
+from framework.common.config import EngineConfig  # noqa: E402
+from framework.engine.llm_engine import LLMEngine, StepStats  # noqa: E402
+from framework.execution.executor import EXECUTORS, Executor  # noqa: E402
+from framework.engine.llm import LLM  # noqa: E402
+from framework.common.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from framework.common.registry import Registry, UnavailableError, UnknownNameError  # noqa: E402
+from framework.common.request import Request, RequestStatus  # noqa: E402
+from framework.common.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from framework.scheduling.output import SchedulerOutput
+from framework.scheduling.policy import POLICIES, SchedulerPolicy
+from framework.scheduling.scheduler import Scheduler  # noqa: E402
+from framework.sim.cost_model import COST_MODELS, BatchShape, CostModel  # noqa: E402
+from framework.sim.router import ROUTERS, Router  # noqa: E402
+from framework.harness.cluster import Cluster  # noqa: E402
+from framework.harness.workload import WORKLOADS, Workload  # noqa: E402
+from framework.harness.run_logger import LOGGERS, RunLogger  # noqa: E402
 
 # The attention and input-preparation interfaces are tensor code: they load torch (about 2 s and
 # 250 MB) on first use, so that simulated runs, which never touch a tensor, never pay for it.
 _TORCH_EXPORTS = {
-    "BACKENDS": "framework.attention", "AttentionBackend": "framework.attention",
-    "AttentionMetadata": "framework.attention", "PREPARERS": "framework.input_preparer",
-    "InputPreparer": "framework.input_preparer", "ModelInput": "framework.input_preparer",
+    "BACKENDS": "framework.execution.attention", "AttentionBackend": "framework.execution.attention",
+    "AttentionMetadata": "framework.execution.attention", "PREPARERS": "framework.execution.input_preparer",
+    "InputPreparer": "framework.execution.input_preparer", "ModelInput": "framework.execution.input_preparer",
 }
 
 

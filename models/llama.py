@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.attention import AttentionBackend
+from framework.execution.attention import AttentionBackend
 from models.config import ModelConfig
 from models.rope import RotaryEmbedding
 

@@ -6,9 +6,11 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from framework.config import is_int
-from framework.request import Request, RequestStatus
-from framework.scheduler import POLICIES, RECOMPUTE, Scheduler, SchedulerPolicy, Step
+from framework.common.config import is_int
+from framework.common.request import Request, RequestStatus
+from framework.scheduling.output import Step
+from framework.scheduling.policy import POLICIES, RECOMPUTE, SchedulerPolicy
+from framework.scheduling.scheduler import Scheduler
 
 
 @POLICIES.register("chunked")

@@ -1,9 +1,11 @@
 """First come, first served with prefill priority (vLLM v0's default, nano-vllm's scheduler)."""
 from __future__ import annotations
 
-from framework.config import is_finite_number
-from framework.request import RequestStatus
-from framework.scheduler import POLICIES, RECOMPUTE, Scheduler, SchedulerPolicy, Step
+from framework.common.config import is_finite_number
+from framework.common.request import RequestStatus
+from framework.scheduling.output import Step
+from framework.scheduling.policy import POLICIES, RECOMPUTE, SchedulerPolicy
+from framework.scheduling.scheduler import Scheduler
 
 
 @POLICIES.register("fcfs")

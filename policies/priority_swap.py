@@ -5,8 +5,10 @@ from __future__ import annotations
 import heapq
 from operator import itemgetter
 
-from framework.request import Request, RequestStatus
-from framework.scheduler import POLICIES, SWAP, Scheduler, Step
+from framework.common.request import Request, RequestStatus
+from framework.scheduling.output import Step
+from framework.scheduling.policy import POLICIES, SWAP
+from framework.scheduling.scheduler import Scheduler
 from policies.chunked import ChunkedPolicy
 
 

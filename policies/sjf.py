@@ -1,8 +1,8 @@
 """Shortest prompt first: the ``chunked`` policy with its waiting queue reordered (one hook)."""
 from __future__ import annotations
 
-from framework.request import Request
-from framework.scheduler import POLICIES
+from framework.common.request import Request
+from framework.scheduling.policy import POLICIES
 from policies.chunked import ChunkedPolicy
 
 

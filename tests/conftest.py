@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import framework  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch spins up threads)
-from framework.engine import LLMEngine  # noqa: E402
+from framework.engine.llm_engine import LLMEngine  # noqa: E402
 
 # The property tests' example counts: "ci" (the default) keeps the suite to a few minutes;
 # `pytest --hypothesis-profile=long` runs them at length (3,000 examples per property test,
@@ -104,7 +104,7 @@ def runnable_backends(num_heads: int, num_kv_heads: int, head_dim: int, block_si
                       dtype: torch.dtype = torch.float32) -> list[str]:
     """Registered attention backends that build on this machine for that shape (those needing
     CUDA, or another head size or block size, do not)."""
-    from framework.attention import BACKENDS
+    from framework.execution.attention import BACKENDS
 
     names = []
     for name in BACKENDS.list():
@@ -134,7 +134,7 @@ def no_kv_block_leaks(monkeypatch):
     for engine in engines:
         if not hasattr(engine, "allocator"):
             continue
-        engine.abort_request(list(engine._parents))
+        engine.abort_request(list(engine.output_processor.requests))
         alloc = engine.allocator
         assert alloc.num_free_blocks == alloc.num_usable_blocks, (
             f"KV blocks leaked: {alloc.num_usable_blocks - alloc.num_free_blocks} of {alloc.num_usable_blocks} still held")

@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from framework.plugin_configs import store_plugin_options
+from framework.harness.plugin_configs import store_plugin_options
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

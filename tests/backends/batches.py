@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from framework.attention import AttentionMetadata
+from framework.execution.attention import AttentionMetadata
 
 POISON_SCALE = 1000.0
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from framework import BACKENDS
-from framework.attention import AttentionMetadata
+from framework.execution.attention import AttentionMetadata
 from tests.backends.batches import Batch, mixed_specs, random_batch, relative_error
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}

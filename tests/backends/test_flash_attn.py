@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from framework import BACKENDS
-from framework.registry import UnavailableError
+from framework.common.registry import UnavailableError
 from tests.backends.batches import mixed_specs, random_batch
 from tests.backends.test_agreement import GQA, check, run, seed_of
 

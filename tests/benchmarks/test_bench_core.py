@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from framework import EngineConfig, LLMEngine, SamplingParams
-from framework.allocators.paged import PagedBlockAllocator
-from framework.preparers.v1 import FlatBatchPreparer
-from framework.request import Request, RequestStatus
-from framework.scheduler import SchedulerOutput
-from framework.workload import WorkloadContext
-from framework.workloads.trace import TraceError, load_trace
+from framework.kv.allocators.paged import PagedBlockAllocator
+from framework.execution.preparers.v1 import FlatBatchPreparer
+from framework.common.request import Request, RequestStatus
+from framework.scheduling.output import SchedulerOutput
+from framework.harness.workload import WorkloadContext
+from framework.harness.workloads.trace import TraceError, load_trace
 
 
 @pytest.mark.parametrize("batch", [8, 64])

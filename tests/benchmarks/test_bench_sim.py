@@ -7,10 +7,10 @@ scale figures, through the whole run path, are in experiments/bench_sim_scale.py
 import pytest
 
 from framework import EngineConfig
-from framework.cluster import Cluster
-from framework.metrics import RequestRecord
-from framework.recorder import RunRecorder
-from tests.framework.sim_support import chat_requests
+from framework.harness.cluster import Cluster
+from framework.harness.metrics import RequestRecord
+from framework.harness.recorder import RunRecorder
+from tests.framework.sim.support import chat_requests
 
 
 @pytest.mark.parametrize("recorded", [False, True], ids=["served", "served_and_recorded"])

@@ -6,12 +6,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config import EngineConfig
-from framework.engine import LLMEngine
-from framework.experiment import ENGINE_KEYS, build_cluster, engine_config
+from framework.common.config import EngineConfig
+from framework.engine.llm_engine import LLMEngine
+from framework.harness.experiment import ENGINE_KEYS, build_cluster, engine_config
 from framework.run import engine_config as cli_engine_config
-from framework.run_logger import LOGGERS, create_logger
-from framework.workload import WorkloadContext, create_workload
+from framework.harness.run_logger import LOGGERS, create_logger
+from framework.harness.workload import WorkloadContext, create_workload
 from tests.hydra_support import CONF, compose_config
 
 #: Groups not in the defaults list are added with '+'.

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from framework.experiment import engine_config
-from framework.workload import create_workload
+from framework.harness.experiment import engine_config
+from framework.harness.workload import create_workload
 from tests.hydra_support import compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-        *(ROOT / "framework" / f"{m}.py" for m in ("run", "compare", "profile")),
+        *(ROOT / "framework" / f"{m}.py" for m in ("run", "compare", "profile", "harness/run", "harness/compare", "sim/profile")),
         *sorted((ROOT / "conf").rglob("*.yaml")), *sorted((ROOT / "experiments").glob("*.py"))]
 #: Placeholders a reader fills in; a command holding one is a pattern, not a command.
 PLACEHOLDER = re.compile(r"\bNAME\b|\bKEY\b|\bVALUE\b|\bDATE\b|\.\.\.|\[")
@@ -73,6 +73,11 @@ def test_every_documented_run_command_composes(args):
             compose_config(*overrides, return_hydra_config=True)
 
 
+#: Where the ``python -m framework.NAME`` commands are written (their entry modules are thin).
+COMMAND_SOURCES = {"framework/run": "framework/harness/run", "framework/compare": "framework/harness/compare",
+                   "framework/profile": "framework/sim/profile"}
+
+
 def script_commands():
     for where, line in doc_lines():
         for match in SCRIPT.finditer(line):
@@ -84,7 +89,7 @@ def script_commands():
 
 @pytest.mark.parametrize("script, options", list(script_commands()))
 def test_every_documented_script_option_exists(script, options):
-    source = (ROOT / f"{script}.py").read_text()
+    source = (ROOT / f"{COMMAND_SOURCES.get(script, script)}.py").read_text()
     for option in options:
         assert f'"{option}"' in source, f"{script}.py has no {option} option"
 

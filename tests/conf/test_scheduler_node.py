@@ -2,7 +2,7 @@
 import pytest
 
 from framework import SamplingParams
-from framework.engine import LLMEngine
+from framework.engine.llm_engine import LLMEngine
 from framework.run import engine_config
 from tests.conf.test_compose import compose_with
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.cost_model import BatchShape
+from framework.sim.cost_model import BatchShape
 
 spec = importlib.util.spec_from_file_location(
     "sim_fidelity", Path(__file__).resolve().parents[2] / "experiments" / "sim_fidelity.py")

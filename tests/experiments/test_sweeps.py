@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from framework.experiment import engine_config
+from framework.harness.experiment import engine_config
 from tests.hydra_support import compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_every_sweep_trial_composes(sweep, overrides):
 
 
 def test_sweeps_exist_and_name_a_metric_the_run_logs():
-    from framework.metrics import summarize
+    from framework.harness.metrics import summarize
 
     logged = set(summarize([], 1.0))
     assert len(SWEEPS) >= 2

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from framework import EngineConfig, LLMEngine, SamplingParams
-from framework.clock import VirtualClock
-from framework.executor import EXECUTORS, Executor, ExecutorOutput
-from framework.model_runner import ModelRunner
-from framework.scheduler import SchedulerOutput
+from framework.common.clock import VirtualClock
+from framework.execution.executor import EXECUTORS, Executor, ExecutorOutput
+from framework.execution.model_runner import ModelRunner
+from framework.scheduling.output import SchedulerOutput
 
 #: Fake vocabulary: ids 2 (the tiny presets' EOS) .. 2 + VOCAB - 1.
 VOCAB = 38

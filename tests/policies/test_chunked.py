@@ -80,7 +80,7 @@ def test_bad_threshold_is_rejected(threshold):
 def test_an_on_waiting_override_that_skips_the_waiting_heap_is_reported(policy_name):
     """The waiting heap (``waiting_key``) is fed by ``on_waiting``: an override that does not
     call it would leave every waiting request unseen, so the policy says so instead."""
-    from framework.scheduler import POLICIES
+    from framework.scheduling.policy import POLICIES
     from tests.policies.harness import sim_engine
 
     class Forgetful(POLICIES.get(policy_name)):

@@ -4,7 +4,7 @@ import inspect
 import pytest
 
 from framework import POLICIES, SamplingParams
-from framework.request import Request
+from framework.common.request import Request
 from policies.least_computed import LeastComputedFirstPolicy
 from policies.sjf import ShortestPromptFirstPolicy
 from tests.policies.harness import Arrival, drive, shadow_engine

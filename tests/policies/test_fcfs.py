@@ -2,8 +2,8 @@
 import pytest
 
 from framework import EngineConfig, LLMEngine, SamplingParams
-from framework.request import RequestStatus
-from framework.scheduler import POLICIES
+from framework.common.request import RequestStatus
+from framework.scheduling.policy import POLICIES
 from policies.fcfs import FCFSPolicy
 
 

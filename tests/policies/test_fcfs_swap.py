@@ -2,7 +2,7 @@
 import pytest
 
 from framework import EngineConfig, LLMEngine, SamplingParams
-from framework.request import RequestStatus
+from framework.common.request import RequestStatus
 from tests.policies.harness import Arrival, drive, reference_output, shadow_engine
 
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from framework import POLICIES, LLMEngine, SamplingParams
-from framework.plugin_configs import store_plugin_options
-from framework.registry import BadOptionsError
+from framework.harness.plugin_configs import store_plugin_options
+from framework.common.registry import BadOptionsError
 from framework.run import engine_config
 from tests.conf.test_compose import compose_with
 from tests.hydra_support import CONF
@@ -50,7 +50,7 @@ class ShortestOutputFirst(ChunkedPolicy):
 
 def __getattr__(name):  # the preparer loads torch: only when asked for
     if name == "PlainV1":
-        from framework.preparers.v1 import FlatBatchPreparer
+        from framework.execution.preparers.v1 import FlatBatchPreparer
         return type("PlainV1", (FlatBatchPreparer,), {})
     raise AttributeError(name)
 '''

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from framework import EngineConfig, LLMEngine, SamplingParams
-from framework.request import RequestStatus
+from framework.common.request import RequestStatus
 from policies.priority_swap import PrioritySwapPolicy
 from tests.policies import harness
 from tests.policies.harness import Arrival, drive, reference_output, shadow_engine

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from framework import SamplingParams
-from framework.request import Request
+from framework.common.request import Request
 from policies.sjf import ShortestPromptFirstPolicy
 from tests.policies import harness
 

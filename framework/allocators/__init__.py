@@ -1,2 +1,0 @@
-"""Built-in block allocators (one file each); importing this package registers them."""
-from framework.allocators import paged  # noqa: F401

@@ -1,0 +1,329 @@
+"""``LLMEngine``: requests in, scheduler + executor each step, ``RequestOutput``s out."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from framework.common.clock import Clock
+from framework.common.config import EngineConfig
+from framework.common.detokenizer import IncrementalDetokenizer
+from framework.common.outputs import RequestOutput
+from framework.common.request import Request
+from framework.common.sampling_params import RequestOutputKind, SamplingParams
+from framework.engine.logprobs import append_logprobs, append_prompt_logprobs
+from framework.engine.output_processor import OutputProcessor
+from framework.engine.parallel_sampling import SampleForks
+from framework.engine.prompts import Prompt, check_request_args, tokenize
+from framework.execution.executor import EXECUTORS, ExecutorOutput
+from framework.kv.block_allocator import ALLOCATORS
+from framework.scheduling.output import SchedulerOutput
+from framework.scheduling.policy import POLICIES
+from framework.scheduling.scheduler import Scheduler
+from models.loader import resolve_model
+
+logger = logging.getLogger(__name__)
+
+#: A default max_model_len larger than this is capped: the persistent batch and the RoPE table
+#: are sized by it, and tiny CPU experiments do not need 128k-token rows.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+
+@dataclass
+class StepStats:
+    """One engine step, for timelines: what ran and the state of the queues and KV cache after."""
+
+    step: int
+    start_time: float
+    duration: float
+    num_scheduled_reqs: int
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_usage: float
+    num_preempted: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_finished: int
+
+
+class LLMEngine:
+    """Online serving core. ``add_request`` queues work, each ``step`` runs one batch and returns
+    outputs for the requests that progressed (a new token, or finished). Single-threaded."""
+
+    def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, **kwargs: Any) -> None:
+        """Built from ``config``, or from ``EngineConfig`` keyword arguments: not both."""
+        if config is not None and kwargs:
+            # Each would otherwise be dropped without a word, the config's value used instead.
+            raise ValueError(f"LLMEngine takes an EngineConfig or EngineConfig keyword arguments, not both: "
+                             f"set {', '.join(sorted(kwargs))} in the EngineConfig")
+        self.config = config = config or EngineConfig(**kwargs)
+        self.clock = clock or EXECUTORS.get(config.executor).make_clock()
+        self.source = resolve_model(config.model)
+        self.model_config = self.source.config
+        config.max_model_len = self._resolve_max_model_len()
+        # Resolve every name before loading anything, so a typo fails in milliseconds.
+        POLICIES.get(config.policy)
+        ALLOCATORS.get(config.allocator)
+        # A simulated run never uses the tensor parts, and their registries load torch (about 2 s):
+        # it checks their names only when they are not the defaults, so a typo is still caught.
+        defaults = EngineConfig.backend, EngineConfig.preparer
+        preparer_forks = False  # the default preparer (v1) runs n samples as n requests
+        if config.executor == "model" or (config.backend, config.preparer) != defaults:
+            from framework.execution.attention import BACKENDS
+            from framework.execution.input_preparer import PREPARERS
+
+            BACKENDS.get(config.backend)
+            preparer_forks = PREPARERS.get(config.preparer).forks_parallel_samples
+        self.policy = POLICIES.create_with(config.policy, config.policy_options)
+        self.executor = EXECUTORS.create_with(config.executor, config.executor_options, config, self.source, self.clock)
+        num_blocks, num_cpu_blocks = self.executor.kv_block_counts()
+        usable = max(num_blocks - 1, 0)  # a budget below one block sizes no block, not the null block
+        capacity = usable * config.block_size
+        if capacity < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {usable} blocks x {config.block_size} tokens = {capacity} tokens, "
+                f"less than one request of max_model_len={config.max_model_len}; raise {_kv_cache_setting(config)} "
+                f"or lower max_model_len")
+        self.executor.initialize(num_blocks, num_cpu_blocks)
+        self.allocator = ALLOCATORS.create_with(config.allocator, config.allocator_options, num_blocks=num_blocks,
+                                                block_size=config.block_size, num_cpu_blocks=num_cpu_blocks,
+                                                enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.policy, self.allocator, self.clock)
+        self.tokenizer = self.executor.tokenizer
+        self._eos = frozenset(self.model_config.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # vLLM v0's parallel sampling (see InputPreparer.forks_parallel_samples): one leader per
+        # request with n > 1 prefills; the others are forked from it when it samples. Simulated
+        # runs fork too (Executor.samples_forks), so they schedule as the real executor does.
+        self._fork_samples = self.executor.samples_forks and preparer_forks
+        self.forks = SampleForks(self.scheduler, config.preparer)
+        #: Whether a seeded request was ever added: only then does a step save generator states.
+        self._any_seeded = False
+        self._generator_device = self.executor.device
+        self.step_callbacks: list[Callable[[StepStats, SchedulerOutput], None]] = []
+        self.num_steps = 0
+        self._stalled_steps = 0
+
+    def _resolve_max_model_len(self) -> int:
+        limit, why = self.model_config.max_context()
+        if self.config.max_model_len is None:
+            return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's {why} of {limit}")
+        return self.config.max_model_len
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """Token ids and text of a prompt given as text, token ids or a vLLM-style dict."""
+        return tokenize(prompt, self.tokenizer, self.model_config.vocab_size, self.config.model)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue one request; ValueError, with nothing queued, for a bad prompt or argument."""
+        # abort_request takes only str ids (an iterable of them means several): an int id accepted
+        # here could never be aborted.
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}")
+        # Only None means the defaults: a falsy mistake ([], {}, 0) would otherwise pass as them.
+        params = SamplingParams() if params is None else params
+        check_request_args(params, arrival_time, priority)
+        self.check_params(params)
+        ids, text = self.tokenize(prompt)
+        if request_id in self.output_processor.requests or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # Every sequence id is checked before anything is queued: a clash found half-way would
+        # leave the request listed but never finishing.
+        rids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for rid in rids:
+            if self._sequence_in_use(rid):
+                raise ValueError(f"request id {request_id!r} clashes with {rid!r}, a sequence already in use")
+        arrival = self.clock.now() if arrival_time is None else arrival_time
+        children = []
+        for i, rid in enumerate(rids):
+            child_params = params
+            if params.n > 1:
+                # Sample i takes seed + i (as vLLM), wrapped into SamplingParams' [0, 2**63): a
+                # seed near the top is valid and must not fail for the samples after it.
+                seed = None if params.seed is None else (params.seed + i) % 2**63
+                # The prompt's logprobs are the request's, not a sample's: the first computes them.
+                prompt_logprobs = params.prompt_logprobs if i == 0 else None
+                child_params = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+            req = Request(rid, ids, child_params, arrival, priority=priority, eos_token_ids=self._eos,
+                          max_model_len=self.config.max_model_len, prompt=text,
+                          parent_id=request_id if params.n > 1 else None, index=i)
+            if params.stop or (params.output_kind is RequestOutputKind.DELTA and self.tokenizer is not None
+                               and params.detokenize):
+                # Stop strings are matched, and a delta's text is streamed, as the text grows.
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                         params.include_stop_str_in_output)
+            if child_params.seed is not None:
+                import torch
+
+                self._any_seeded = True
+                req.generator = torch.Generator(device=self._generator_device).manual_seed(child_params.seed)
+            children.append(req)
+        self.output_processor.requests[request_id] = children
+        if len(children) > 1 and self._fork_samples:
+            leader = children[0]
+            self.forks.add(leader, children[1:])
+            self.scheduler.add_request(leader)
+            if leader.is_finished:  # ignored on arrival
+                self.forks.settle([leader])
+            return
+        for req in children:
+            self.scheduler.add_request(req)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError, one line naming the option, for sampling parameters this engine cannot
+        serve: an option the executor cannot honour (``Executor.check_request``), stop strings
+        without a tokenizer, more (prompt) logprobs than ``max_logprobs`` (or the vocabulary)."""
+        self.executor.check_request(params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop is matched against the output text, and model "
+                             f"{self.config.model!r} has no tokenizer to decode it; use stop_token_ids")
+        limit, name = self.config.max_logprobs, "the engine's max_logprobs"
+        if self.model_config.vocab_size < limit:
+            limit, name = self.model_config.vocab_size, "the model's vocabulary size"
+        for option in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, option)
+            if value is not None and value > limit:
+                raise ValueError(f"SamplingParams.{option}={value} exceeds {name} ({limit}); ask for at most {limit}")
+
+    def _sequence_in_use(self, rid: str) -> bool:
+        """Whether ``rid`` names an unfinished sequence: one the scheduler holds, or a parallel
+        sample ``ID#i`` of a request still to be forked from its leader (vLLM v0)."""
+        if rid in self.scheduler.requests:
+            return True
+        group, sep, _ = str(rid).rpartition("#")
+        return bool(sep) and any(r.request_id == rid and not r.is_finished for r in self.output_processor.requests.get(group, ()))
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, str) else [request_id]
+        if not all(isinstance(rid, str) for rid in ids):
+            raise ValueError(f"abort_request takes a request id (str) or an iterable of them, got {request_id!r}")
+        for rid in ids:
+            for req in self.output_processor.requests.get(rid, []):
+                aborted = self.scheduler.abort_request(req.request_id)
+                if aborted is not None and aborted.forks:
+                    # A v0 leader aborted before its prompt completed takes its samples still to
+                    # fork with it now: is_finished says so at once, not after the next step.
+                    self.forks.settle([aborted])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.requests)
+
+    def is_finished(self, request_id: str) -> bool:
+        """Whether every sequence of ``request_id`` has finished, its output perhaps not yet made
+        (a request ignored on arrival finishes in ``add_request``; its output comes with the next
+        step). An unknown id, or one whose final output was made, counts as finished."""
+        return all(r.is_finished for r in self.output_processor.requests.get(request_id, ()))
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one step. Returns an output for every request that progressed, as its
+        ``SamplingParams.output_kind`` says (cumulative, the delta since its last output, or
+        only once finished), or with ``final_only`` only for those that finished, each complete
+        whatever its kind: a batch run that reads results at the end then skips building a
+        cumulative output per running request every step."""
+        start = self.clock.now()
+        out = self.scheduler.schedule()
+        seeded = _seeded_generator_states(out) if out.runs and self._any_seeded else []
+        try:
+            result = self.executor.execute(out) if out.runs else ExecutorOutput()
+        except BaseException:
+            # The step's requests sample their positions again when recomputed: a seeded one's
+            # generator goes back to where the step found it (the sampler may have drawn from it
+            # before the failure), so it samples what it would have had the step not failed.
+            for generator, state in seeded:
+                generator.set_state(state)
+            self.scheduler.step_failed(out)
+            raise
+        sampled = result.sampled
+        if result.prompt_logprobs:
+            append_prompt_logprobs(self.scheduler.requests, result.prompt_logprobs, self.tokenizer, self.config.executor)
+        # One time for the step's tokens, forks' first tokens included: a streaming client gets
+        # them together, and RequestMetrics.token_times counts one entry per step.
+        now = self.clock.now()
+        if self.forks.leaders:
+            forked = self.forks.fork(result, now)
+            if result.logprobs:
+                append_logprobs(forked, result.logprobs, self.tokenizer, self.config.executor)
+        progressed = self.scheduler.update_from_output(out, sampled, now)
+        if result.logprobs:
+            append_logprobs(progressed, result.logprobs, self.tokenizer, self.config.executor)
+        done_elsewhere = self.scheduler.take_finished_outside_step()
+        self.forks.settle(done_elsewhere)
+        self._check_progress(out, done_elsewhere)
+        # Requests finished outside the step (ignored, aborted) finished before the step's own
+        # finishes: their outputs come first, in finish order, as a decode run delivers them.
+        if final_only:
+            outputs = self.output_processor.final_outputs(done_elsewhere + [r for r in progressed if r.is_finished])
+        else:
+            outputs = self.output_processor.make_outputs(done_elsewhere + progressed)
+        self.num_steps += 1
+        if self.step_callbacks:
+            stats = self._step_stats(out, start, sum(o.finished for o in outputs))
+            for callback in self.step_callbacks:
+                callback(stats, out)
+        return outputs
+
+    def count_steps(self, num_steps: int) -> None:
+        """Count ``num_steps`` steps taken outside ``step`` (a simulator's decode run), each of
+        which ran."""
+        self.num_steps += num_steps
+        self._stalled_steps = 0
+
+    def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
+        if out.runs or done or not self.scheduler.has_unfinished_requests():
+            self._stalled_steps = 0
+            return
+        self._stalled_steps += 1
+        if self._stalled_steps >= 3:
+            s = self.scheduler
+            raise RuntimeError(
+                f"policy {self.config.policy!r} scheduled nothing for {self._stalled_steps} steps with "
+                f"{len(s.waiting)} waiting, {len(s.running)} running, {len(s.swapped)} swapped requests and "
+                f"{self.allocator.num_free_blocks} free blocks: the policy cannot make progress")
+
+    def _step_stats(self, out: SchedulerOutput, start: float, num_finished: int) -> StepStats:
+        decode = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
+        total = out.total_num_scheduled_tokens
+        s = self.scheduler
+        return StepStats(
+            step=self.num_steps, start_time=start, duration=self.clock.now() - start,
+            num_scheduled_reqs=len(out.scheduled), num_scheduled_tokens=total,
+            num_prefill_tokens=total - decode, num_decode_tokens=decode,
+            num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+            kv_blocks_used=self.allocator.num_used_blocks, kv_usage=self.allocator.usage,
+            num_preempted=len(out.preempted) + len(out.swapped_out),
+            num_swapped_out_blocks=len(out.blocks_to_swap_out), num_swapped_in_blocks=len(out.blocks_to_swap_in),
+            num_finished=num_finished)
+
+
+def _seeded_generator_states(out: SchedulerOutput) -> list[tuple[Any, Any]]:
+    """The generator and its state of each seeded request ``out`` schedules, and of each parallel
+    sample still to be forked from one of them (its first token is drawn from its own generator)."""
+    return [(r.generator, r.generator.get_state()) for req in out.scheduled for r in (req, *req.forks)
+            if r.generator is not None]
+
+
+def _kv_cache_setting(config: EngineConfig) -> str:
+    """The setting that sized the KV cache, in ``EngineConfig``'s order of precedence: what to
+    raise when it is too small."""
+    if config.num_gpu_blocks_override is not None:
+        return f"num_gpu_blocks_override (now {config.num_gpu_blocks_override})"
+    if config.kv_cache_memory_gb is not None:
+        return f"kv_cache_memory_gb (now {config.kv_cache_memory_gb})"
+    return (f"cpu_kv_cache_gb (now {config.cpu_kv_cache_gb}) on a CPU or gpu_memory_utilization "
+            f"(now {config.gpu_memory_utilization}) on a GPU, set kv_cache_memory_gb or num_gpu_blocks_override,")

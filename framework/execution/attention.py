@@ -1,0 +1,134 @@
+"""The ``AttentionBackend`` interface and the per-step ``AttentionMetadata`` it consumes.
+
+The model's attention layers call the backend; the input preparer builds the common metadata
+once per step; the backend turns it into whatever its kernel needs (``build_metadata``) once
+per step, and every layer's ``forward`` reuses that.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from framework.common.registry import Registry
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flat batch, as attention sees it (vLLM v1's common attention metadata).
+
+    Requests are laid out back to back: request ``i`` owns query tokens
+    ``query_start_loc[i]:query_start_loc[i+1]``, has ``num_computed_tokens[i]`` tokens already in
+    the cache and ``seq_lens[i]`` tokens once this step's are written. ``block_table[i, j]`` is the
+    device block of its ``j``-th block (0, the null block, past its end). ``slot_mapping[t]`` is
+    the cache slot (``block * block_size + offset``) where token ``t``'s K/V go. The ``*_cpu``
+    arrays are host copies for backends that plan on the CPU.
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_computed_tokens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+    num_computed_tokens_cpu: np.ndarray
+    block_table_cpu: np.ndarray
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @classmethod
+    def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                  slot_mapping: np.ndarray, block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """The metadata of a step given as int64 host arrays, the rest derived (tests and
+        benchmarks; input preparers build theirs with one transfer, ``InputPreparer.model_input``)."""
+        q_lens = np.diff(query_start_loc)
+        computed = seq_lens - q_lens
+        prefill = q_lens > 1
+        dev = torch.device(device)
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev)
+
+        return cls(
+            num_reqs=len(seq_lens), num_actual_tokens=int(query_start_loc[-1]), max_query_len=int(q_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)), block_size=block_size, query_start_loc=t(query_start_loc),
+            seq_lens=t(seq_lens), num_computed_tokens=t(computed), block_table=t(block_table),
+            slot_mapping=t(slot_mapping), query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+            num_computed_tokens_cpu=computed, block_table_cpu=block_table, num_prefills=int(prefill.sum()),
+            num_prefill_tokens=int(q_lens[prefill].sum()), num_decode_tokens=int((q_lens == 1).sum()))
+
+
+class AttentionBackend(ABC):
+    """Stores a step's new K/V in the paged cache and computes causal attention over each
+    request's cached context plus its new tokens.
+
+    ``forward(q, k, v, kv_cache, meta)``: ``q`` is ``[T, num_heads, head_dim]``, ``k``/``v`` are
+    ``[T, num_kv_heads, head_dim]`` for the ``T = meta.num_actual_tokens`` new tokens;
+    ``kv_cache`` is this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` slice.
+    Token ``t`` of request ``i`` attends to the request's first ``num_computed_tokens[i] + (t -
+    query_start_loc[i]) + 1`` tokens. Returns ``[T, num_heads, head_dim]`` in ``q``'s dtype,
+    written into ``out`` when one is given (and then ``out`` itself is returned). It writes only
+    the slots in ``slot_mapping`` and never lets a cache slot past a request's ``seq_len`` affect
+    its output.
+    """
+
+    name: ClassVar[str] = ""
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    max_head_size: ClassVar[int | None] = None
+    block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._check_supported()
+
+    @classmethod
+    def unsupported(cls, head_dim: int, block_size: int, dtype: torch.dtype) -> list[str]:
+        """What in these settings the class's limits (``supported_dtypes``, ``max_head_size``,
+        ``block_size_multiple``) rule out, one phrase each; empty when nothing."""
+        problems = []
+        if dtype not in cls.supported_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
+            problems.append(f"dtype {dtype} is not supported, only {names} "
+                            f"(set engine.dtype={str(cls.supported_dtypes[-1]).removeprefix('torch.')})")
+        if cls.max_head_size is not None and head_dim > cls.max_head_size:
+            problems.append(f"head size {head_dim} is too large: it supports head sizes up to {cls.max_head_size}")
+        if block_size % cls.block_size_multiple:
+            problems.append(f"block_size={block_size} is not a multiple of {cls.block_size_multiple} "
+                            f"(run with engine.block_size={cls.block_size_multiple})")
+        return problems
+
+    def _check_supported(self) -> None:
+        problems = self.unsupported(self.head_dim, self.block_size, self.dtype)
+        if problems:
+            raise ValueError(f"attention backend {self.name!r} cannot run with these settings: " + "; ".join(problems))
+
+    def build_metadata(self, meta: AttentionMetadata) -> Any:
+        """Per-step preparation shared by all layers (default: use the common metadata as is)."""
+        return meta
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: Any, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+BACKENDS: Registry[AttentionBackend] = Registry(
+    "backend", AttentionBackend, entry_point_group="framework.backends", builtin="backends")

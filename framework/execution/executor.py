@@ -1,0 +1,141 @@
+"""The ``Executor`` interface: runs what the scheduler decided.
+
+Everything above it (policy, scheduler mechanism, block allocator, scheduler outputs) is the
+same code whether the step runs a real forward pass (``model``) or is only timed (a simulator),
+so a policy is tested once and studied at any scale.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from framework.common.clock import Clock, VirtualClock, WallClock
+from framework.common.registry import Registry
+
+if TYPE_CHECKING:
+    from framework.common.config import EngineConfig
+    from framework.common.outputs import Logprob
+    from framework.common.sampling_params import SamplingParams
+    from framework.scheduling.output import SchedulerOutput
+    from models.config import ModelConfig
+    from models.loader import ModelSource
+
+GiB = 1 << 30
+
+
+@dataclass
+class ExecutorOutput:
+    """Sampled token per request that reached its last known token this step, and, for those
+    of them that ask for logprobs, the ``{token_id: Logprob}`` of that position (no decoded
+    text: the engine adds it). ``prompt_logprobs`` gives each request asking for them the
+    entries of the prompt tokens this step's positions predicted, in order, continuing the
+    request's ``prompt_logprobs`` list (positions it already has are not computed again)."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+
+
+class Executor(ABC):
+    """Contract: ``kv_block_counts`` says how many device blocks (the null block included) and
+    CPU swap blocks fit; ``initialize`` is called once with the counts the engine settled on;
+    ``execute`` applies the step's swap-out, swap-in and copy lists, then runs the scheduled
+    tokens and returns the sampled ones. It may advance the clock (a simulator does); it may not
+    touch the scheduler's queues or the allocator."""
+
+    name: ClassVar[str] = ""
+    #: Whether ``execute`` gives each of ``Request.forks`` a first token when their leader
+    #: completes its prompt (vLLM v0's parallel sampling, under a preparer that
+    #: ``forks_parallel_samples``). Without it the engine runs the ``n`` samples of a request as
+    #: ``n`` independent requests, whatever the preparer.
+    samples_forks: ClassVar[bool] = False
+    #: Whether the sampled tokens are a model's, with text to decode: a simulator's synthetic
+    #: tokens have none, and the engine refuses what would read it (``SamplingParams.stop``).
+    produces_text: ClassVar[bool] = True
+    #: Whether ``execute`` returns ``ExecutorOutput.logprobs`` and ``prompt_logprobs`` for the
+    #: requests that ask for them (``SamplingParams.logprobs`` and ``prompt_logprobs``); without
+    #: it the engine refuses such requests.
+    returns_logprobs: ClassVar[bool] = False
+
+    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
+        self.config = config
+        self.source = source
+        self.clock = clock
+
+    @classmethod
+    def make_clock(cls) -> Clock:
+        """The clock an engine runs on when it is given none: wall time, for real execution."""
+        return WallClock()
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return None
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    def check_request(self, params: SamplingParams) -> None:
+        """ValueError, one line naming the option, for sampling parameters this executor cannot
+        honour (checked before the request is queued)."""
+        name = self.name or type(self).__name__
+        if params.stop and not self.produces_text:
+            raise ValueError(f"executor={name} samples synthetic tokens with no text: it cannot simulate "
+                             f"SamplingParams.stop (stop strings); use stop_token_ids or max_tokens")
+        for option in ("logprobs", "prompt_logprobs") if not self.returns_logprobs else ():
+            value = getattr(params, option)
+            if value is not None:
+                raise ValueError(f"executor={name} cannot return {option.replace('_', ' ')} (SamplingParams.{option}="
+                                 f"{value}): leave {option} None, or run executor=model")
+
+    @abstractmethod
+    def kv_block_counts(self) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput: ...
+
+
+EXECUTORS: Registry[Executor] = Registry(
+    "executor", Executor, entry_point_group="framework.executors", builtin="framework.execution.executors")
+
+
+def simulates_time(executor: str) -> bool:
+    """Whether the executor registered as ``executor`` runs on simulated time: its own clock
+    (``Executor.make_clock``) is a ``VirtualClock``, which it advances itself. Asked of the class,
+    not its name, so a registered subclass runs as its base does."""
+    return isinstance(EXECUTORS.get(executor).make_clock(), VirtualClock)
+
+
+def size_kv_cache(config: EngineConfig, bytes_per_block: int, device_budget: Callable[[], float]) -> tuple[int, int]:
+    """(device blocks, the null block included; CPU swap blocks) for blocks of ``bytes_per_block``.
+
+    Device blocks: ``num_gpu_blocks_override``, else ``kv_cache_memory_gb``, else what
+    ``device_budget()`` bytes hold. Swap blocks: ``swap_space`` GiB. Both are capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use (more would only feed the
+    prefix cache, and reserve memory a laptop run never touches), except an override, which is
+    taken as given.
+    """
+    assert config.max_model_len is not None
+    useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    else:
+        budget = config.kv_cache_memory_gb * GiB if config.kv_cache_memory_gb is not None else device_budget()
+        num_blocks = min(int(budget // bytes_per_block), useful)
+    num_cpu_blocks = min(int(config.swap_space * GiB // bytes_per_block), useful)
+    return num_blocks, num_cpu_blocks
+
+
+def activation_peak_bytes(model: ModelConfig, config: EngineConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Activation memory of the largest step on one device: the widest per-token tensors (fused
+    gate/up, qkv, residual) for every batched token, twice, plus float32 logits for every sequence.
+    The logits span the whole vocabulary whatever ``tensor_parallel_size``: vLLM gathers the
+    devices' shares onto the device that samples, whose memory is the one that binds."""
+    tp = tensor_parallel_size
+    kv = model.kv_size_per_device(tp)
+    per_token = (2 * model.intermediate_size // tp + model.q_size // tp + 2 * kv + 4 * model.hidden_size) * dtype_bytes
+    return config.max_num_batched_tokens * per_token * 2 + config.max_num_seqs * model.vocab_size * 4

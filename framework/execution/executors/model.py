@@ -1,0 +1,127 @@
+"""The real executor: loads the model and runs each step's forward pass."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from framework.execution.attention import BACKENDS
+from framework.common.clock import Clock
+from framework.common.config import EngineConfig, resolve_dtype_name
+from framework.execution.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
+from framework.execution.host_memory import keep_freed_memory
+from framework.execution.input_preparer import PREPARERS
+from framework.execution.model_runner import ModelRunner
+from framework.execution.sampler import Sampler
+from framework.scheduling.output import SchedulerOutput
+from models.llama import LlamaForCausalLM
+from models.loader import ModelSource, iter_checkpoint, load_tokenizer
+from models.presets import SHAPE_ONLY_PRESETS
+
+logger = logging.getLogger(__name__)
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use device=cpu or auto")
+    return device
+
+
+def resolve_dtype(name: str, model_dtype: str | None, device: torch.device) -> torch.dtype:
+    default = "float32" if device.type == "cpu" else "bfloat16"
+    return getattr(torch, resolve_dtype_name(name, model_dtype, device.type, default))
+
+
+#: (torch's thread count before an engine set one, the count it set); None when none is set.
+_threads: tuple[int, int] | None = None
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """Run torch on ``num_threads`` threads; None: on the process's own count (torch's default, or
+    what the caller set), also after an earlier engine in this process chose one. torch's setting
+    is per process, and the jobs of a Hydra sweep (or of a reused joblib worker) share one: a job
+    with ``engine.num_threads=null`` after one with 1 ran single-threaded."""
+    global _threads
+    current = torch.get_num_threads()
+    # The count before an engine's choice, unless the caller set one of their own since.
+    before = _threads[0] if _threads is not None and current == _threads[1] else current
+    _threads = (before, num_threads) if num_threads else None
+    wanted = num_threads or before
+    if wanted != current:
+        torch.set_num_threads(wanted)
+
+
+@EXECUTORS.register("model")
+class ModelExecutor(Executor):
+    samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
+    returns_logprobs = True
+
+    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
+        super().__init__(config, source, clock)
+        if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
+            raise ValueError(
+                f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
+                f"pass a Hugging Face checkpoint directory to the model executor")
+        cfg = source.config
+        set_num_threads(config.num_threads)  # here, not in the engine: a simulated run never loads torch
+        self._device = resolve_device(config.device)
+        if self._device.type == "cpu":
+            keep_freed_memory()
+        self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self._device)
+        assert config.max_model_len is not None
+        self.backend = BACKENDS.create_with(
+            config.backend, config.backend_options, num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
+            block_size=config.block_size, dtype=self.dtype, device=self._device)
+        self.model = LlamaForCausalLM(cfg, self.backend, config.max_model_len, self.dtype)
+        if source.path is None:
+            self.model.init_random(config.model_seed, cfg.initializer_range)
+        else:
+            self.model.load_weights(iter_checkpoint(source.path))
+        self.model.to(device=self._device, dtype=self.dtype).eval()
+        self._tokenizer = load_tokenizer(source)
+        self.runner: ModelRunner | None = None
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self._tokenizer
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One KV block (all layers, K and V): what the KV budget is divided into."""
+        return self.config.block_size * self.source.config.kv_bytes_per_token(self.dtype.itemsize)
+
+    def kv_block_counts(self) -> tuple[int, int]:
+        return size_kv_cache(self.config, self.bytes_per_block, self._device_budget)
+
+    def _device_budget(self) -> float:
+        if self._device.type != "cuda":
+            return self.config.cpu_kv_cache_gb * GiB
+        free, total = torch.cuda.mem_get_info(self._device)
+        activations = activation_peak_bytes(self.source.config, self.config, self.dtype.itemsize)
+        used = total - free
+        return max(0.0, total * self.config.gpu_memory_utilization - used - activations)
+
+    def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        cfg, config = self.source.config, self.config
+        kv_cache = torch.zeros(2, cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads,
+                               cfg.head_dim, dtype=self.dtype, device=self._device)
+        preparer = PREPARERS.create_with(
+            config.preparer, {"check": config.check_invariants, **config.preparer_options},
+            max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len, block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens, device=self._device)
+        generator = torch.Generator(device=self._device).manual_seed(config.seed)
+        self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator), kv_cache, num_cpu_blocks)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), swap space %d blocks", num_blocks,
+                    config.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20, num_cpu_blocks)
+
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput:
+        assert self.runner is not None, "initialize() must be called before execute()"
+        return self.runner.execute(out)

@@ -1,0 +1,476 @@
+"""One experiment run: build the engine and workload a composed config describes, send the
+workload online, and record everything in the run directory (and the chosen logger).
+
+``run_experiment(cfg, run_dir)`` is what ``python -m framework.run`` calls for each run of a
+(multi)run; tests and notebooks call it directly with a config from Hydra's compose API.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.kv.block_allocator import AllocatorStats
+from framework.common.clock import Clock, VirtualClock, WallClock
+from framework.harness.cluster import Cluster, check_num_replicas, check_router_options, gc_paused
+from framework.common.config import PART_NAMES, EngineConfig, check_bool, is_int
+from framework.engine.llm_engine import LLMEngine, StepStats
+from framework.execution.executor import EXECUTORS, simulates_time
+from framework.harness.metrics import SLO, RequestRecord, summarize
+from framework.common.outputs import RequestOutput
+from framework.harness.recorder import RunRecorder
+from framework.harness.report import format_summary
+from framework.common.registry import split_spec
+from framework.sim.router import ROUTERS
+from framework.harness.run_logger import Guarded, create_logger
+from framework.common.sampling_params import SamplingParams
+from framework.scheduling.output import SchedulerOutput
+from framework.harness.workload import Workload, WorkloadContext, WorkloadRequest, create_workload
+
+log = logging.getLogger(__name__)
+
+#: Config groups that name a registered part, with the part used when the group is absent.
+#: Pluggable parts and their defaults (EngineConfig's, so the CLI and the Python API agree).
+PARTS = {part: EngineConfig.__dataclass_fields__[part].default for part in PART_NAMES}
+#: ``EngineConfig`` fields the ``engine`` node may set (the others come from their own groups).
+ENGINE_KEYS = set(EngineConfig.__dataclass_fields__) - {*PART_NAMES, *(f"{p}_options" for p in PART_NAMES),
+                                                        "model", "model_seed", "check_invariants"}
+
+
+#: Keys of the ``model`` node (``seed``: a preset's random weights) and of the ``scheduler`` node.
+MODEL_KEYS = ("name", "seed")
+SCHEDULER_KEYS = ("check_invariants",)
+
+
+def _check_keys(node: str, options: Any, valid: tuple[str, ...]) -> None:
+    """ValueError naming the keys of config node ``node`` that nothing reads, and the ``valid``
+    ones (``+model.dtype=float16`` would otherwise run in the default dtype, silently)."""
+    unknown = sorted(set(options or {}) - set(valid))
+    if unknown:
+        raise ValueError(f"{node}: unknown key(s) {', '.join(map(str, unknown))}; valid: {', '.join(valid)}")
+
+
+def _check_node(cfg: DictConfig, key: str, what: str, optional: bool = True) -> None:
+    """ValueError unless ``cfg.key`` is a node (or null, when ``optional``): a value given to the
+    node itself (``slo=5``, ``scheduler=true``) failed as a TypeError, or was read as no settings."""
+    node = cfg.get(key)
+    if not (isinstance(node, DictConfig) or optional and node is None):
+        raise ValueError(f"{key} must be a node {what}, got {node!r}")
+
+
+def _split(group: Any, default_name: str, node: str) -> tuple[str, dict[str, Any]]:
+    """A config group node (``node``) is ``{name: ..., **options}``."""
+    return split_spec(OmegaConf.to_container(group, resolve=True) if isinstance(group, DictConfig) else group,
+                      default_name, node)
+
+
+def engine_config(cfg: DictConfig) -> EngineConfig:
+    """The ``EngineConfig`` a composed Hydra config describes: the parts from their groups, the
+    model from ``model``, everything else from ``engine``."""
+    kwargs: dict[str, Any] = {}
+    for part, default in PARTS.items():
+        if part == "executor" and cfg.get(part) is None:
+            continue  # executor: null (the default): the engine's default, the real forward pass
+        name, options = _split(cfg.get(part), default, part)
+        kwargs[part], kwargs[f"{part}_options"] = name, options
+    # The simulated device and cost model are groups of their own, for any executor that runs on
+    # simulated time (the sim executor, or a registered subclass of it).
+    if "executor" in kwargs and simulates_time(kwargs["executor"]):
+        if cfg.get("hardware") is not None:
+            kwargs["executor_options"]["hardware"] = OmegaConf.to_container(cfg.hardware, resolve=True)
+        if cfg.get("cost_model") is not None:
+            # A null option is the cost model's default: so the roofline's `calibration: null` in
+            # conf/executor/sim.yaml does not reach a cost model without one (cost_model.name=replay).
+            # `cost_model=NAME` on the command line replaces the node with its name.
+            name, options = _split(cfg.cost_model, "roofline", "cost_model")
+            kwargs["executor_options"]["cost_model"] = {
+                "name": name, **{k: v for k, v in options.items() if v is not None}}
+    else:
+        # The simulated device and cost model mean nothing to a real forward pass: taken silently,
+        # a "+hardware=h100-sxm" run on this CPU would be labelled as an H100 one in comparisons.
+        simulated_only = [key for key in ("hardware", "cost_model") if cfg.get(key) is not None]
+        if simulated_only:
+            executor = kwargs.get("executor", PARTS["executor"])
+            raise ValueError(f"{' and '.join(simulated_only)} {'is' if len(simulated_only) == 1 else 'are'} for "
+                             f"simulated runs only (the device and cost model that time their steps): add "
+                             f"executor=sim, or leave {'it' if len(simulated_only) == 1 else 'them'} out; "
+                             f"executor={executor} runs on engine.device")
+    _check_node(cfg, "engine", "of engine settings (engine.max_num_seqs=32)", optional=False)
+    _check_node(cfg, "scheduler", "of check_invariants (scheduler.check_invariants=true)")
+    model, model_options = _split(cfg.get("model"), "tiny-llama", "model")
+    _check_keys("model", model_options, MODEL_KEYS)
+    engine = OmegaConf.to_container(cfg.engine, resolve=True)
+    _check_keys("engine", engine, tuple(sorted(ENGINE_KEYS)))
+    if isinstance(cfg.get("scheduler"), DictConfig):
+        _check_keys("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=True), SCHEDULER_KEYS)
+    engine["check_invariants"] = OmegaConf.select(cfg, "scheduler.check_invariants", default=False)
+    check_bool("scheduler.check_invariants", engine["check_invariants"])
+    return EngineConfig(model=model, model_seed=model_options.get("seed", 0), **kwargs, **engine)
+
+
+#: Run-level switches of ``conf/config.yaml``: true or false.
+RUN_SWITCHES = ("plots", "progress", "save_workload")
+
+
+def check_run_options(cfg: DictConfig) -> None:
+    """ValueErrors naming the run-level keys that have bad values: ``warmup`` (an integer >= 0),
+    the ``RUN_SWITCHES`` (booleans: the string ``maybe`` or ``no`` would read as true) and the
+    ``slo`` node's keys (those of ``SLO``)."""
+    warmup = cfg.get("warmup", 1)
+    if not is_int(warmup) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0 (short requests run before the measured ones), got {warmup!r}")
+    for key in RUN_SWITCHES:
+        check_bool(key, cfg.get(key, True))
+    _check_node(cfg, "slo", "of ttft_ms, tpot_ms and e2el_ms (slo.ttft_ms=200)")
+    if cfg.get("slo"):
+        _check_keys("slo", cfg.slo, tuple(f.name for f in dataclasses.fields(SLO)))
+
+
+def make_clock(name: str, executor: str) -> Clock:
+    """``wall`` for real execution, ``virtual`` for a simulated executor (which advances it);
+    ``auto`` is the executor's own clock (``Executor.make_clock``, as ``LLMEngine`` picks it)."""
+    if name not in ("auto", "wall", "virtual"):
+        raise ValueError(f"clock must be auto, wall or virtual, got {name!r}")
+    if name == "auto":
+        return EXECUTORS.get(executor).make_clock()
+    simulated = simulates_time(executor)
+    if name == "wall":
+        if simulated:
+            raise ValueError(f"executor={executor} runs on simulated time: use clock=auto or clock=virtual")
+        return WallClock()
+    if not simulated:
+        raise ValueError(f"clock=virtual needs an executor that advances time (a simulator); executor={executor} "
+                         f"runs in wall time: use clock=wall or clock=auto")
+    return VirtualClock()
+
+
+def describe(cfg: DictConfig, cluster: Cluster) -> dict[str, Any]:
+    """The run's identity for tables and plots: the parts, the model, the workload and its rate,
+    for a simulated run the device, and for a cluster its replicas and router."""
+    workload = cfg.get("workload") or {}
+    executor = cluster.engines[0].executor
+    config = cluster.engines[0].config
+    identity = {**{part: getattr(config, part) for part in PART_NAMES}, "model": config.model,
+                "workload": workload.get("name"), "rate": workload.get("rate"),
+                # The policy's own: a run that left the policy group out (or its option) ran its default.
+                "preemption_mode": getattr(cluster.engines[0].policy, "preemption_mode", None),
+                "enable_prefix_caching": config.enable_prefix_caching}
+    if hasattr(executor, "hardware"):
+        identity.update(hardware=executor.hardware.name, tensor_parallel_size=executor.tp)
+    if cfg.get("cluster") is not None:
+        identity.update(num_replicas=len(cluster.engines), router=cluster.router.name)
+    return identity
+
+
+def cluster_spec(cfg: DictConfig) -> tuple[int, str, dict[str, Any]] | None:
+    """``(num_replicas, router, router_options)`` of the ``cluster`` node (``+cluster=NAME``),
+    or None for a run without one (a single engine)."""
+    node = cfg.get("cluster")
+    if node is None:
+        return None
+    if not isinstance(node, DictConfig):
+        raise ValueError(f"cluster must be a node of num_replicas, router and router_options (+cluster=NAME), "
+                         f"got {node!r}")
+    spec = OmegaConf.to_container(node, resolve=True)
+    _check_keys("cluster", spec, ("num_replicas", "router", "router_options"))
+    num_replicas = spec.get("num_replicas", 1)
+    check_num_replicas(num_replicas)
+    try:
+        options = check_router_options(spec.get("router_options"))
+    except ValueError as exc:
+        raise ValueError(f"cluster.{exc}") from None
+    return num_replicas, spec.get("router", "round_robin"), options
+
+
+def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = None) -> Cluster:
+    """The replicas (one engine without a ``cluster`` node) and their router, each replica on
+    its own clock: ``clock`` for a single replica, else the config's ``clock``."""
+    spec = cluster_spec(cfg)
+    num_replicas, router, router_options = spec or (1, "round_robin", {})
+    if clock is not None and num_replicas > 1:
+        raise ValueError("a given clock drives one replica; each of several replicas needs its own")
+    check_num_replicas(num_replicas, config.executor)
+    router = ROUTERS.create_with(router, router_options)  # a bad router fails before any engine is built
+    engines = [LLMEngine(dataclasses.replace(config), clock=clock or make_clock(cfg.get("clock", "auto"), config.executor))
+               for _ in range(num_replicas)]
+    return Cluster(engines, router)
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends, then act as they would have: the summary of a
+    run whose serving has ended is computed from every record and written whole, however long
+    that takes for millions of requests. (Python runs signal handlers in the main thread, so only
+    there can they be held; masking the signals would not do, another thread would take them.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            handler = previous[pending[0]]
+            if callable(handler):
+                handler(pending[0], None)  # Python's Ctrl-C handler, or run.py's SIGTERM: KeyboardInterrupt
+            elif handler != signal.SIG_IGN:
+                signal.raise_signal(pending[0])
+
+
+@contextmanager
+def _repeats_dropped() -> Iterator[None]:
+    """One interrupt per run: the first SIGINT or SIGTERM acts as it would (a KeyboardInterrupt
+    that stops serving); those after it are dropped until the block ends (the run's summary is
+    written). In a parallel sweep a worker gets Ctrl-C twice, from the terminal and forwarded by
+    its parent (``framework.run``): the second must not cut short the stop the first started and
+    cost the run its metrics. A signal whose handler is no Python function is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken = False
+
+    def once(handler: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
+        def handle(signum: int, frame: Any) -> None:
+            nonlocal taken
+            if taken:
+                return
+            try:
+                handler(signum, frame)
+            except KeyboardInterrupt:
+                taken = True
+                raise
+        return handle
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, handler in previous.items():
+        if callable(handler):
+            signal.signal(s, once(handler))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            if callable(handler):
+                signal.signal(s, handler)
+
+
+def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
+                   run_name: str | None = None, group: str | None = None,
+                   on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
+    """Run the experiment ``cfg`` describes, writing its files to ``run_dir``; return the summary.
+
+    One engine, or with a ``cluster`` node several replicas behind a router (simulated only),
+    served by ``Cluster.run``: requests enter when their arrival time comes on the engines'
+    clocks (wall time for the model executor, simulated time for the sim executor), and
+    durations and throughputs are in that time. Configuration errors raise ValueError before
+    anything runs; a failure while serving raises anything but (a ValueError then comes as the
+    cause of a RuntimeError), after writing a ``failed`` summary. A KeyboardInterrupt while
+    requests run stops the run, keeps what was measured and returns a summary with ``status:
+    interrupted``; a SIGINT or SIGTERM after it is dropped until that summary is written.
+    ``run_name`` / ``group`` name the run and its sweep for loggers. ``clock`` overrides the
+    config's ``clock`` (one replica only); ``on_engine`` sees each engine once it is built (to add
+    step callbacks, e.g. one that advances a ``VirtualClock``).
+    """
+    check_run_options(cfg)
+    config = engine_config(cfg)
+    slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
+    workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+    run_logger = Guarded(create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {}))
+    cluster = build_cluster(cfg, config, clock)
+    engines = cluster.engines
+    identity = describe(cfg, cluster)
+    run_name = run_name or f"{config.policy}-{config.backend}"
+
+    # A simulated run is pure Python bookkeeping over millions of small objects: no collector.
+    with gc_paused(all(isinstance(e.clock, VirtualClock) for e in engines)):
+        return _run(cfg, cluster, workload, sampling, slo, run_logger, identity, Path(run_dir), run_name, group,
+                    on_engine)
+
+
+def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[str, Any], slo: SLO,
+         run_logger: Guarded, identity: dict[str, Any], run_dir: Path, run_name: str, group: str | None,
+         on_engine: Callable[[LLMEngine], None] | None) -> dict[str, Any]:
+    """``run_experiment`` once its parts are built: warm up, generate, serve, record."""
+    engines = cluster.engines
+    for engine in engines:
+        warm_up(engine, cfg.get("warmup", 1))
+    hits0 = [(e.allocator.stats.prefix_hit_tokens, e.allocator.stats.prefix_query_tokens) for e in engines]
+    if on_engine is not None:
+        for engine in engines:
+            on_engine(engine)
+    first = engines[0]
+    requests = workload.generate(WorkloadContext(first.model_config.vocab_size, first.tokenizer,
+                                                 first.config.max_model_len))
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    plots_wanted = cfg.get("plots", True)
+    # Not cfg.get("cluster"): DictConfig.get raises and catches for an absent key, and the caught
+    # exception's frames hold this one (with the run's records) until the next cycle collection.
+    recorder = RunRecorder(run_dir, replica_column="cluster" in resolved, keep_timeline=plots_wanted,
+                           step_listener=run_logger.log_step if run_logger.implements("log_step") else None)
+    recorder.write_config(resolved)
+    if cfg.get("save_workload", True):
+        recorder.write_workload(requests, sampling)
+    meta = {**identity, "run_dir": str(run_dir), "num_requests": len(requests)}
+    recorder.write_summary({"status": "running", "interrupted": False, **meta})
+    run_logger.start({**resolved, "engine_config": first.config.to_dict()}, run_dir, run_name, group)
+
+    records: list[RequestRecord] = []
+    replica_of: list[int] = []
+    progress = _progress_bar(len(requests), run_name, cfg.get("progress", True))
+    start = max(e.clock.now() for e in engines)
+    callbacks = []
+    for i, engine in enumerate(engines):
+        callbacks.append((engine, recorder.step_log(i, start)))
+        if progress is not None and len(engines) == 1:
+            callbacks.append((engine, QueuePostfix(progress)))
+    for engine, callback in callbacks:
+        engine.step_callbacks.append(callback)
+
+    # An engine on a real clock that runs out of work sleeps until the next arrival, with no step
+    # to flush the recorder: what it finished goes to the disk first, or a run killed in a long
+    # gap between arrivals would lose rows made long before.
+    waits = [not isinstance(e.clock, VirtualClock) for e in engines]
+
+    def on_output(replica: int, out: RequestOutput) -> None:
+        record = RequestRecord.from_output(out, start)
+        records.append(record)
+        replica_of.append(replica)
+        recorder.add_request(record, replica)
+        if waits[replica] and not engines[replica].has_unfinished_requests():
+            recorder.flush()
+        if progress is not None:
+            progress.update(1)
+
+    # From the first interrupt until the summary is written, a repeated one is the same one.
+    with _repeats_dropped():
+        wall_start = time.perf_counter()
+        try:
+            result = cluster.run(_handed_over(requests), sampling, on_output, start=start)
+        except Exception as exc:
+            recorder.close()
+            # The requests finished before the failure are measured (their rows are in requests.csv):
+            # the summary keeps their metrics, as an interrupted run's does.
+            try:
+                measured = summarize(records, max(e.clock.now() for e in engines) - start, slo, recorder.step_totals,
+                                     _hit_rate([e.allocator.stats for e in engines], hits0))
+            except Exception as summary_exc:  # the failure itself is what must be reported
+                log.warning("could not summarize the requests finished before the failure: %s", summary_exc)
+                measured = {}
+            failed = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "interrupted": False, **meta,
+                      **measured}
+            recorder.write_summary(failed)
+            run_logger.log_summary(failed)  # the logger's record says failed too, with what was measured
+            run_logger.finish(False)
+            if isinstance(exc, ValueError):  # a ValueError from here on is a failure, not a configuration error
+                raise RuntimeError(f"serving failed: {type(exc).__name__}: {exc}") from exc
+            raise
+        finally:
+            for engine, callback in callbacks:
+                engine.step_callbacks.remove(callback)
+            if progress is not None:
+                progress.close()
+        wall_time = time.perf_counter() - wall_start
+        with _interrupts_held():  # the run is measured: its summary is written before a Ctrl-C goes on
+            recorder.close()
+            summary = {"status": "interrupted" if result.interrupted else "completed",
+                       "interrupted": result.interrupted, **meta, "num_sent": result.num_sent,
+                       "num_unfinished": len(result.unfinished), "wall_time_s": wall_time,
+                       **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
+                                   _hit_rate([e.allocator.stats for e in engines], hits0))}
+            recorder.write_summary(summary)
+    # The logger gets the metrics before the plots are drawn (seconds for a big run), so a Ctrl-C
+    # there leaves them in the tracker as in summary.json.
+    run_logger.log_summary(summary)
+    try:
+        plots = _plots(records, recorder.timeline(), run_dir) if plots_wanted else {}
+        if run_logger.implements("log_requests"):
+            columns = recorder.request_columns
+            run_logger.log_requests(columns, [dict(zip(columns, recorder.request_values(r, i)))
+                                              for r, i in zip(records, replica_of)])
+        run_logger.log_plots(plots)
+    except BaseException as exc:
+        # The logger's run ends here too: left open, it would end unmarked, and the next job of a
+        # sweep in this process would log into it (wandb.init returns the run still active). A
+        # failure marks it failed, as summary.json is (framework/harness/run.py); a Ctrl-C (the plots
+        # stopped) leaves the summary that says how the run ended.
+        if isinstance(exc, Exception):
+            run_logger.log_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        run_logger.finish(result.interrupted)
+        raise
+    run_logger.finish(result.interrupted)
+    print(format_summary(summary, f"{run_name} ({identity['workload']}, rate={identity['rate']})"))
+    return summary
+
+
+class QueuePostfix:
+    """Shows the engine's queues on the progress bar every few steps. It takes decode runs
+    (``on_decode_run``, so the fast path stays on) without a word: they change only the running
+    count, which the next ordinary step shows."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+
+    def __call__(self, stats: StepStats, _: SchedulerOutput) -> None:
+        if stats.step % 8 == 0:
+            self.bar.set_postfix(running=stats.num_running, waiting=stats.num_waiting, kv=f"{stats.kv_usage:.0%}",
+                                 refresh=False)
+
+    def on_decode_run(self, run: Any) -> None:
+        pass
+
+
+def _handed_over(requests: list[WorkloadRequest]) -> Iterator[WorkloadRequest]:
+    """The requests in order, each dropped from the list as it is handed to the driver: its
+    prompt is freed once the engine is done with it (a big simulated workload holds tens of
+    millions of prompt tokens)."""
+    for i in range(len(requests)):
+        request, requests[i] = requests[i], None  # type: ignore[call-overload]
+        yield request
+
+
+def warm_up(engine: LLMEngine, num_requests: int) -> None:
+    """Run a few short requests first, so one-time costs (first kernel calls, allocations)
+    do not land on the measured requests; as ``vllm bench serve --num-warmups``."""
+    vocab, low = engine.model_config.vocab_size, WorkloadContext.first_token_id  # no special tokens
+    for i in range(num_requests):
+        prompt = [low + (7 * i + j) % (vocab - low) for j in range(32)]
+        engine.add_request(f"warmup-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _hit_rate(stats: list[AllocatorStats], since: list[tuple[int, int]]) -> float | None:
+    """Prefix-cache hit rate (hit tokens / looked-up tokens) of every replica since the warm-up."""
+    hits = sum(s.prefix_hit_tokens - h for s, (h, _) in zip(stats, since))
+    queries = sum(s.prefix_query_tokens - q for s, (_, q) in zip(stats, since))
+    return hits / queries if queries else None
+
+
+def _plots(records: list[RequestRecord], steps: dict[str, Any], run_dir: Path) -> dict[str, Path]:
+    from framework.harness import plots
+
+    out = {}
+    if any(r.completed for r in records):
+        out["latency_cdf"] = plots.latency_cdfs(records, run_dir / "latency_cdf.png")
+    if len(steps.get("time_s", ())):
+        out["timeline"] = plots.timeline(steps, run_dir / "timeline.png")
+    return out
+
+
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)

@@ -1,0 +1,94 @@
+"""Command-line overrides checked against ``conf/`` before Hydra sees them (it would fail with a traceback)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from framework.harness.plugin_configs import store_plugin_options
+
+
+#: conf/ by its absolute path: Hydra resolves a relative one against the calling module's package
+#: when run as a console script (``servelab-run``), and conf/ is not a package.
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+#: ``GROUP/NAME`` options of parts from installed packages (+policy=NAME for such a policy).
+PLUGIN_OPTIONS = store_plugin_options(CONF_DIR)
+
+
+def legacy_overrides(argv: list[str]) -> list[str]:
+    """``+executor=NAME`` (from before executor had a default) as ``executor=NAME``; Hydra would
+    refuse it as a second value for the group. One difference from then: an ``+experiment``
+    file's engine settings now win over the executor's whatever the order on the command line
+    (the executor is composed first, from the defaults list)."""
+    return [a[1:] if a.startswith("+executor=") else a for a in argv]
+
+
+def null_group_overrides(argv: list[str]) -> tuple[list[str], str | None]:
+    """``GROUP=null`` overrides, which Hydra fails on with a traceback from its own internals
+    ("Config group override must be a string or a list"). For a group whose default in
+    ``conf/config.yaml`` is null (``executor``) it means that default: the override is dropped,
+    with any earlier choice for the group (the last value given wins, as for any other). Any
+    other group of conf/ needs one of its options (or ``~GROUP`` to drop an optional one).
+    Returns the arguments to hand Hydra, and the error naming those options, or None."""
+    conf = Path(CONF_DIR)
+    defaults = (yaml.safe_load((conf / "config.yaml").read_text()) or {}).get("defaults") or []
+    null_defaults = {g for d in defaults if isinstance(d, dict) for g, v in d.items() if v is None}
+    out: list[str] = []
+    for arg in argv:
+        group, sep, value = arg.partition("=")
+        if not (sep and value == "null"):
+            out.append(arg)
+        elif group in null_defaults:
+            out = [a for a in out if a.partition("=")[0] != group]
+        # Hydra's own groups (hydra/launcher=...) have options outside conf/: left to Hydra.
+        elif "/" not in group and (conf / group.lstrip("+")).is_dir():
+            name = group.lstrip("+")
+            return out, f"{arg}: the config group '{name}' needs one of its options: {', '.join(group_options(name))}"
+        else:
+            out.append(arg)
+    return out, None
+
+
+def non_string_group_overrides(argv: list[str]) -> str | None:
+    """The error naming a conf/ group's options for an override that gives the group a value its
+    override grammar reads as no name (``backend=5``, ``logger=true``, ``workload=1.5``, a sweep
+    ``backend=5,naive``, a list ``backend=[naive,5]``), which Hydra fails on with a traceback from
+    its own internals ("Config group override must be a string or a list"); None when there is
+    none. Overrides Hydra cannot parse, and its own groups, are left to Hydra's own errors. Runs
+    after ``null_group_overrides``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    conf = Path(CONF_DIR)
+    parser = None
+    for arg in argv:
+        group = arg.partition("=")[0].lstrip("+~")
+        if "/" in group or not group or not (conf / group).is_dir():
+            continue
+        parser = parser or OverridesParser.create()
+        try:
+            override = parser.parse_override(arg)
+            if override.is_delete():
+                continue
+            value = override.value()
+            values = list(override.sweep_iterator()) if override.is_sweep_override() else (
+                value if isinstance(value, list) else [value])
+        except Exception:  # unparsable, or a sweep only Hydra expands (glob): Hydra's to report
+            continue
+        # A plain GROUP=null is gone (null_group_overrides), so a null here is one value of a sweep
+        # or a list (executor=null,sim), which a job cannot take as the group's default. A mapping
+        # merges into the group's node, as Hydra reports.
+        bad = [v for v in values if not isinstance(v, (str, dict))]
+        if bad:
+            return (f"{arg}: {json.dumps(bad[0])} is not an option of the config group '{group}'; "
+                    f"its options: {', '.join(group_options(group))}")
+    return None
+
+
+def group_options(group: str) -> list[str]:
+    """The options of conf/ group ``group``: its files', and those installed plugins add (an
+    installed plugin's option is one of the group's as much as a file's is)."""
+    return sorted({p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")}
+                  | {o.partition("/")[2] for o in PLUGIN_OPTIONS if o.partition("/")[0] == group})

@@ -1,0 +1,38 @@
+"""Arrival processes: all at once, Poisson at a rate, or gamma with a burstiness factor.
+
+As in ``vllm bench serve``: the gaps between requests are gamma distributed with shape
+``burstiness`` and mean ``1 / rate``. ``burstiness == 1`` is a Poisson process; smaller values
+are burstier (same mean rate, larger variance), larger values more regular.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from framework.common.config import is_finite_number
+
+
+def check_rate(rate: float | None, burstiness: float = 1.0, what: str = "rate") -> None:
+    # An infinite rate is all at once too; a bool is no rate.
+    if rate is not None and not (isinstance(rate, numbers.Real) and not isinstance(rate, bool) and rate > 0):
+        raise ValueError(f"{what} must be a positive number of requests per second, or null for all at once; got {rate!r}")
+    if not (is_finite_number(burstiness) and burstiness > 0):
+        raise ValueError(f"burstiness must be > 0 (1 = Poisson, < 1 burstier, > 1 more regular); got {burstiness!r}")
+
+
+def arrival_times(n: int, rate: float | None, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Arrival times (seconds, non-decreasing) of ``n`` requests; the first arrives after one gap.
+
+    ``rate`` None (or infinite) sends everything at t=0. The gaps are drawn at unit rate and
+    divided by ``rate``, so the same seed at another rate gives the same requests, only scaled
+    in time: a rate sweep changes nothing but the load.
+    """
+    if isinstance(rate, float) and math.isinf(rate):
+        rate = None
+    check_rate(rate, burstiness)
+    if rate is None:
+        return np.zeros(n)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / burstiness, size=n)
+    return np.cumsum(gaps) / rate

@@ -1,2 +1,0 @@
-"""Built-in run loggers (one file each); importing this package registers them."""
-from framework.loggers import none, wandb  # noqa: F401

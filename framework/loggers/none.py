@@ -1,9 +1,0 @@
-"""No logger: the run's local files only."""
-from __future__ import annotations
-
-from framework.run_logger import LOGGERS, RunLogger
-
-
-@LOGGERS.register("none")
-class NoLogger(RunLogger):
-    """Logs nothing beyond the local files every run writes."""

@@ -1,0 +1,4 @@
+"""Scheduling: the ``Scheduler`` mechanism, the ``SchedulerPolicy`` interface, ``SchedulerOutput``.
+
+May import: ``common``, ``kv``.
+"""

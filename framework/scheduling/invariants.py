@@ -1,0 +1,50 @@
+"""The scheduling invariants, checked after a step when ``scheduler.check_invariants`` is set."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from framework.common.request import RequestStatus
+
+if TYPE_CHECKING:
+    from framework.scheduling.output import SchedulerOutput
+    from framework.scheduling.scheduler import Scheduler
+
+
+def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    """Raise AssertionError if this step's output or the queues break a scheduling invariant:
+    budgets; every scheduled token has a slot in a block its request holds (and may write);
+    waiting requests hold no blocks, swapped ones exactly the swap blocks of their computed
+    tokens and no device blocks; the queues and the allocator's books agree."""
+    total = out.total_num_scheduled_tokens
+    assert total <= scheduler.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
+    assert len(scheduler.running) <= scheduler.max_num_seqs, f"{len(scheduler.running)} running > max_num_seqs"
+    assert len(out.scheduled) == len(out.num_scheduled_tokens), "a request is scheduled twice"
+    assert list(out.num_scheduled_tokens) == [r.request_id for r in out.scheduled], (
+        "num_scheduled_tokens does not list the scheduled requests in scheduled order")
+    running = {r.request_id for r in scheduler.running}
+    for req in out.scheduled:
+        n = out.num_scheduled_tokens[req.request_id]
+        assert req.status == RequestStatus.RUNNING, f"{req.request_id} scheduled while {req.status.name}"
+        assert req.request_id in running, f"{req.request_id} is scheduled but not in the running queue"
+        assert 0 < n <= req.num_tokens - req.num_computed_tokens, f"{req.request_id}: {n} tokens scheduled"
+        scheduler.allocator.check_slots(req, req.num_computed_tokens, req.num_computed_tokens + n)
+    moved_out = {r.request_id for r in out.swapped_out}
+    assert not moved_out & {r.request_id for r in out.swapped_in}, "a request was swapped out and in in one step"
+    assert not moved_out & set(out.num_scheduled_tokens), "a swapped-out request is scheduled"
+    for req in scheduler.waiting:
+        assert req.status == RequestStatus.WAITING, f"{req.request_id} in waiting while {req.status.name}"
+        assert not req.block_ids and not req.cpu_block_ids, f"{req.request_id} waits holding blocks"
+    for req in scheduler.swapped:
+        assert req.status == RequestStatus.SWAPPED, f"{req.request_id} in swapped while {req.status.name}"
+        assert not req.block_ids, f"{req.request_id} swapped with device blocks"
+        want = scheduler.allocator.blocks_needed(req.num_computed_tokens)
+        assert len(req.cpu_block_ids) == want > 0, (
+            f"{req.request_id}: {len(req.cpu_block_ids)} swap blocks for {req.num_computed_tokens} computed tokens")
+    for req in scheduler.running:
+        assert req.status == RequestStatus.RUNNING, f"{req.request_id} in running while {req.status.name}"
+        assert not req.cpu_block_ids, f"{req.request_id} runs while holding swap blocks"
+        assert len(req.block_ids) >= scheduler.allocator.blocks_needed(req.num_computed_tokens), (
+            f"{req.request_id}: {len(req.block_ids)} blocks cannot hold its {req.num_computed_tokens} computed tokens")
+    live = len(scheduler.waiting) + len(scheduler.running) + len(scheduler.swapped)
+    assert live == len(scheduler.requests), f"{live} queued requests but {len(scheduler.requests)} unfinished"
+    scheduler.allocator.check_invariants(scheduler.requests.values())

@@ -1,0 +1,26 @@
+import time
+
+from framework.common.clock import CPUClock, VirtualClock
+
+
+def test_cpu_clock_counts_this_process_and_jumps_over_waits():
+    clock = CPUClock()
+    t0 = clock.now()
+    time.sleep(0.05)  # sleeping costs no CPU time
+    assert clock.now() - t0 < 0.02
+    clock.wait_until(t0 + 10.0)  # waiting jumps instead of sleeping
+    assert 10.0 <= clock.now() - t0 < 10.5
+    start = clock.now()
+    x = 0
+    while clock.now() - start < 0.01:  # busy work does count
+        x += 1
+    assert clock.now() >= start + 0.01
+
+
+def test_virtual_clock_moves_only_when_told():
+    clock = VirtualClock()
+    clock.advance(1.5)
+    clock.wait_until(1.0)
+    assert clock.now() == 1.5
+    clock.wait_until(4.0)
+    assert clock.now() == 4.0

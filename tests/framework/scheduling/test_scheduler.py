@@ -1,0 +1,298 @@
+"""The scheduler's mechanism, driven by hand: preemption by swap and recompute, swap-in, the
+same-step rules that keep swap copies correct, and the invariant checks catching broken books."""
+from types import SimpleNamespace
+
+import pytest
+
+from framework.kv.allocators.paged import PagedBlockAllocator
+from framework.common.clock import VirtualClock
+from framework.common.config import EngineConfig
+from framework.common.request import Request, RequestStatus
+from framework.common.sampling_params import SamplingParams
+from framework.scheduling.policy import RECOMPUTE, SWAP, SchedulerPolicy
+from framework.scheduling.scheduler import Scheduler
+
+
+class Manual(SchedulerPolicy):
+    """Runs whatever the test hands it this step; records the victim candidates it was offered."""
+
+    def __init__(self, preemption_mode=SWAP):
+        super().__init__(preemption_mode)
+        self.plan = lambda scheduler, step: None
+        self.offered = []
+
+    def select_victim(self, candidates, requester):
+        self.offered.append([r.request_id for r in candidates])
+        return super().select_victim(candidates, requester)
+
+    def schedule(self, scheduler, step):
+        self.plan(scheduler, step)
+
+
+def make(num_blocks=9, num_cpu_blocks=8, max_num_seqs=4, budget=32):
+    config = EngineConfig(block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=32,
+                          check_invariants=True)
+    return Scheduler(config, Manual(), PagedBlockAllocator(num_blocks, 4, num_cpu_blocks), VirtualClock())
+
+
+def add(s, rid, n):
+    r = Request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=20, ignore_eos=True), arrival_time=len(s.requests))
+    s.add_request(r)
+    return r
+
+
+def step(s, plan):
+    """One scheduler step running ``plan``, then every scheduled request computes its tokens."""
+    s.policy.plan = plan
+    out = s.schedule()
+    sampled = {r.request_id: 7 for r in out.scheduled
+               if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def admit(*reqs):
+    def plan(s, st):
+        for r in reqs:
+            assert s.schedule_request(st, r, r.num_tokens - r.num_computed_tokens)
+    return plan
+
+
+def test_swap_out_and_back_in_keeps_progress():
+    s = make()
+    a, b = add(s, "a", 10), add(s, "b", 6)
+    step(s, admit(a, b))
+    out = step(s, lambda s_, st: s_.preempt(st, b))
+    assert b.status == RequestStatus.SWAPPED and b.block_ids == [] and len(b.cpu_block_ids) == 2
+    assert out.swapped_out == [b] and len(out.blocks_to_swap_out) == 2 and "b" in out.finished_req_ids
+    assert s.num_swap_outs == 1 and b.num_computed_tokens == 6
+
+    def back(s_, st):
+        assert s_.swap_in(st, b)
+        s_.schedule_request(st, b, 1)
+    out = step(s, back)
+    assert b.status == RequestStatus.RUNNING and b.cpu_block_ids == [] and b.num_computed_tokens == 7
+    assert out.resumed_requests == [b] and [d for _, d in out.blocks_to_swap_in] == b.block_ids
+    assert s.allocator.num_free_cpu_blocks == 8
+
+
+def test_swap_in_with_tokens_needs_room_for_them_too():
+    # Four usable blocks. b (9 tokens, 8 computed: 2 blocks) is swapped out; its next token needs
+    # a third block, and a holds three of the four.
+    s = make(num_blocks=5)
+    a, b = add(s, "a", 8), add(s, "b", 8)
+    step(s, admit(a, b))
+    step(s, lambda s_, st: s_.preempt(st, b))
+    assert s.allocator.allocate_slots(a, 1) and len(a.block_ids) == 3
+
+    def refused(s_, st):
+        assert not s_.swap_in(st, b, 1)
+    out = step(s, refused)
+    assert b.status == RequestStatus.SWAPPED and not out.blocks_to_swap_in and not out.scheduled
+    s.abort_request("a")
+    out = step(s, lambda s_, st: s_.swap_in(st, b, 1))
+    assert out.swapped_in == [b] and out.num_scheduled_tokens == {"b": 1} and len(b.block_ids) == 3
+
+
+def test_swap_falls_back_to_recompute_when_the_swap_space_is_full():
+    s = make(num_cpu_blocks=2)
+    a = add(s, "a", 10)  # three blocks: more than the swap space
+    step(s, admit(a))
+    modes = []
+    out = step(s, lambda s_, st: modes.append(s_.preempt(st, a)))
+    assert modes == [RECOMPUTE] and out.preempted == [a] and not out.blocks_to_swap_out
+    assert a.status == RequestStatus.WAITING and a.num_computed_tokens == 0 and a.block_ids == []
+    assert s.num_preemptions == 1 and s.num_swap_outs == 0
+
+
+class SwapTypo(Manual):
+    def preemption_mode_for(self, victim):
+        return "Swap"
+
+
+@pytest.mark.parametrize("policy, mode", [(SwapTypo(), None), (Manual(), "swapped")])
+def test_an_unknown_preemption_mode_is_refused_not_taken_for_recompute(policy, mode):
+    """From preemption_mode_for or preempt's mode: it silently recomputed."""
+    s = make()
+    s.policy = policy
+    a = add(s, "a", 6)
+    step(s, admit(a))
+    with pytest.raises(ValueError, match="a: preemption mode must be 'recompute' or 'swap', got '(Swap|swapped)'"):
+        step(s, lambda s_, st: s_.preempt(st, a, mode))
+    assert a.status == RequestStatus.RUNNING and s.running == [a] and s.num_preemptions == 0  # nothing changed
+
+
+def test_no_request_is_swapped_out_and_in_within_one_step():
+    s = make()
+    a = add(s, "a", 6)
+    step(s, admit(a))
+
+    def out_then_in(s_, st):
+        s_.preempt(st, a)
+        s_.swap_in(st, a)
+    with pytest.raises(ValueError, match="swapped out during this step"):
+        step(s, out_then_in)
+
+
+def test_a_request_swapped_in_this_step_is_neither_preemptable_nor_offered_as_a_victim():
+    # Three usable blocks: a (2) is swapped out and back in while b (1 full block) needs a second;
+    # a must not be offered as b's victim, so b preempts itself.
+    s = make(num_blocks=4)
+    a, b = add(s, "a", 6), add(s, "b", 4)
+    step(s, admit(a, b))
+    step(s, lambda s_, st: s_.preempt(st, a))
+
+    def plan(s_, st):
+        assert s_.swap_in(st, a)
+        with pytest.raises(ValueError, match="swapped in during this step"):
+            s_.preempt(st, a)
+        assert not s_.schedule_or_preempt(st, b, 1)  # needs a 3rd block; only a could give one
+    out = step(s, plan)
+    assert s.policy.offered == [[]] and out.swapped_out == [b]
+
+
+def test_schedule_or_preempt_admits_a_waiting_request_with_its_prefix():
+    s = make(num_blocks=7, max_num_seqs=2)
+    a = add(s, "a", 12)
+    step(s, admit(a))
+    c = add(s, "c", 9)
+    d = Request("d", a.prompt_token_ids[:8] + [99, 98], SamplingParams(max_tokens=5), arrival_time=9)
+    s.add_request(d)
+    step(s, admit(c))  # 6 blocks held, none free; max_num_seqs reached too
+
+    def plan(s_, st):
+        hit = s_.find_prefix(d)
+        assert hit.num_tokens == 8
+        assert s_.schedule_or_preempt(st, d, 2, hit)
+    out = step(s, plan)
+    assert out.swapped_out == [c] and d.num_cached_tokens == 8 and d.block_ids[:2] == a.block_ids[:2]
+
+
+# -- the invariant checks catch broken books -----------------------------------------------------
+def scheduled_state():
+    s = make()
+    a, b = add(s, "a", 10), add(s, "b", 6)
+    step(s, admit(a, b))
+    return s, a, b
+
+
+def check_after(s, plan):
+    s.policy.plan = plan
+    return s.schedule()
+
+
+def test_invariants_catch_a_token_without_a_block():
+    s, a, _ = scheduled_state()
+
+    def plan(s_, st):
+        s_.schedule_request(st, a, 1)
+        a.block_ids.pop()  # a's next token (position 10) lives in its third block
+    with pytest.raises(AssertionError, match="cannot hold tokens up to position 11"):
+        check_after(s, plan)
+
+
+def test_invariants_catch_a_write_into_a_block_another_request_holds():
+    s, a, b = scheduled_state()
+
+    def plan(s_, st):
+        s_.schedule_request(st, b, 1)
+        # Then b's second block (where position 6 goes) is swapped for a's partially filled third.
+        alloc = s_.allocator
+        alloc._release_all(SimpleNamespace(block_ids=[b.block_ids[1]]))  # b lets go of that one block
+        b.block_ids[1] = a.block_ids[2]
+        alloc._blocks[a.block_ids[2]].ref_count += 1
+    with pytest.raises(AssertionError, match="shared by 2 requests"):
+        check_after(s, plan)
+
+
+def test_invariants_catch_swap_space_accounting_errors():
+    s, _, b = scheduled_state()
+    step(s, lambda s_, st: s_.preempt(st, b))
+    lost = b.cpu_block_ids.pop()
+    with pytest.raises(AssertionError, match="1 swap blocks for 6 computed tokens"):
+        check_after(s, lambda s_, st: None)
+    b.cpu_block_ids.append(lost)
+    s.allocator._cpu_free.append(lost)  # now it is both held and free
+    with pytest.raises(AssertionError, match="held swap block is also free"):
+        check_after(s, lambda s_, st: None)
+
+
+def test_invariants_catch_a_swapped_request_holding_device_blocks():
+    s, a, b = scheduled_state()
+    step(s, lambda s_, st: s_.preempt(st, b))
+    b.block_ids = [a.block_ids[0]]
+    with pytest.raises(AssertionError, match="swapped with device blocks"):
+        check_after(s, lambda s_, st: None)
+
+
+def test_invariants_catch_budget_and_sequence_overruns():
+    s, a, b = scheduled_state()
+
+    def plan(s_, st):
+        s_.schedule_request(st, a, 1)
+        s_.schedule_request(st, b, 1)
+        s_.max_num_batched_tokens = 1
+    with pytest.raises(AssertionError, match="2 tokens > max_num_batched_tokens"):
+        check_after(s, plan)
+    s.max_num_batched_tokens, s.max_num_seqs = 32, 1
+    with pytest.raises(AssertionError, match="2 running > max_num_seqs"):
+        check_after(s, lambda s_, st: None)
+
+
+
+def test_the_policy_is_told_of_every_request_that_enters_the_waiting_queue():
+    # priority_swap keeps its own heap of the waiting requests from these calls: one missed path
+    # (arrival, recompute preemption, a forked sample waiting for a seat) would strand a request.
+    from framework.engine.llm_engine import LLMEngine
+    from policies.chunked import ChunkedPolicy
+
+    told, kinds = [], []
+
+    class Recording(ChunkedPolicy):
+        def on_waiting(self, request):
+            assert request.status == RequestStatus.WAITING and request in engine.scheduler.waiting
+            told.append(request)
+            kinds.append("recompute" if request.num_preemptions else "fork" if request.num_output_tokens else "arrival")
+
+    engine = LLMEngine(EngineConfig(model="llama-3-8b", executor="sim", preparer="v0", policy="chunked",
+                                    max_model_len=128, num_gpu_blocks_override=16, max_num_seqs=3,
+                                    max_num_batched_tokens=64, executor_options={"fast_forward": False}))
+    engine.policy = engine.scheduler.policy = Recording()
+    for i in range(6):
+        engine.add_request(str(i), list(range(10 + i, 70 + i)), SamplingParams(n=2, max_tokens=40, ignore_eos=True))
+    seen, not_waiting = 0, set()
+
+    def check(stats, out):
+        # A request waiting now that was not waiting after the last step was told of in this one.
+        nonlocal seen, not_waiting
+        assert all(r in told[seen:] for r in engine.scheduler.waiting if r in not_waiting)
+        seen = len(told)
+        not_waiting = {r for r in engine.scheduler.requests.values() if r.status != RequestStatus.WAITING}
+
+    engine.step_callbacks.append(check)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert kinds.count("arrival") == 6 and "recompute" in kinds and "fork" in kinds, kinds
+
+
+@pytest.mark.parametrize("policy", ["chunked", "sjf"])
+def test_requests_of_a_failed_step_wait_in_the_order_they_ran(policy):
+    # A failed step sends its requests back to the front of the waiting queue to be recomputed;
+    # they went there reversed, so the newest was re-admitted first.
+    from framework.engine.llm_engine import LLMEngine
+    from framework.scheduling.policy import POLICIES
+
+    config = EngineConfig(model="llama-3-8b", executor="sim", policy=policy, block_size=4, max_model_len=32,
+                          max_num_seqs=3, max_num_batched_tokens=32, check_invariants=True,
+                          executor_options={"fast_forward": False})
+    engine = LLMEngine(config)
+    assert isinstance(engine.policy, POLICIES.get(policy))
+    s = engine.scheduler
+    for i in range(5):  # equal prompts and arrival times: only the queue's order tells them apart
+        engine.add_request(str(i), [3] * 6, SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0)
+    out = s.schedule()
+    assert [r.request_id for r in out.scheduled] == ["0", "1", "2"]
+    s.step_failed(out)
+    assert [r.request_id for r in s.waiting] == ["0", "1", "2", "3", "4"]
+    admitted = [r.request_id for r in s.schedule().scheduled]
+    assert admitted == ["0", "1", "2"]
