@@ -1,9 +1,8 @@
 """flash-attn 2 over the paged cache: ``flash_attn_with_kvcache`` for decode-only steps,
 ``flash_attn_varlen_func`` (with ``block_table``) for every other mix, one call per layer.
 
-flash-attn 2 reads a paged cache only when a block holds a multiple of 256 tokens, runs only
-on CUDA and only in float16/bfloat16: the constructor checks all of that up front and names
-everything that is missing. ``flash_attn`` is imported there, never when this module loads.
+It runs only on CUDA, in float16/bfloat16, with blocks of a multiple of 256 tokens; the constructor
+names whatever is missing and is the only place that imports ``flash_attn``.
 """
 from __future__ import annotations
 

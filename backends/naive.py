@@ -1,7 +1,6 @@
 """Reference attention: per request, gather its K/V through the block table and run SDPA.
 
-Slow by design (a Python loop over requests), obviously right, and what the paged backends are
-checked against.
+Slow (a Python loop over requests) and simple: the paged backends are checked against it.
 """
 from __future__ import annotations
 

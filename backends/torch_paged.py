@@ -1,19 +1,9 @@
 """Paged attention in plain torch, vectorised over the batch through the block table.
 
-``build_metadata`` plans each step once, on the host. Decodes (one new token) form one group;
-the other requests (full prefills, chunked prefills, prefix-cache hits) are sorted by length
-and cut into groups where padding a group would cost more than running it apart.
-For every group it precomputes the flat token rows, the cache blocks to gather (block-table
-rows, null-block padded, flattened) and an additive mask. Every layer then stores the new K/V
-and, per group, gathers K and V from the cache with one ``index_select`` each and runs one SDPA
-call. K/V heads are never repeated for GQA: decodes put a group's query heads in as query rows
-of their K/V head, the other groups use SDPA's ``enable_gqa``.
-A layer never loops over requests: all decodes are one call whatever their number, the other
-requests as many calls as the planner's groups.
-
-Gathering whole blocks reads the slots past each request's end (and null-block padding); the
-mask gives them zero weight, which keeps them out of the output as long as they hold finite
-values, as they do in the engine's zero-initialised cache.
+``build_metadata`` plans each step on the host: decodes form one group, the other requests are cut
+into padded groups by length (``prefill_groups``), each with its token rows, blocks to gather and
+additive mask; every layer then runs one gather and one SDPA call per group. The mask gives slots past
+a request's end zero weight, which needs them finite (the engine zero-initialises the cache).
 """
 from __future__ import annotations
 
@@ -58,18 +48,15 @@ class TorchPagedMetadata:
     groups: list[PagedGroup]
 
 
-#: The fixed cost of one more SDPA group (its gather, mask and calls), in (query, key) pairs of
-#: attention work. Measured on a 2-core CPU with the tiny presets' heads (prefill-heavy batch of
-#: 64 requests): 4096 to 16384 are equally fast, 65536 is 1.4x and one group 2.2x slower. On a
-#: GPU launches cost more than about a million pairs (an estimate, not measured here).
+#: The fixed cost of one more SDPA group, in (query, key) pairs of attention work: on a 2-core CPU
+#: (tiny presets, 64 requests) 4096 to 16384 measured equally fast; the GPU's is an estimate.
 GROUP_COST_PAIRS = {"cpu": 16384, "cuda": 1 << 20}
 
 
 def prefill_groups(q_lens: np.ndarray, seq_lens: np.ndarray, group_cost: int) -> list[np.ndarray]:
-    """Indices (into the arrays given) of the non-decode requests, cut into groups that each run
-    as one padded SDPA call. Requests are sorted by length, and the cut points minimise the
-    padded work (requests x longest query x longest sequence per group) plus ``group_cost`` per
-    group: one exact dynamic programme over the sorted order, O(n^2) numpy work per step."""
+    """Indices (into the arrays given) of the non-decode requests, sorted by length and cut into groups
+    that each run as one padded SDPA call, minimising the padded work (requests x longest query x longest
+    sequence per group) plus ``group_cost`` per group (an exact O(n^2) dynamic programme)."""
     order = np.lexsort((-q_lens, -seq_lens))
     q, n = q_lens[order], seq_lens[order]
     m = len(order)
@@ -165,10 +152,8 @@ class TorchPagedBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, g: PagedGroup, out: torch.Tensor) -> None:
         n, q_len, length = g.num_reqs, g.q_len, g.num_blocks * self.block_size
-        # kv_cache[0] and [1] are each contiguous (kv_cache itself is a strided layer slice, which
-        # index_select would first copy whole): one gather of n * num_blocks blocks each, into a
-        # buffer kept across layers and steps (a fresh multi-megabyte tensor per layer costs
-        # more in page faults on a CPU than the copy itself).
+        # Gather from kv_cache[0] and [1], each contiguous (index_select would copy the strided layer
+        # slice whole), into a buffer kept across layers: a fresh one costs more in CPU page faults.
         gathered = self._buffer((2, n * g.num_blocks, *kv_cache.shape[2:]), kv_cache)
         torch.index_select(kv_cache[0], 0, g.block_ids, out=gathered[0])
         torch.index_select(kv_cache[1], 0, g.block_ids, out=gathered[1])

@@ -1,11 +1,9 @@
-"""Triton kernels of the ``triton`` attention backend: a K/V store through ``slot_mapping`` and
-one paged-attention kernel over a mixed flat batch.
+"""Triton kernels of the ``triton`` attention backend: a K/V store through ``slot_mapping`` and one
+paged-attention kernel over a mixed flat batch.
 
-Imported only when a ``TritonBackend`` is constructed (``backends/triton_paged.py`` decides
-first whether Triton must run through its CPU interpreter, which it reads when the kernels
-below are decorated). Both kernels accept any power-of-two block size and any head size up to
-256 (padded to a power of two with masks); K/V tiles are gathered position by position through
-the block table, so a tile may span several cache blocks.
+Imported only by ``TritonBackend`` (``backends/triton_paged.py`` first decides on the CPU interpreter,
+which Triton reads when the kernels are decorated). Any power-of-two block size and head sizes up to
+256; K/V tiles are gathered position by position through the block table, so a tile may span blocks.
 """
 from __future__ import annotations
 
@@ -24,11 +22,9 @@ INTERPRETED: bool = (bool(triton.knobs.runtime.interpret) if hasattr(triton, "kn
                      else os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-# The kernels call no jitted helper of triton.language (tl.max, tl.sum, tl.cdiv, tl.zeros...):
-# under the interpreter every such call re-patches triton.language (about a millisecond), and
-# if triton was imported before TRITON_INTERPRET was set, those helpers were decorated for
-# compilation and cannot be called from an interpreted kernel at all. Reducing with their
-# combine functions directly is the same operation.
+# The kernels call no jitted helper of triton.language (tl.max, tl.sum, ...): under the interpreter
+# each call costs about a millisecond, and helpers decorated before TRITON_INTERPRET was set cannot be
+# called from an interpreted kernel at all. Reducing with their combine functions is the same operation.
 _max_combine = getattr(tl.standard, "_elementwise_max", None)
 _sum_combine = getattr(tl.standard, "_sum_combine", None)
 if _max_combine is None or _sum_combine is None:  # pragma: no cover - other Triton versions
@@ -79,24 +75,16 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Program (query tile, kv-head tile) attends up to BLOCK_Q consecutive query tokens of one
-    request, for the query heads of KV_HEADS consecutive K/V heads, to that request's cached
-    keys, BLOCK_N positions at a time, with an online softmax.
+    """Program (query tile, kv-head tile) attends up to BLOCK_Q consecutive query tokens of one request,
+    for the query heads of KV_HEADS consecutive K/V heads, to that request's keys up to each token's own
+    position, BLOCK_N at a time, with an online softmax. Tiles are ``LaunchPlan.tiles`` (a decode is one
+    tile, a prefill one per BLOCK_Q tokens).
 
-    The host lists the tiles (a decode is one tile, a prefill one per BLOCK_Q tokens): request
-    (for its block-table row), first token row, number of tokens, position of the first token
-    (``seq_len - q_len + j`` for token j of the request) and the end of the keys it may see.
-    Each token sees the keys up to its own position: one rule for decodes, full and chunked
-    prefills and prefix-cache hits.
-
-    Rows of a tile are (kv head, token, query head of the group), columns (kv head, key
-    position); with KV_HEADS > 1 a row only sees its own head's columns (one 2-D dot covers all
-    heads, which suits the interpreter). With KV_HEADS == 1 (GPUs) the query heads of a group
-    share each K/V load. The ``if``s on constexprs drop masks that cannot be false.
-
-    With NUM_SPLITS > 1 (flash-decoding, for few long requests on a GPU) program axis 2 takes
-    one of NUM_SPLITS equal ranges of the keys and writes its normalised partial output to
-    ``out[split]`` and its log2-sum-exp to ``lse[split]``; ``_combine_splits_kernel`` merges them.
+    Tile rows are (kv head, token, query head of the group), columns (kv head, key position); with
+    KV_HEADS > 1 a row sees only its own head's columns (one 2-D dot for all heads suits the
+    interpreter). With NUM_SPLITS > 1 (flash-decoding) program axis 2 takes one of NUM_SPLITS equal key
+    ranges and writes its normalised partial output to ``out[split]`` and its log2-sum-exp to
+    ``lse[split]``, merged by ``_combine_splits_kernel``.
     """
     ROWS: tl.constexpr = KV_HEADS * BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -288,14 +276,9 @@ _TILE_S, _ITER_S, _SCORE_S, _KV_S = 2.2e-3, 1.5e-3, 20e-9, 30e-9
 
 def tile_sizes(group_pad: int, kv_heads: int, head_dim: int, q_lens: np.ndarray,
                seq_lens: np.ndarray) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N) for one step.
-
-    On a GPU tiles are sized for registers: at least 16 rows for ``tl.dot``, fewer rows and
-    keys per tile for large heads. Under the interpreter an operation costs tens of
-    microseconds whatever its size, but large tiles cost per element too, and the decodes of a
-    mixed batch pay for query rows sized for its prefills: every power-of-two candidate is
-    costed for the step's actual lengths and the cheapest whose score tile Triton accepts
-    (``tl.TRITON_MAX_TENSOR_NUMEL`` elements) taken."""
+    """(BLOCK_Q, BLOCK_N) for one step: on a GPU sized for registers (at least 16 rows for ``tl.dot``);
+    under the interpreter the cheapest power-of-two pair for the step's lengths by the measured costs
+    ``_TILE_S`` etc., among those whose score tile Triton accepts (``tl.TRITON_MAX_TENSOR_NUMEL``)."""
     max_q, max_seq = int(q_lens.max()), int(seq_lens.max())
     if not INTERPRETED:
         rows = 64 if head_dim <= 128 else 32

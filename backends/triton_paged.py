@@ -1,9 +1,8 @@
 """Paged attention in Triton: one store-K/V launch and one attention launch per layer, for any
 mix of decodes, full prefills, chunked prefills and prefix-cache hits (``triton_kernels.py``).
 
-Without a CUDA device the kernels run through Triton's CPU interpreter: the backend sets
-``TRITON_INTERPRET=1`` itself (once, with a notice on stderr) before the kernels are
-decorated. That is slow but exact, and it is how tests check the kernels on CPU machines.
+Without a CUDA device the kernels run through Triton's CPU interpreter (slow but exact): the backend
+sets ``TRITON_INTERPRET=1`` itself, with a notice on stderr, before the kernels are decorated.
 """
 from __future__ import annotations
 
@@ -49,10 +48,9 @@ def load_kernels(device: torch.device) -> ModuleType:
 
 
 def _interpreter_requested() -> bool:
-    """Whether ``TRITON_INTERPRET`` already turns the interpreter on, read as Triton reads it
-    (3.3 and later take 1/true/on/yes in any case and anything else as off, earlier versions
-    only "1"), so that any value Triton reads as off (0, false, off, ...) is switched on here.
-    False without triton: importing the kernels then reports it."""
+    """Whether ``TRITON_INTERPRET`` already turns the interpreter on, read as the installed Triton reads
+    it (3.3 and later: 1/true/on/yes in any case; earlier: only "1"). False without triton: importing
+    the kernels then reports it."""
     try:
         import triton
     except ImportError:
@@ -63,10 +61,8 @@ def _interpreter_requested() -> bool:
 
 
 def _single_threaded_numpy_blas() -> None:
-    """The interpreter runs every ``tl.dot`` as a small numpy matmul. OpenBLAS hands each one to
-    its thread pool, and on a busy CPU waking the pool costs far more than the product: a
-    64x32 by 32x512 product took 30 ms with two threads and 0.02 ms with one. torch's own
-    threads are not affected."""
+    """Limit OpenBLAS (not torch) to one thread: the interpreter runs every ``tl.dot`` as a small numpy
+    matmul, and waking the thread pool costs far more than such a product (30 ms against 0.02 ms)."""
     from threadpoolctl import ThreadpoolController
 
     ThreadpoolController().select(internal_api="openblas").limit(limits=1)

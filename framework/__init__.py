@@ -1,17 +1,15 @@
-"""A research framework for LLM serving.
+"""servelab's public API: the engine, its config and outputs, and each pluggable interface with its registry.
 
-Four pluggable parts, each an abstract class with a registry: ``SchedulerPolicy`` (POLICIES),
-``BlockAllocator`` (ALLOCATORS), ``AttentionBackend`` (BACKENDS) and ``InputPreparer``
-(PREPARERS); plus ``Executor`` (EXECUTORS) for real or simulated execution, and for simulated
-runs ``CostModel`` (COST_MODELS) and, across replicas of a ``Cluster``, ``Router`` (ROUTERS).
-Experiments draw requests from a ``Workload`` (WORKLOADS) and log through a ``RunLogger`` (LOGGERS).
+Registries: POLICIES (``SchedulerPolicy``), ALLOCATORS (``BlockAllocator``), BACKENDS (``AttentionBackend``),
+PREPARERS (``InputPreparer``), EXECUTORS (``Executor``), COST_MODELS (``CostModel``), ROUTERS (``Router``),
+WORKLOADS (``Workload``), LOGGERS (``RunLogger``).
 """
 import os as _os
 import sys as _sys
 import warnings as _warnings
 
-# Spinning OpenMP workers make small-thread-count torch runs many times slower on shared CPUs.
-# libgomp reads this when torch loads, so it only helps if set before torch is imported.
+# Spinning OpenMP workers make small-thread-count torch runs many times slower on shared CPUs;
+# libgomp reads this when torch loads, so it must be set before torch is imported.
 if "OMP_WAIT_POLICY" not in _os.environ:
     if "torch" in _sys.modules:
         _warnings.warn("torch was imported before framework: set OMP_WAIT_POLICY=PASSIVE yourself "
@@ -27,8 +25,8 @@ from framework.common.outputs import CompletionOutput, RequestMetrics, RequestOu
 from framework.common.registry import Registry, UnavailableError, UnknownNameError  # noqa: E402
 from framework.common.request import Request, RequestStatus  # noqa: E402
 from framework.common.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from framework.scheduling.output import SchedulerOutput
-from framework.scheduling.policy import POLICIES, SchedulerPolicy
+from framework.scheduling.output import SchedulerOutput  # noqa: E402
+from framework.scheduling.policy import POLICIES, SchedulerPolicy  # noqa: E402
 from framework.scheduling.scheduler import Scheduler  # noqa: E402
 from framework.sim.cost_model import COST_MODELS, BatchShape, CostModel  # noqa: E402
 from framework.sim.router import ROUTERS, Router  # noqa: E402
@@ -36,8 +34,8 @@ from framework.harness.cluster import Cluster  # noqa: E402
 from framework.harness.workload import WORKLOADS, Workload  # noqa: E402
 from framework.harness.run_logger import LOGGERS, RunLogger  # noqa: E402
 
-# The attention and input-preparation interfaces are tensor code: they load torch (about 2 s and
-# 250 MB) on first use, so that simulated runs, which never touch a tensor, never pay for it.
+# The attention and input-preparation interfaces load torch (about 2 s and 250 MB): imported on
+# first use, so that simulated runs, which never touch a tensor, never pay for it.
 _TORCH_EXPORTS = {
     "BACKENDS": "framework.execution.attention", "AttentionBackend": "framework.execution.attention",
     "AttentionMetadata": "framework.execution.attention", "PREPARERS": "framework.execution.input_preparer",

@@ -71,7 +71,7 @@ class ModelConfig:
             raise ValueError(f"model config: num_attention_heads={heads} must be a multiple of "
                              f"num_key_value_heads={kv_heads} (each KV head serves a group of query heads)")
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        if head_dim % 2:  # as transformers, which refuses such a config; it used to fail mid-forward
+        if head_dim % 2:  # refused as transformers does, rather than failing mid-forward
             raise ValueError(f"model config: head_dim={head_dim} must be even (rotary embeddings turn pairs of "
                              f"dimensions); give an even head_dim or hidden_size / num_attention_heads")
         rope = dict(d.get("rope_parameters") or {})
@@ -80,7 +80,7 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             scaling.setdefault("rope_type", scaling.pop("type", "default"))
-            # Checked here, as transformers does: it used to be a KeyError when the model was built.
+            # Checked here, as transformers does, rather than as a KeyError when the model is built.
             lacking = [k for k in ROPE_REQUIRED_KEYS.get(scaling["rope_type"], ()) if k not in scaling]
             if lacking:
                 raise ValueError(f"model config: rope_type {scaling['rope_type']!r} scaling lacks "
@@ -156,13 +156,9 @@ class ModelConfig:
         return self.attention_bias and self.model_type != "qwen2"
 
     def max_context(self) -> tuple[int, str]:
-        """The longest sequence this model serves, and what sets it, as vLLM derives it: the
-        trained length (``max_position_embeddings``), stretched by linear RoPE scaling's factor,
-        or for YaRN ``original_max_position_embeddings`` times its factor (both scale the
-        frequencies alike at every position, as transformers computes them). llama3 scaling's
-        ``max_position_embeddings`` already counts its extension; dynamic NTK stays at the
-        trained length, inside which it is the default RoPE (models/rope.py computes no more).
-        Sliding-window attention is not implemented, so a window shorter than that caps it."""
+        """(The longest sequence this model serves, what sets it), as vLLM derives it: ``max_position_embeddings``
+        (also under llama3 and dynamic NTK) times linear RoPE's factor, or YaRN's factor times
+        ``original_max_position_embeddings``; capped by a shorter sliding window (not implemented here)."""
         limit, why = self.max_position_embeddings, "max_position_embeddings"
         rope_type = (self.rope_scaling or {}).get("rope_type")
         if rope_type == "linear":
@@ -180,10 +176,9 @@ class ModelConfig:
         return self.num_params_per_device(1)
 
     def num_params_per_device(self, tensor_parallel_size: int = 1) -> int:
-        """Parameters one device of a tensor-parallel group holds, split as vLLM splits them:
-        query heads, the MLP's intermediate width and the vocabulary are divided; KV heads are
-        divided, or replicated when there are fewer than devices; norms and the biases of the
-        row-parallel projections (o, down) are whole on every device."""
+        """Parameters one device of a tensor-parallel group holds, split as vLLM splits them: query heads,
+        the MLP's width and the vocabulary divided, KV heads divided or (when fewer than devices) replicated,
+        norms and the row-parallel projections' (o, down) biases whole on every device."""
         tp = tensor_parallel_size
         h = self.hidden_size
         qs, kvs = self.num_attention_heads // tp * self.head_dim, self.kv_size_per_device(tp)

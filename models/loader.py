@@ -70,8 +70,7 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if files:
-        # Checked before reading any: a missing shard is a broken checkpoint directory, named as
-        # such in one line (a configuration error) rather than a traceback after the others load.
+        # Checked before reading any, so a broken directory is a one-line configuration error.
         absent = [name for name in files if not (path / name).is_file()]
         if absent:
             raise ValueError(f"checkpoint {path} lacks {', '.join(absent)} (listed in model.safetensors.index.json)")

@@ -1,10 +1,8 @@
-"""Named model descriptions that need no download.
+"""Named model descriptions that need no download, in Hugging Face ``config.json`` keys.
 
-``tiny-*`` and ``small-*`` presets are small random-weight models built deterministically from
-the engine's ``model_seed``: what tests, examples and CPU experiments run. The published shapes (``llama-3-8b``,
-``llama-3-70b``, ``qwen2-7b``, ``mistral-7b``) copy the shape keys of the released
-``config.json`` files; they carry no weights, so only the simulated executor runs them. Every
-config uses Hugging Face's keys, so it goes through the same parser as a real ``config.json``.
+``tiny-*`` and ``small-*`` are random-weight models built deterministically from the engine's
+``model_seed`` (tests, examples, CPU experiments); ``SHAPE_ONLY_PRESETS`` copy released models' shapes
+and carry no weights, so only the simulated executor runs them.
 """
 from __future__ import annotations
 

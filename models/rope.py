@@ -67,8 +67,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin for positions ``[0, max_positions)``; ``forward`` rotates q and k of
-    a flat token batch (``[T, heads, head_dim]``) in place of the "rotate half" convention."""
+    """Precomputed cos/sin for positions ``[0, max_positions)``; ``forward`` returns q and k of a flat
+    token batch (``[T, heads, head_dim]``) rotated, in transformers' "rotate half" convention."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  max_position_embeddings: int, dtype: torch.dtype) -> None:

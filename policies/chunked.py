@@ -15,29 +15,27 @@ from framework.scheduling.scheduler import Scheduler
 
 @POLICIES.register("chunked")
 class ChunkedPolicy(SchedulerPolicy):
-    """Each step serves the running requests first, in admission order: a decode takes one token,
-    an unfinished prefill (a prompt, or a recompute after preemption) as many as the budget
-    leaves. Then waiting requests are admitted in ``waiting_order`` while the budget, the blocks
-    and ``max_num_seqs`` allow; the last one admitted may get only a chunk of its prompt, so decodes
-    keep flowing while a long prompt is prefilled over several steps.
+    """Each step serves the running requests first, in admission order: a decode takes one token, an
+    unfinished prefill (a prompt, or a recompute after preemption) as many as the budget leaves. Then
+    waiting requests are admitted in ``waiting_order`` while the budget, the blocks and ``max_num_seqs``
+    allow; the last one admitted may get only a chunk of its prompt, so decodes keep flowing while a long
+    prompt is prefilled over several steps.
 
-    ``long_prefill_token_threshold`` (> 0) caps the tokens any one request computes per step, so
-    several long prompts share a step instead of one taking the whole budget. When a running
-    request finds no free block, ``select_victim`` picks whom to preempt (default: the newest
-    running request not yet scheduled in this step, else the request itself). As in vLLM v1, a
-    step that preempted admits nobody: the freed blocks go to the requests already running.
-    With ``preemption_mode="swap"``, swapped requests return (oldest first) before new admissions.
+    ``long_prefill_token_threshold`` (> 0) caps the tokens any one request computes per step, so several
+    long prompts share a step. A running request short of blocks preempts the victim ``select_victim``
+    picks (default: the newest running request not yet scheduled this step, else itself). As in vLLM v1,
+    a step that preempted admits nobody: the freed blocks go to the running requests. With
+    ``preemption_mode="swap"``, swapped requests return (oldest first) before new admissions.
 
-    ``waiting_key`` (one hook, as in ``sjf``) orders the waiting queue by a key read once, when a
-    request starts waiting; requests of equal key keep the queue's order (preempted ones first),
-    as sorting the queue would. Such a queue is kept in a heap across steps, so a step reads only
-    the waiting requests it reaches, however many wait (sorting a burst of 16k requests every step
-    took most of a simulated run's time). A ``waiting_order`` of a subclass's own is called every
-    step instead.
+    ``waiting_key`` (one hook, as in ``sjf``) orders the waiting queue by a key read once, when a request
+    starts waiting; equal keys keep the queue's order (preempted ones first). The queue is then a heap kept
+    across steps, so a step reads only the waiting requests it reaches, however many wait. A subclass's own
+    ``waiting_order`` is called every step instead.
     """
 
     chunks_prefills = True
-    # With nothing waiting or swapped, the loop over running requests gives each its one token.
+    # framework.sim.fast_forward.DecodeRunPolicy: with nothing waiting or swapped, the loop over running
+    # requests gives each its one token.
     steady_decode = True
 
     def __init__(self, preemption_mode: str = RECOMPUTE, long_prefill_token_threshold: int = 0) -> None:
@@ -46,10 +44,9 @@ class ChunkedPolicy(SchedulerPolicy):
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0 = no cap), "
                              f"got {long_prefill_token_threshold!r}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        # With a waiting_key: heap entries (key, tie, request) and each request's live entry (one
-        # that left the queue, or entered it again, leaves a stale entry behind, dropped when it
-        # comes up). The ties place a request entering the queue at its front before every
-        # earlier entry, one entering at its back after them: the queue's own order.
+        # With a waiting_key: heap entries (key, tie, request) and each request's live entry; a request that
+        # leaves or re-enters the queue leaves a stale entry, dropped when it comes up. Ties keep the queue's
+        # order: one entering at the front sorts before every earlier entry, one entering at the back after.
         self._keyed = (type(self).waiting_key is not ChunkedPolicy.waiting_key
                        and type(self).waiting_order is ChunkedPolicy.waiting_order)
         self._heap: list[tuple[Any, int, Request]] = []

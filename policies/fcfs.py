@@ -10,22 +10,19 @@ from framework.scheduling.scheduler import Scheduler
 
 @POLICIES.register("fcfs")
 class FCFSPolicy(SchedulerPolicy):
-    """A step either admits waiting prompts (in arrival order, whole, while blocks, sequences
-    and tokens allow) or, if none could be admitted, decodes the running requests. When a decode
-    finds no free block, the most recently admitted running request is preempted.
+    """A step either admits waiting prompts (in arrival order, whole, while blocks, sequences and tokens
+    allow) or, if none could be admitted, decodes the running requests; a decode short of blocks preempts
+    the most recently admitted running request. A request preempted by recompute that outgrew the token
+    budget is re-prefilled alone in budget-sized chunks, so it never gets stuck.
 
-    A request preempted by recompute may have grown beyond the token budget; it is then
-    re-prefilled in budget-sized chunks on its own, so it can never get stuck.
+    With ``preemption_mode=swap``, as in vLLM v0: no new prompt is admitted while requests are swapped
+    out; they come back (oldest first, while blocks allow) in a decode step that preempted nobody, and
+    decode in that step.
 
-    With ``preemption_mode=swap``, as in vLLM v0: no new prompt is admitted while requests are
-    swapped out; swapped requests come back (oldest first, while blocks allow) in a decode step
-    that preempted nobody, and decode in that same step.
-
-    ``watermark`` (vLLM v0's block-manager watermark, 0.01 there; 0 here, as before it existed):
-    a prompt that has not run yet is admitted only if the free KV blocks, less all of its
-    prompt's blocks (cache hits not deducted, as in vLLM v0), stay at or above that fraction of
-    the cache, so running requests keep blocks to decode into. A prompt that could never be
-    admitted so is finished as ignored, with the reason.
+    ``watermark`` (vLLM v0's block-manager watermark, 0.01 there; default 0: off): a prompt that has not
+    run yet is admitted only if the free KV blocks less all its prompt's blocks (cache hits not deducted,
+    as in vLLM v0) stay at or above that fraction of the cache, so running requests keep blocks to decode
+    into. A prompt that could never be admitted so is finished as ignored, with the reason.
     """
 
     steady_decode = True  # with nothing waiting, the decode loop below schedules every running request

@@ -1,5 +1,4 @@
-"""Priority scheduling with swap preemption (vLLM's ``priority`` policy with v0's swap space),
-on top of chunked prefill."""
+"""Priority scheduling with swap preemption (vLLM's ``priority`` policy, v0's swap space) over chunked prefill."""
 from __future__ import annotations
 
 import heapq
@@ -32,17 +31,13 @@ class PrioritySwapPolicy(ChunkedPolicy):
       nothing of lower priority is admitted or swapped in behind it in this step (running
       requests keep their turn).
 
-    Victims are swapped out to the CPU swap space; when it is full the mechanism falls back to
-    recompute. ``preemption_mode="recompute"`` gives the same policy with recompute preemption.
-    The order is ``rank`` (default: ``priority``, then arrival), ties broken by the order the
-    scheduler received the requests (``arrival_order``): two requests of equal rank (the ``n``
-    samples of one request share priority and arrival) would each give way to the other, and
-    could take turns preempting themselves forever.
+    Victims are swapped out to the CPU swap space, or recomputed when it is full;
+    ``preemption_mode="recompute"`` always recomputes. The order is ``rank`` (default: ``priority``,
+    then arrival), ties broken by ``arrival_order``: otherwise two requests of equal rank (the ``n``
+    samples of one request) would each give way to the other and could take turns preempting themselves.
 
-    Waiting requests are kept in ``ChunkedPolicy``'s heap (``waiting_key``: rank, then arrival
-    order) across steps, as in vLLM v1's priority queue, so a step visits only the waiting
-    requests it reaches before the first one that cannot get on the device, however long the
-    queue.
+    Waiting requests stay in ``ChunkedPolicy``'s heap (``waiting_key``: rank, then arrival order) across
+    steps, as in vLLM v1's priority queue, so a step visits only the waiting requests it reaches.
     """
 
     def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:

@@ -47,10 +47,9 @@ class VirtualClock(Clock):
 
 
 class CPUClock(Clock):
-    """Wall time as a dedicated machine would see it: this process's CPU time, plus the idle
-    time it skips when waiting (``wait_until`` jumps rather than sleeps). On a machine shared
-    with other work this leaves out the time other processes held the cores, so real runs can be
-    timed reproducibly; it counts every thread's CPU time, so use it with one compute thread."""
+    """Wall time as a dedicated machine would see it: this process's CPU time plus the waits that
+    ``wait_until`` skips instead of sleeping, so real runs time reproducibly on shared cores. It
+    counts every thread's CPU time: use it with one compute thread."""
 
     def __init__(self) -> None:
         self._t0 = time.process_time()

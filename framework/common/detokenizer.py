@@ -1,10 +1,4 @@
-"""A sequence's output text decoded one token at a time, as vLLM's incremental detokenizer
-does: checked for ``SamplingParams.stop`` as it grows, and streamed by DELTA outputs.
-
-Each token costs two decodes of a few tokens, and the stop check reads only the new text plus
-the longest stop string's length of what came before it, so a request of ``n`` tokens costs O(n)
-in all, not a decode or a scan of its whole text per token.
-"""
+"""A sequence's output text decoded token by token in O(length), for stop strings and DELTA outputs, as vLLM's."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,16 +10,9 @@ DETOKENIZE_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    """Output text of one sequence, fed its sampled tokens by ``Request.check_stop``.
-
-    ``append`` takes the next token (never an EOS or ``stop_token_ids`` token that ended the
-    sequence: its text is not shown) and returns the stop string it completes, or None; with
-    ``final`` (the sequence's last token) it decodes whatever is still pending. The text
-    it then holds is cut before that string (after it with ``include_stop_str_in_output``),
-    while the token ids keep every token up to the one that completed it, as vLLM's do.
-    Decoding skips special tokens and starts after the prompt's last few tokens, as the engine's
-    full-text decoding does, so a SentencePiece word keeps its leading space.
-    """
+    """Output text of one sequence, fed its sampled tokens by ``Request.check_stop`` (never the EOS or
+    stop token that ended it: its text is not shown). Decoding skips special tokens and starts after the
+    prompt's last tokens, as full-text decoding does, so a SentencePiece word keeps its leading space."""
 
     __slots__ = ("tokenizer", "stop", "include_stop_str_in_output", "holdback", "_keep", "_ids", "_read",
                  "_shown", "_pieces", "_length", "_tail", "_in_prompt")
@@ -60,10 +47,9 @@ class IncrementalDetokenizer:
         return self._pieces[0] if self._pieces else ""
 
     def output_text(self, finished: bool, start: int = 0) -> str:
-        """The text to show from character ``start`` on: all of it once finished, else less the
-        last ``holdback`` characters (vLLM's streaming never shows text that a stop string may
-        yet cut). A delta (``start`` > 0) joins only the pieces it covers, so streaming a
-        sequence costs O(its length) in all."""
+        """The text to show from character ``start`` on: all of it once finished, else less the last
+        ``holdback`` characters, which a stop string may yet cut (as vLLM's streaming). A delta
+        (``start`` > 0) joins only the pieces it covers, so streaming costs O(length) in all."""
         if finished and self._read < len(self._ids):
             # Bytes still pending (an incomplete or invalid character at the end) show as the
             # full decode shows them: U+FFFD. A sequence that ended on a stop string has none.
@@ -82,10 +68,9 @@ class IncrementalDetokenizer:
         return "".join(reversed(covering))[start - pos:end - pos]
 
     def append(self, token_id: int, final: bool = False) -> str | None:
-        """Decode ``token_id`` after the tokens before it; the stop string its text completes, or
-        None. Of several it completes, the one starting earliest in the text (so the cut text
-        holds none of them; vLLM takes the one listed first). ``final``: no token follows, so
-        text held back for an incomplete character is decoded (and searched) now."""
+        """Decode ``token_id``; return the stop string its text completes (of several, the earliest: vLLM
+        takes the first listed), cutting the text before it (after it with ``include_stop_str_in_output``),
+        else None. ``final``: no token follows, so bytes pending as an incomplete character decode now."""
         self._ids.append(token_id)
         new = self._decode_next(final)
         if not new:
@@ -111,13 +96,9 @@ class IncrementalDetokenizer:
         return found
 
     def _decode_next(self, final: bool = False) -> str:
-        """The text the tokens appended since the last shown context add, as vLLM's incremental
-        detokenizer finds it: decode the tokens since that context with and without the new ones
-        and take the difference. While the text ends in U+FFFD (an incomplete character, whose
-        bytes the next tokens may complete), the new tokens stay pending, decoded again with the
-        next, and only the text before the U+FFFD run is taken: it cannot change, and a stop
-        string in it must end the sequence now, not a token later (or never, on the last token).
-        With ``final`` the whole is taken."""
+        """The text the pending tokens add: the context decoded with them less without them, as vLLM's.
+        Text ending in U+FFFD (an incomplete character) keeps them pending and yields only what precedes
+        the U+FFFD run, so a stop string in it ends the sequence now; ``final`` yields all."""
         ids = self._ids
         decode = self.tokenizer.decode
         prefix = decode(ids[:self._read], skip_special_tokens=True)

@@ -48,10 +48,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Times are seconds on the engine's clock. ``token_times[i]`` is when output token ``i``
-    was produced, so TTFT, TPOT and every inter-token latency follow from them. For ``n > 1``
-    sequences it holds each time one or more of them produced a token (one entry per step, as a
-    streaming client receives them): TPOT and the ITLs are then a sequence's pace."""
+    """One request's times, in seconds on the engine's clock. ``token_times[i]`` is when output token ``i``
+    was produced (TTFT, TPOT, ITLs follow); with ``n > 1`` it has one entry per step in which any sequence
+    produced one, as a streaming client sees them, so TPOT and ITLs are a sequence's pace."""
 
     arrival_time: float
     first_scheduled_time: float | None = None

@@ -48,16 +48,15 @@ class BadOptionsError(ValueError, TypeError):
 
 def split_spec(spec: str | Mapping[str, Any] | None, default: str | None = None,
                node: str = "part") -> tuple[str | None, dict[str, Any]]:
-    """A config node's part name and options: the node is a name, or ``{name: ..., **options}``;
-    ``default`` when it names none. A node naming its class by Hydra's ``_target_`` instead is a
-    ValueError naming ``node``: parts are picked by registered name; so is a node that is neither
-    (``cost_model=5`` on the command line)."""
+    """A config node's part name and options: the node is a name or ``{name: ..., **options}``;
+    ``default`` when it names none. ValueError naming ``node`` for a node that is neither
+    (``cost_model=5``) or names a class by Hydra's ``_target_`` (parts are picked by registered name)."""
     if spec is not None and not isinstance(spec, (str, Mapping)):  # dict(5): "'int' object is not iterable"
         raise ValueError(f"{node} must be a name or a mapping {{name: NAME, **options}}, got {spec!r}")
     options = {"name": spec} if isinstance(spec, str) else dict(spec or {})
     if not options.get("name") and "_target_" in options:
-        # Taken for an option, it ran the default part instead (or failed naming it: "policy
-        # 'fcfs': unexpected keyword argument '_target_'"), never the class the node names.
+        # Taken for an option, it would run the default part (or fail on an unexpected keyword
+        # argument), never the class the node names.
         raise ValueError(f"{node}: _target_={options['_target_']!r} does not pick a {node} here (Hydra's "
                          f"instantiate is not used): give the name the class is registered under, name: NAME "
                          f"(a class is registered with its registry's register(NAME), or an entry point)")
@@ -91,8 +90,8 @@ class Registry(Generic[T]):
                 raise ValueError(f"cannot register {cls.__qualname__} as a {self.kind}: give it a name")
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 raise TypeError(f"{cls!r} is not a subclass of {self.base.__name__}; cannot register it as a {self.kind}")
-            # The built-ins first, so that a name they take is refused here: taken before they are
-            # imported, it made their import fail, and the built-ins after it were never registered.
+            # The built-ins first, so that a name they take is refused here: taken before their import,
+            # it would make that import fail and leave the built-ins after it unregistered.
             self._load_builtins()
             known = self._classes.get(key)
             if known is not None and known is not cls and _qualified(known) != _qualified(cls):
@@ -119,10 +118,9 @@ class Registry(Generic[T]):
         return sorted(set(self._classes) | set(self._lazy) | set(self._plugin_entry_points()))
 
     def get(self, name: str) -> type[T]:
-        """The class registered as ``name``. A name that two installed plugins declare, or that a
-        plugin declares besides a built-in (or a class registered at run time), is refused with
-        a ValueError, as ``register`` refuses a taken name: either one silently ignored would
-        leave its author measuring the other."""
+        """The class registered as ``name``. ValueError for a name that two installed plugins declare, or a
+        plugin besides a built-in or a run-time registration, as ``register`` refuses a taken name:
+        silently taking one would leave the other's author measuring the wrong class."""
         self._load_builtins()
         if not isinstance(name, str):  # a list from a config (backend.name=[naive,triton]) is no name
             raise UnknownNameError(f"a {self.kind} name is a string, one of {', '.join(self.list()) or '(none)'}; "
@@ -147,7 +145,7 @@ class Registry(Generic[T]):
             except Exception as exc:  # a broken plugin must say which one it is
                 raise ImportError(f"{self.kind} plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
-                # As register's TypeError it came with a traceback and named no entry point.
+                # A ValueError naming the entry point, where register's TypeError would name none.
                 raise ValueError(f"{self.kind} plugin {name!r} ({ep.value}) is {cls!r}, not a subclass of "
                                  f"{self.base.__name__}: its entry point must name the class (module:Class)")
             if name not in self._classes:
@@ -159,22 +157,18 @@ class Registry(Generic[T]):
         )
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> T:
-        """An instance of ``name``. Arguments its constructor does not take (an unknown or
-        missing option, as from a config file) raise ``BadOptionsError`` naming the part and the
-        problem and the options it takes; a ``TypeError`` raised inside the constructor is the
-        constructor's own."""
+        """An instance of ``name``. Arguments its constructor does not take (an unknown or missing option)
+        raise ``BadOptionsError`` naming the part, the problem and the options it takes; a ``TypeError``
+        raised inside the constructor passes through."""
         return self.create_with(name, kwargs, *args)
 
     def create_with(self, name: str, options: Mapping[str, Any], *args: Any, **given: Any) -> T:
-        """An instance of ``name`` from the caller's own arguments (``args`` and ``given``, such
-        as the engine's ``num_blocks`` for an allocator) and a user's ``options`` (a config
-        node's keys, ``EngineConfig.*_options``). An option that is one of the caller's
-        arguments, or one the constructor does not take (unknown or missing), raises
-        ``BadOptionsError`` naming the part, the problem and the options it takes."""
+        """An instance of ``name`` from the caller's own arguments (``args``, ``given``: an allocator's
+        ``num_blocks``, say) and a user's ``options`` (``EngineConfig.*_options``). An option that is a
+        caller's argument, unknown or missing raises ``BadOptionsError`` naming the part and its options."""
         cls = self.get(name)
-        # An option of the same name as a given keyword would fail as Python's "got multiple
-        # values" TypeError before the constructor is reached; one naming a positional argument
-        # would read "multiple values for argument", naming no option. Both say what they are.
+        # An option named like one of the caller's arguments would fail as Python's "got multiple
+        # values" TypeError, which does not say it is an option.
         signature = inspect.signature(cls)
         positional = [p.name for p in signature.parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
@@ -241,19 +235,16 @@ class Registry(Generic[T]):
         self._plugin_names.add(name)
 
     def refresh_plugins(self) -> None:
-        """Forget the cached entry points and make packages installed since the interpreter
-        started importable (after ``pip install`` in a notebook): see ``read_new_path_files``."""
+        """Forget the cached entry points and make packages installed since the interpreter started
+        importable (after ``pip install`` in a notebook; see ``read_new_path_files``)."""
         read_new_path_files()
         self._entry_points = None
 
 
 def read_new_path_files() -> None:
-    """Do for the site directories' ``.pth`` files what Python does with them only at start-up,
-    for the lines not done yet: put a folder that is not on ``sys.path`` on it, run an ``import``
-    line whose modules are not imported yet. ``pip install -e`` makes a package importable
-    through such a file (its source folder, or setuptools' import hook), so without this a
-    package installed editable in a running interpreter has its entry points listed but cannot
-    be imported. Import caches are invalidated first, so new modules are found."""
+    """Apply the site directories' ``.pth`` lines that Python, reading them only at start-up, has not: add
+    folders missing from ``sys.path``, run ``import`` lines whose modules are not imported. Makes a package
+    installed editable (``pip install -e``) in a running interpreter importable, not just listed."""
     importlib.invalidate_caches()
     site_dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
     if site.ENABLE_USER_SITE:

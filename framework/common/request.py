@@ -1,7 +1,4 @@
-"""Request state: what the scheduler, the allocator and the runner share about one sequence.
-
-Statuses and finish reasons follow vLLM v0's ``SequenceStatus`` (seed 004).
-"""
+"""Request state: what the scheduler, the allocator and the runner share about one sequence."""
 from __future__ import annotations
 
 import enum
@@ -15,6 +12,8 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
+    """A request's state and finish reason, as vLLM v0's ``SequenceStatus`` (seed 004)."""
+
     WAITING = 0
     RUNNING = 1
     SWAPPED = 2
@@ -42,14 +41,9 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """One sequence to serve: its tokens, progress, KV blocks and timing.
-
-    ``token_ids`` holds prompt then output tokens. ``num_computed_tokens`` counts the tokens whose
-    K/V sit in the cache; after a recompute preemption it drops to 0 and the whole of ``token_ids``
-    is prefilled again. ``block_ids`` (device) and ``cpu_block_ids`` (swap space) are written only
-    by the block allocator; everyone else reads them. ``extra`` is a researcher's own per-request
-    state (a policy's predicted length, say): the class has slots, so it is the place for it.
-    """
+    """One sequence to serve. ``token_ids`` is prompt then output; ``num_computed_tokens`` counts those whose
+    K/V are cached (0 after a recompute preemption). Only the allocator writes ``block_ids`` and
+    ``cpu_block_ids``. ``extra`` holds a researcher's own state (the class has slots)."""
 
     __slots__ = (
         "request_id", "prompt_token_ids", "token_ids", "sampling_params", "arrival_time", "priority",

@@ -40,13 +40,13 @@ class SamplingParams:
     ``k`` most likely ones (``CompletionOutput.logprobs``; at most the engine's ``max_logprobs``).
     ``output_kind`` (a ``RequestOutputKind`` or its name: ``'cumulative'``, ``'delta'``,
     ``'final_only'``) says what ``LLMEngine.step`` returns for the request; ``LLM.generate`` and
-    the simulator's ``advance`` return complete final outputs whatever it is.
+    ``framework.sim.fast_forward.advance`` return complete final outputs whatever it is.
     ``prompt_logprobs = k`` returns, for every prompt token after the first, the logprobs of that
     token and the ``k`` most likely ones at its position (``RequestOutput.prompt_logprobs``; same
     cap); such a request computes its whole prompt, without prefix-cache hits, as in vLLM v1.
-    Fields added after the first nine are last, so positional construction keeps its meaning.
     """
 
+    # New fields go last, so that positional construction keeps its meaning.
     n: int = 1
     max_tokens: int | None = 16
     temperature: float = 1.0

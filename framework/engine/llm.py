@@ -92,10 +92,8 @@ class LLM:
 
 
 def _is_one_prompt(prompts: Any) -> bool:
-    """Whether ``prompts`` is one prompt (text, a dict, or token ids: a flat list of ints, numpy's
-    included, or a 1-D array, numpy's or torch's) rather than a list of them. Numpy ints are
-    token ids everywhere else; taken here for prompts of their own, each failed as "not
-    iterable" (a torch tensor's elements as "iteration over a 0-d tensor")."""
+    """Whether ``prompts`` is one prompt (text, a dict, or token ids: a flat list of ints, numpy
+    ints included, or a 1-D numpy or torch array) rather than a list of them."""
     if isinstance(prompts, (str, dict)):
         return True
     if isinstance(prompts, np.ndarray) or hasattr(prompts, "ndim"):  # torch tensors, without importing torch

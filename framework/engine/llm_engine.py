@@ -72,8 +72,8 @@ class LLMEngine:
         # Resolve every name before loading anything, so a typo fails in milliseconds.
         POLICIES.get(config.policy)
         ALLOCATORS.get(config.allocator)
-        # A simulated run never uses the tensor parts, and their registries load torch (about 2 s):
-        # it checks their names only when they are not the defaults, so a typo is still caught.
+        # The tensor parts' registries load torch (about 2 s), which a simulated run never needs:
+        # their names are checked only when not the defaults, so a typo is still caught.
         defaults = EngineConfig.backend, EngineConfig.preparer
         preparer_forks = False  # the default preparer (v1) runs n samples as n requests
         if config.executor == "model" or (config.backend, config.preparer) != defaults:
@@ -100,9 +100,8 @@ class LLMEngine:
         self.tokenizer = self.executor.tokenizer
         self._eos = frozenset(self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # vLLM v0's parallel sampling (see InputPreparer.forks_parallel_samples): one leader per
-        # request with n > 1 prefills; the others are forked from it when it samples. Simulated
-        # runs fork too (Executor.samples_forks), so they schedule as the real executor does.
+        # vLLM v0's parallel sampling (InputPreparer.forks_parallel_samples): an n > 1 request prefills
+        # one leader and forks the others from it; simulated runs fork too, so they schedule as real ones.
         self._fork_samples = self.executor.samples_forks and preparer_forks
         self.forks = SampleForks(self.scheduler, config.preparer)
         #: Whether a seeded request was ever added: only then does a step save generator states.
@@ -128,8 +127,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue one request; ValueError, with nothing queued, for a bad prompt or argument."""
-        # abort_request takes only str ids (an iterable of them means several): an int id accepted
-        # here could never be aborted.
+        # abort_request takes only str ids (an iterable means several): an int id could never be aborted.
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}")
         # Only None means the defaults: a falsy mistake ([], {}, 0) would otherwise pass as them.
@@ -213,8 +211,8 @@ class LLMEngine:
             for req in self.output_processor.requests.get(rid, []):
                 aborted = self.scheduler.abort_request(req.request_id)
                 if aborted is not None and aborted.forks:
-                    # A v0 leader aborted before its prompt completed takes its samples still to
-                    # fork with it now: is_finished says so at once, not after the next step.
+                    # A v0 leader aborted before its prompt completed takes its unforked samples
+                    # with it here, so is_finished says so at once, not after the next step.
                     self.forks.settle([aborted])
 
     def has_unfinished_requests(self) -> bool:
@@ -231,20 +229,17 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Run one step. Returns an output for every request that progressed, as its
-        ``SamplingParams.output_kind`` says (cumulative, the delta since its last output, or
-        only once finished), or with ``final_only`` only for those that finished, each complete
-        whatever its kind: a batch run that reads results at the end then skips building a
-        cumulative output per running request every step."""
+        """Run one step; returns an output for each request that progressed, as its
+        ``SamplingParams.output_kind`` says, or with ``final_only`` one complete output (whatever
+        the kind) for each request that finished, sparing a batch run a per-step cumulative output."""
         start = self.clock.now()
         out = self.scheduler.schedule()
         seeded = _seeded_generator_states(out) if out.runs and self._any_seeded else []
         try:
             result = self.executor.execute(out) if out.runs else ExecutorOutput()
         except BaseException:
-            # The step's requests sample their positions again when recomputed: a seeded one's
-            # generator goes back to where the step found it (the sampler may have drawn from it
-            # before the failure), so it samples what it would have had the step not failed.
+            # Recomputed requests sample these positions again: seeded generators go back to the
+            # step's start (the sampler may have drawn before failing), so they sample the same.
             for generator, state in seeded:
                 generator.set_state(state)
             self.scheduler.step_failed(out)
@@ -279,8 +274,7 @@ class LLMEngine:
         return outputs
 
     def count_steps(self, num_steps: int) -> None:
-        """Count ``num_steps`` steps taken outside ``step`` (a simulator's decode run), each of
-        which ran."""
+        """Count ``num_steps`` steps taken outside ``step`` (a simulator's decode run), each of which ran."""
         self.num_steps += num_steps
         self._stalled_steps = 0
 

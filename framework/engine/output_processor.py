@@ -77,11 +77,9 @@ class OutputProcessor:
         return self._request_output(request_id, children, completions, token_times, _prompt_logprobs(first))
 
     def _delta_output(self, request_id: str, children: list[Request]) -> RequestOutput:
-        """A DELTA request's output: for each sequence with something new since the request's
-        last output (tokens, or its finish), a completion of only the new token ids, text (from
-        its ``IncrementalDetokenizer``, so the deltas add up to the cumulative text) and
-        logprobs; ``metrics.token_times`` holds the new tokens' times, the other metrics are
-        cumulative. Work is proportional to what is new."""
+        """A DELTA request's output: per sequence with new tokens or a new finish since the last
+        output, a completion of only the new ids, text and logprobs (the texts add up to the whole);
+        ``metrics.token_times`` holds the new tokens' times, the other metrics are cumulative."""
         first = children[0]
         num_prompt = first.num_prompt_tokens
         completions = []
@@ -90,8 +88,7 @@ class OutputProcessor:
             stream = self._streams.get(req.request_id)
             if stream is None:
                 stream = self._streams[req.request_id] = _Stream(num_prompt)
-            # Tokens are only ever appended (a recompute preemption keeps them), so nothing
-            # streamed is sent again.
+            # Tokens are only appended (a recompute preemption keeps them): nothing streamed is sent again.
             ids = req.token_ids[stream.num_tokens:]
             newly_finished = req.is_finished and not stream.finished
             if not ids and not newly_finished:
@@ -164,11 +161,9 @@ class _Stream:
 
 
 def decode_continuation(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
-    """The text ``output_ids`` add after ``prompt_ids``: ``decode(tail + output)`` minus
-    ``decode(tail)`` for the prompt's last few tokens, so that prompt text + output text reads
-    as the whole sequence. Decoded alone, a SentencePiece word's leading space ("▁world") would
-    be dropped; vLLM keeps it. When the tail's text is not a prefix of the whole (a character
-    split across the boundary), the output is decoded alone."""
+    """The text ``output_ids`` add after ``prompt_ids``, keeping a SentencePiece word's leading space
+    as vLLM does: ``decode(tail + output)`` minus ``decode(tail)`` for the prompt's last few tokens,
+    or the output decoded alone when the tail's text is no prefix of the whole (a split character)."""
     tail = list(prompt_ids[-DETOKENIZE_CONTEXT:])
     if not tail:
         return tokenizer.decode(output_ids, skip_special_tokens=True)

@@ -55,10 +55,9 @@ def check_request_args(params: Any, arrival_time: Any = None, priority: Any = 0)
 
 def token_ids(ids: Iterable[Any], vocab_size: int) -> list[int]:
     """``ids`` (a list, a 1-D integer numpy array or any iterable of ints) as a non-empty list of
-    ints in ``[0, vocab_size)``; ValueError otherwise (floats and bools, and float, bool or object
-    arrays, included). Big simulated workloads send millions of ids, so the checks avoid a Python
-    step per token where they can: an array is checked in numpy, and a list of plain ints (the
-    set of its element types, built in C) is kept as is."""
+    ints in ``[0, vocab_size)``; ValueError otherwise (floats, bools and non-integer arrays included)."""
+    # Simulated workloads send millions of ids: arrays are checked in numpy, and a list of plain
+    # ints (its set of element types is built in C) is kept as is, with no Python step per token.
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise ValueError(f"prompt token ids must be a 1-D integer array, got shape {ids.shape} of {ids.dtype}")

@@ -1,8 +1,7 @@
 """The ``AttentionBackend`` interface and the per-step ``AttentionMetadata`` it consumes.
 
-The model's attention layers call the backend; the input preparer builds the common metadata
-once per step; the backend turns it into whatever its kernel needs (``build_metadata``) once
-per step, and every layer's ``forward`` reuses that.
+Each step the input preparer builds the common metadata, the backend's ``build_metadata`` turns it
+into what its kernel needs, and every attention layer's ``forward`` reuses that.
 """
 from __future__ import annotations
 
@@ -72,14 +71,12 @@ class AttentionBackend(ABC):
     """Stores a step's new K/V in the paged cache and computes causal attention over each
     request's cached context plus its new tokens.
 
-    ``forward(q, k, v, kv_cache, meta)``: ``q`` is ``[T, num_heads, head_dim]``, ``k``/``v`` are
-    ``[T, num_kv_heads, head_dim]`` for the ``T = meta.num_actual_tokens`` new tokens;
-    ``kv_cache`` is this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` slice.
-    Token ``t`` of request ``i`` attends to the request's first ``num_computed_tokens[i] + (t -
-    query_start_loc[i]) + 1`` tokens. Returns ``[T, num_heads, head_dim]`` in ``q``'s dtype,
-    written into ``out`` when one is given (and then ``out`` itself is returned). It writes only
-    the slots in ``slot_mapping`` and never lets a cache slot past a request's ``seq_len`` affect
-    its output.
+    ``forward(q, k, v, kv_cache, meta, out=None)``: ``q`` is ``[T, num_heads, head_dim]``, ``k``/``v``
+    ``[T, num_kv_heads, head_dim]`` for the ``T = meta.num_actual_tokens`` new tokens, ``kv_cache``
+    this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` slice. Token ``t`` of request
+    ``i`` attends to its first ``num_computed_tokens[i] + (t - query_start_loc[i]) + 1`` tokens.
+    Returns ``[T, num_heads, head_dim]`` in ``q``'s dtype (``out`` itself when given). Writes only the
+    slots in ``slot_mapping``; a cache slot past a request's ``seq_len`` never affects its output.
     """
 
     name: ClassVar[str] = ""

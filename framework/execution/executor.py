@@ -1,9 +1,4 @@
-"""The ``Executor`` interface: runs what the scheduler decided.
-
-Everything above it (policy, scheduler mechanism, block allocator, scheduler outputs) is the
-same code whether the step runs a real forward pass (``model``) or is only timed (a simulator),
-so a policy is tested once and studied at any scale.
-"""
+"""The ``Executor`` interface (runs, or simulates, the step the scheduler decided) and KV-cache sizing."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -26,11 +21,9 @@ GiB = 1 << 30
 
 @dataclass
 class ExecutorOutput:
-    """Sampled token per request that reached its last known token this step, and, for those
-    of them that ask for logprobs, the ``{token_id: Logprob}`` of that position (no decoded
-    text: the engine adds it). ``prompt_logprobs`` gives each request asking for them the
-    entries of the prompt tokens this step's positions predicted, in order, continuing the
-    request's ``prompt_logprobs`` list (positions it already has are not computed again)."""
+    """Sampled token per request that reached its last known token this step; for those asking,
+    the ``{token_id: Logprob}`` of that position (no decoded text: the engine adds it).
+    ``prompt_logprobs`` continues each asking request's ``prompt_logprobs`` list, in order."""
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
@@ -38,24 +31,20 @@ class ExecutorOutput:
 
 
 class Executor(ABC):
-    """Contract: ``kv_block_counts`` says how many device blocks (the null block included) and
-    CPU swap blocks fit; ``initialize`` is called once with the counts the engine settled on;
-    ``execute`` applies the step's swap-out, swap-in and copy lists, then runs the scheduled
-    tokens and returns the sampled ones. It may advance the clock (a simulator does); it may not
-    touch the scheduler's queues or the allocator."""
+    """``kv_block_counts``: the device blocks (null block included) and CPU swap blocks that fit; ``initialize``:
+    called once with the chosen counts; ``execute``: applies the step's swap and copy lists, runs its tokens and
+    returns the sampled ones. It may advance the clock, never touch the scheduler's queues or allocator."""
 
     name: ClassVar[str] = ""
-    #: Whether ``execute`` gives each of ``Request.forks`` a first token when their leader
-    #: completes its prompt (vLLM v0's parallel sampling, under a preparer that
-    #: ``forks_parallel_samples``). Without it the engine runs the ``n`` samples of a request as
-    #: ``n`` independent requests, whatever the preparer.
+    #: Whether ``execute`` gives each of ``Request.forks`` a first token when their leader completes
+    #: its prompt (vLLM v0's parallel sampling, with a preparer that ``forks_parallel_samples``);
+    #: otherwise the engine runs a request's ``n`` samples as ``n`` independent requests.
     samples_forks: ClassVar[bool] = False
     #: Whether the sampled tokens are a model's, with text to decode: a simulator's synthetic
     #: tokens have none, and the engine refuses what would read it (``SamplingParams.stop``).
     produces_text: ClassVar[bool] = True
-    #: Whether ``execute`` returns ``ExecutorOutput.logprobs`` and ``prompt_logprobs`` for the
-    #: requests that ask for them (``SamplingParams.logprobs`` and ``prompt_logprobs``); without
-    #: it the engine refuses such requests.
+    #: Whether ``execute`` returns ``ExecutorOutput.logprobs`` and ``prompt_logprobs`` for requests
+    #: that ask for them; without it the engine refuses such requests.
     returns_logprobs: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
@@ -111,14 +100,9 @@ def simulates_time(executor: str) -> bool:
 
 
 def size_kv_cache(config: EngineConfig, bytes_per_block: int, device_budget: Callable[[], float]) -> tuple[int, int]:
-    """(device blocks, the null block included; CPU swap blocks) for blocks of ``bytes_per_block``.
-
-    Device blocks: ``num_gpu_blocks_override``, else ``kv_cache_memory_gb``, else what
-    ``device_budget()`` bytes hold. Swap blocks: ``swap_space`` GiB. Both are capped at what
-    ``max_num_seqs`` requests of ``max_model_len`` tokens can use (more would only feed the
-    prefix cache, and reserve memory a laptop run never touches), except an override, which is
-    taken as given.
-    """
+    """(device blocks, null block included; CPU swap blocks) of ``bytes_per_block`` each. Device blocks:
+    ``num_gpu_blocks_override`` as given, else ``kv_cache_memory_gb`` or ``device_budget()`` bytes, capped at
+    what ``max_num_seqs`` requests of ``max_model_len`` tokens use; swap: ``swap_space`` GiB, capped alike."""
     assert config.max_model_len is not None
     useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
     if config.num_gpu_blocks_override is not None:
@@ -131,10 +115,9 @@ def size_kv_cache(config: EngineConfig, bytes_per_block: int, device_budget: Cal
 
 
 def activation_peak_bytes(model: ModelConfig, config: EngineConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-    """Activation memory of the largest step on one device: the widest per-token tensors (fused
-    gate/up, qkv, residual) for every batched token, twice, plus float32 logits for every sequence.
-    The logits span the whole vocabulary whatever ``tensor_parallel_size``: vLLM gathers the
-    devices' shares onto the device that samples, whose memory is the one that binds."""
+    """Activation bytes of the largest step on one device: the widest per-token tensors (fused gate/up,
+    qkv, residual) for every batched token, twice, plus float32 logits of the whole vocabulary for every
+    sequence (vLLM gathers the tensor-parallel shares onto the device that samples)."""
     tp = tensor_parallel_size
     kv = model.kv_size_per_device(tp)
     per_token = (2 * model.intermediate_size // tp + model.q_size // tp + 2 * kv + 4 * model.hidden_size) * dtype_bytes

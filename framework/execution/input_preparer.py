@@ -1,5 +1,4 @@
-"""The ``InputPreparer`` interface: turns a ``SchedulerOutput`` into the tensors of one forward
-pass. The model runner calls it once per step."""
+"""The ``InputPreparer`` interface (a ``SchedulerOutput`` in, one forward pass's tensors out) and its outputs."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -17,10 +16,9 @@ from framework.scheduling.output import SchedulerOutput
 
 @dataclass
 class Penalties:
-    """The penalties of the sampled rows that use any (``rows``, indices into the step's sampled
-    rows); each tensor has one row per entry of ``rows``. ``token_ids`` holds each row's prompt
-    then output tokens so far, padded with -1; its first ``num_prompt_tokens`` are the prompt.
-    Presence and frequency penalties are 0 when off, the repetition penalty 1 (vLLM's names)."""
+    """Penalties of the sampled rows that use any (``rows``, indices into the step's sampled rows), one
+    tensor row per entry of ``rows``: ``token_ids`` is prompt then output so far, padded with -1; presence
+    and frequency penalties are 0 when off, the repetition penalty 1 (vLLM's names)."""
 
     rows: torch.Tensor
     token_ids: torch.Tensor
@@ -32,11 +30,10 @@ class Penalties:
 
 @dataclass
 class SamplingMetadata:
-    """Per sampled row: temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 =
-    off), and the request's own generator where it has a seed; ``penalties`` for the rows that use
-    any. A filter or ``penalties`` is None when no row uses it. ``logprob_rows`` (device) and
-    ``logprob_rows_cpu`` are the sampled rows that ask for logprobs, ``num_logprobs`` how many
-    top tokens each asks for; all three None when no row asks."""
+    """Per sampled row: temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 = off) and
+    the request's generator where it has a seed; a filter or ``penalties`` is None when no row uses it.
+    ``logprob_rows`` (device), ``logprob_rows_cpu``: the rows asking for logprobs, ``num_logprobs`` how
+    many top tokens each asks for; all three None when no row asks."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor | None = None
@@ -52,10 +49,9 @@ class SamplingMetadata:
 
 @dataclass
 class PromptLogprobsMetadata:
-    """The step's prompt positions whose logprobs requests asked for (``SamplingParams.
-    prompt_logprobs``): ``indices`` into the step's flat hidden states and the prompt token each
-    position predicts (``token_ids``, the next one), both on the device; request ``req_ids[i]``
-    owns the next ``counts[i]`` of them and asks for ``num_logprobs[i]`` top tokens."""
+    """The step's prompt positions whose logprobs are asked for: ``indices`` into the flat hidden states
+    and ``token_ids``, the prompt token each predicts (both on the device); request ``req_ids[i]`` owns
+    the next ``counts[i]`` of them and asks for ``num_logprobs[i]`` top tokens."""
 
     indices: torch.Tensor
     token_ids: torch.Tensor
@@ -66,11 +62,9 @@ class PromptLogprobsMetadata:
 
 @dataclass
 class ModelInput:
-    """One forward pass: flat ``input_ids``/``positions`` of all scheduled tokens, the attention
-    metadata, and which hidden states to sample from (``logits_indices``), for which requests.
-    ``req_ids[i]`` is the request of the attention metadata's row ``i``. ``host`` keeps the CPU
-    arrays the preparer computed (for tests, debugging and simulators). ``prompt_logprobs`` names
-    the prompt positions to compute logprobs of, None when no scheduled request needs any."""
+    """One forward pass: flat ``input_ids``/``positions``, the attention metadata, the hidden states to
+    sample (``logits_indices``) for ``sample_req_ids``; ``req_ids[i]`` owns attention row ``i``; ``host``
+    keeps the preparer's CPU arrays; ``prompt_logprobs`` is None when no scheduled request needs any."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -84,23 +78,17 @@ class ModelInput:
 
 
 class InputPreparer(ABC):
-    """Builds model inputs from scheduler outputs, keeping whatever per-request state it likes
-    between steps. Contract: ``prepare`` returns None for an empty step; otherwise each scheduled
-    request's new tokens lie back to back, at positions ``num_computed_tokens ..
-    num_computed_tokens + num_scheduled_tokens - 1``, in an order the preparer chooses (``v1``:
-    ``SchedulerOutput.scheduled`` order; ``v0``: prefills first, then decodes) and reflected in
-    the attention metadata. A request samples only when this step reaches its last known token (a
-    chunk mid-prompt does not); ``sample_req_ids[i]`` is sampled from the hidden state at
-    ``logits_indices[i]``. It may not modify the scheduler output or the requests.
+    """Builds model inputs from scheduler outputs, keeping any per-request state between steps.
 
-    With ``forks_parallel_samples`` (vLLM v0's parallel sampling), a request whose ``forks`` list
-    is not empty samples once for itself and once for each fork from the same logits row when its
-    prompt completes; the engine then forks those requests from it (``Scheduler.fork``).
-    Otherwise the engine runs the ``n`` samples of a request as ``n`` independent requests.
-
-    ``check=True`` asks a preparer that keeps per-request state to compare it with the requests
-    every step and raise AssertionError where they differ (slow; the engine sets it from
-    ``check_invariants``).
+    ``prepare`` returns None for an empty step; otherwise each scheduled request's new tokens lie back
+    to back at positions ``num_computed_tokens .. num_computed_tokens + num_scheduled_tokens - 1``, in
+    an order the preparer chooses (``v1``: scheduled order; ``v0``: prefills, then decodes) and the
+    attention metadata follows. A request samples only when the step reaches its last known token,
+    ``sample_req_ids[i]`` from the hidden state at ``logits_indices[i]``. It may not modify the
+    scheduler output or the requests. With ``forks_parallel_samples`` (vLLM v0), a request with
+    ``forks`` samples once for itself and once per fork from the same row when its prompt completes.
+    ``check=True`` (set from ``check_invariants``) compares kept state with the requests every step and
+    raises AssertionError where they differ.
     """
 
     name: ClassVar[str] = ""
@@ -121,22 +109,20 @@ class InputPreparer(ABC):
     def prepare(self, out: SchedulerOutput) -> ModelInput | None: ...
 
     def record_sampled(self, model_input: ModelInput, sampled: np.ndarray) -> None:
-        """The model runner's report of the step just prepared: ``sampled[i]`` (int64, host) is
-        the token sampled for ``model_input.sample_req_ids[i]``, which the scheduler is about to
-        append to that request. A preparer that keeps token ids between steps may store them now
-        instead of reading them back from the requests (as vLLM v1's runner does). Default: nothing."""
+        """``sampled[i]`` (int64, host) is the token sampled for ``model_input.sample_req_ids[i]`` in the
+        step just prepared, about to be appended to that request; a preparer may store it now rather than
+        read it back from the request later (as vLLM v1's runner does). Default: nothing."""
 
     # -- shared by the implementations -----------------------------------------------------------
     def model_input(self, host: dict[str, np.ndarray], req_ids: list[str], sample_req_ids: list[str],
                     sampling: SamplingMetadata, num_prefills: int, num_prefill_tokens: int,
                     num_decode_tokens: int, max_query_len: int | None = None,
                     max_seq_len: int | None = None) -> ModelInput:
-        """Wrap the step's int64 host arrays as device tensors: on the CPU without a copy (the
-        arrays are the step's own), elsewhere in one transfer from pinned memory. ``host`` holds
-        ``input_ids``, ``positions``, ``slot_mapping``, ``query_start_loc``, ``seq_lens``,
-        ``num_computed_tokens``, ``num_scheduled_tokens``, ``logits_indices`` and the 2-D
-        ``block_table`` (null-padded, C-contiguous). ``max_query_len`` and ``max_seq_len`` are the
-        maxima of ``num_scheduled_tokens`` and ``seq_lens``, when the caller has them."""
+        """Wrap the step's int64 host arrays as device tensors (on the CPU without a copy, elsewhere in
+        one pinned transfer): ``input_ids``, ``positions``, ``slot_mapping``, ``query_start_loc``,
+        ``seq_lens``, ``num_computed_tokens``, ``num_scheduled_tokens``, ``logits_indices`` and the 2-D
+        ``block_table`` (null-padded, C-contiguous). ``max_query_len``, ``max_seq_len``: the maxima of
+        ``num_scheduled_tokens`` and ``seq_lens``, when the caller has them."""
         block_table = host["block_table"]
         parts = [host["input_ids"], host["positions"], host["slot_mapping"], host["query_start_loc"],
                  host["seq_lens"], host["num_computed_tokens"], host["logits_indices"], block_table]
@@ -166,12 +152,9 @@ class InputPreparer(ABC):
                           generators: dict[int, torch.Generator] | None = None, min_p: np.ndarray | None = None,
                           penalties: Penalties | None = None,
                           num_logprobs: np.ndarray | None = None) -> SamplingMetadata:
-        """Per sampled row parameters (float32 temperature, top-p and min-p, int64 top-k, int64
-        ``SamplingParams.logprobs`` with -1 for None) on the device. ``top_k`` / ``top_p`` /
-        ``min_p`` / ``num_logprobs`` may be None when the caller knows no row uses them; each
-        filter comes out None when no row uses it, the logprob rows when no row asks for logprobs,
-        and ``all_greedy`` when every temperature is 0 (the float32 the sampler sees).
-        ``penalties`` come from ``penalties``."""
+        """Per sampled row parameters on the device: float32 temperature, top-p and min-p, int64 top-k and
+        ``num_logprobs`` (-1: None); an optional one may be None when no row uses it. A filter or the
+        logprob rows come out None when no row uses them, ``all_greedy`` when every temperature is 0."""
         meta = SamplingMetadata(
             temperature=self._tensor(temperature),
             top_k=self._tensor(top_k) if top_k is not None and np.count_nonzero(top_k) else None,
@@ -188,12 +171,9 @@ class InputPreparer(ABC):
 
     def prompt_logprobs_metadata(self, reqs: list[Request], first_index: np.ndarray, computed: np.ndarray,
                                  seq_lens: np.ndarray) -> PromptLogprobsMetadata | None:
-        """The prompt positions of ``reqs`` (requests asking for prompt logprobs) this step
-        computes and whose logprobs they still lack: request ``i`` computes positions
-        ``computed[i] .. seq_lens[i] - 1``, its first at flat index ``first_index[i]``. Position
-        ``p`` predicts prompt token ``p + 1``, so the last prompt position (which samples) is not
-        one; positions before ``len(req.prompt_logprobs) - 1`` were done before (a request
-        recomputed after preemption) and are skipped. None when no position is left."""
+        """The prompt positions of ``reqs`` (requests asking for prompt logprobs) this step computes and whose
+        logprobs they lack (position ``p`` predicts prompt token ``p + 1``): request ``i`` computes
+        ``computed[i] .. seq_lens[i] - 1``, the first at flat index ``first_index[i]``. None if there are none."""
         req_ids: list[str] = []
         counts: list[int] = []
         num_logprobs: list[int] = []

@@ -11,8 +11,8 @@ from framework.scheduling.output import SchedulerOutput
 
 
 class ModelRunner:
-    """Owns the KV cache ``[2, layers, blocks, block_size, kv_heads, head_dim]`` (seed 003) and,
-    once a swap happens, a CPU swap cache of the same layout."""
+    """Owns the KV cache ``[2, layers, blocks, block_size, kv_heads, head_dim]`` (seed 003) and, from
+    the first swap, a CPU swap cache of the same layout."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, preparer: InputPreparer,
                  sampler: Sampler, kv_cache: torch.Tensor, num_cpu_blocks: int) -> None:
@@ -34,11 +34,9 @@ class ModelRunner:
         return self._cpu_cache
 
     def apply_block_ops(self, out: SchedulerOutput) -> None:
-        """Every list reads its sources as they were before the step, then they write: a block
-        freed during the step may be another list's destination. A device block a swap-out frees
-        may be a swap-in's or a copy's destination, a swap block a swap-in frees may be a
-        swap-out's destination, and the shared block a copy-on-write copies may be freed (its
-        other holders preempted) and taken by a swap-in, all within one step."""
+        """Apply the step's swap-out, swap-in and copy lists, every list reading its sources before any
+        writes: within one step a block one list frees (a swapped-out block, a copy-on-write source whose
+        other holders were preempted) may be another list's destination."""
         dev = self.kv_cache.device
         incoming = copied = None
         if out.blocks_to_swap_in:

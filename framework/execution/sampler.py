@@ -1,5 +1,4 @@
-"""Batched sampling on the device: penalties, greedy, temperature, min-p, top-k, top-p,
-per-request seeds, and the logprobs (of sampled tokens and of prompts) of the rows that ask."""
+"""Batched sampling on the device (penalties, temperature, min-p, top-k, top-p, seeds) and logprobs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,13 +20,12 @@ class LogprobsTensors:
     ranks: torch.Tensor  # [rows] int64
 
     def to_dicts(self, num_logprobs: list[int]) -> list[dict[int, Logprob]]:
-        """Row ``i`` as vLLM's ``{token_id: Logprob}`` (no decoded text) with its own
-        ``num_logprobs[i]`` top tokens: the sampled token first, then the top ones; a sampled
-        token among them takes its top-k rank, so a row has ``k`` or ``k + 1`` entries. The
-        tensors come to the host in one transfer (float64 holds the ids, ranks and float32
-        logprobs exactly)."""
+        """Row ``i`` as vLLM's ``{token_id: Logprob}`` (no decoded text): the sampled token, then its own
+        ``num_logprobs[i]`` top tokens; a sampled token among them takes its top-k rank, so a row has
+        ``k`` or ``k + 1`` entries."""
         ids, logprobs, ranks = self.token_ids, self.logprobs, self.ranks
         if ids.device.type != "cpu":
+            # One transfer: float64 holds the ids, ranks and float32 logprobs exactly.
             packed = torch.cat([ids.double(), logprobs.double(), ranks.double().unsqueeze(1)], dim=1).cpu()
             width = ids.shape[1]
             ids, logprobs, ranks = packed[:, :width].long(), packed[:, width:2 * width], packed[:, -1].long()
@@ -49,21 +47,17 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Rows with penalties have them applied first (greedy rows too, as in vLLM). Greedy rows
-    then take the argmax. Other rows are scaled by temperature, filtered by min-p, top-k and
-    top-p, and sampled with the Gumbel-max trick (``argmax(p / q)``, ``q ~ Exp(1)``), drawing a
-    seeded row's noise from its own generator so its samples do not depend on the batch."""
+    """Applies penalties (to greedy rows too, as vLLM), then greedy rows take the argmax; the others are
+    scaled by temperature, filtered by min-p, top-k and top-p, and sampled by Gumbel-max (``argmax(p / q)``,
+    ``q ~ Exp(1)``), a seeded row's noise from its own generator so it does not depend on the batch."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """The sampled tokens (``self(logits, meta)``) and the logprobs of ``meta.logprob_rows``.
-
-        As vLLM v1's default (``logprobs_mode="raw_logprobs"``) they are of the model's own
-        distribution: float32 ``log_softmax`` of the logits as they come, before temperature,
-        top-k and top-p. They are computed first, from a copy of those rows, so that whatever
-        sampling does to the logits cannot reach them. No row asking: nothing more is done."""
+        """The sampled tokens (``self(logits, meta)``) and the logprobs of ``meta.logprob_rows``: float32
+        ``log_softmax`` of the logits as they come, before penalties, temperature and filters (vLLM v1's
+        default, ``logprobs_mode="raw_logprobs"``)."""
         if meta.logprob_rows is None:
             return SamplerOutput(self(logits, meta))
         raw = logits[meta.logprob_rows].float().log_softmax(dim=-1)
@@ -93,15 +87,13 @@ class Sampler:
             return greedy
         temperature = meta.temperature
         is_greedy = temperature == 0
-        # Shifted by the row maximum first: a tiny temperature (below about 1e-37) would otherwise
-        # scale logits to +inf and the softmax to NaN, sampling token 0. The shift changes neither
-        # the softmax nor the top-k / top-p sets.
+        # Shifted by the row maximum so a tiny temperature (below about 1e-37) cannot scale logits to
+        # +inf (a NaN softmax samples token 0); the shift changes neither the softmax nor the filters.
         logits = logits - logits.max(dim=-1, keepdim=True).values
         logits /= torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
         if meta.min_p is not None:
-            # Before top-k / top-p, as vLLM v1; the order does not matter: min-p compares each
-            # token with the most likely one, which the other filters keep, by a ratio that
-            # renormalising leaves as it is.
+            # Before top-k / top-p, as vLLM v1; the order does not matter, since min-p compares each
+            # token with the most likely one (which the other filters keep) by a ratio.
             logits = apply_min_p(logits, meta.min_p)
         if meta.top_k is not None:
             logits = apply_top_k(logits, meta.top_k)
@@ -117,10 +109,9 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    """``logits`` with the penalties of rows ``p.rows`` applied (a new tensor; the other rows
-    are copied as they are). The repetition penalty divides the positive logits and multiplies
-    the negative ones of each token in the prompt or output (transformers' and vLLM's); then
-    ``frequency * count + presence * (count > 0)`` is subtracted, counting the output only."""
+    """A new ``logits`` with rows ``p.rows`` penalised: the repetition penalty divides positive and multiplies
+    negative logits of tokens in the prompt or output (as transformers and vLLM), then ``frequency * count +
+    presence * (count > 0)`` is subtracted, counting output tokens only."""
     sub = logits.index_select(0, p.rows)
     rows, vocab = sub.shape
     ids = p.token_ids

@@ -1,18 +1,12 @@
-"""Serving a timed stream of requests on one or more engine replicas: the driver every run uses.
+"""The serving loop every run uses: a timed stream of requests on one or more engine replicas.
 
-Requests (``framework.harness.workload.WorkloadRequest``: arrival time in seconds after ``start``) enter
-the engine when their arrival time comes, so queueing delay is real, and carry that arrival
-time. Each replica is an ``LLMEngine`` with its own clock. Events are processed in time order:
-an arrival is routed (``framework/sim/router.py``; with one replica it simply goes there) and queued
-on its replica before any step that starts at or after its arrival time; otherwise the replica
-whose clock is earliest takes its next step (or, when the sim executor allows it, a run of
-pure-decode steps: ``framework/sim/fast_forward.py``). An idle replica waits for its next arrival on
-its clock: a virtual clock jumps, a wall clock (one replica on the model executor) sleeps, so
-the same loop serves a real engine in real time.
-
-A KeyboardInterrupt stops serving: unsent requests are dropped, unfinished ones aborted (their KV
-blocks freed) and the result says ``interrupted``; the exception is not re-raised. Any other
-exception aborts the unfinished requests too, then propagates.
+Each replica is an ``LLMEngine`` with its own clock, and events go in time order: a request
+(``framework.harness.workload.WorkloadRequest``) is routed (``framework/sim/router.py``) and queued
+before any step that starts at or after its arrival, so queueing delay is real; otherwise the
+replica whose clock is earliest steps (or runs decode steps at once: ``framework/sim/fast_forward.py``).
+An idle replica waits on its clock: a virtual clock jumps, a wall clock sleeps. A KeyboardInterrupt
+stops serving (unsent requests dropped, unfinished ones aborted, the result says ``interrupted``, no
+re-raise); any other exception aborts the unfinished requests, then propagates.
 """
 from __future__ import annotations
 
@@ -94,12 +88,9 @@ class Cluster:
 
     def run(self, requests: Iterable[WorkloadRequest], sampling: dict[str, Any] | None = None,
             on_output: OnOutput | None = None, start: float | None = None) -> ServeResult:
-        """Serve ``requests`` (in arrival order; a generator is fine) to completion or until a
-        KeyboardInterrupt. ``sampling`` holds the options every request shares (the workload's
-        ``temperature``, ``ignore_eos``, ...; see ``framework.harness.workload.sampling_params``).
-        Arrival times count from ``start`` on the replicas' clocks (default: the latest replica's
-        now). Each finished request's output goes to ``on_output(replica_index, output)`` as it
-        finishes or, with no callback, into the result's ``outputs``."""
+        """Serve ``requests`` (in arrival order, any iterable) until done or interrupted. ``sampling``:
+        the options all requests share (``framework.harness.workload.sampling_params``); arrivals count
+        from ``start`` (default: the latest replica's now); outputs go to ``on_output``, else ``outputs``."""
         start = max(e.clock.now() for e in self.engines) if start is None else start
         result = ServeResult(start, start, 0, 0)
         # Sent and not yet handed to on_output: not the engines' unfinished requests, since an
@@ -130,9 +121,7 @@ class Cluster:
             # caller's records): a replica outliving the run must not keep it alive.
             for replica in self.replicas:
                 replica._settle = lambda index, t: None
-                # Every request sent is finished or (below, or above on a failure) aborted, though
-                # finishes after the last arrival were never counted: none is outstanding for a
-                # later run.
+                # Every request sent is finished or aborted: none is outstanding for a later run.
                 replica.num_finished = replica.num_routed
         result.end_time = max(e.clock.now() for e in self.engines)
         result.unfinished = sorted(in_flight, key=lambda rid: (len(rid), rid))
@@ -146,11 +135,9 @@ class Cluster:
         n = len(engines)
         # The routed request's length limit (its max_tokens=None's): the longest any replica takes.
         route_len = max(e.config.max_model_len or 0 for e in engines) or None
-        # With several replicas on a deterministic cost model, a replica's decode run is planned
-        # to its natural end (a finish, a block shortage) and applied only when an event needs
-        # its state: its last step, an arrival routed to it, a router reading its cache. An arrival
-        # routed elsewhere then costs this replica nothing. Otherwise runs stop at the next arrival
-        # (and at another replica's next step).
+        # Lazy: several replicas on a deterministic cost model plan each decode run to its end and
+        # apply it only when an event needs its state, so an arrival routed elsewhere costs nothing.
+        # Otherwise runs stop at the next arrival (and at another replica's next step).
         lazy = n > 1 and all(getattr(getattr(e.executor, "cost_model", None), "deterministic", False) for e in engines)
         # (time, kind, replica, version): a replica's next step, or the last step of its plan (which
         # applies the plan); kind 1: an arrival at that time joins the step. A settle bumps the
@@ -266,11 +253,9 @@ class Cluster:
                     emit_all(i, engine.step(final_only=True))
                 else:
                     plans[i] = plan
-                    # Applied when its last step (the one that finishes requests) starts, as
-                    # stepping takes it: outputs then come out in stepping's order across replicas
-                    # (applied at the step's end, a step another replica started later came
-                    # first, and with it requests finishing after this one's). An arrival at that
-                    # start joins the step: routed here, it settles the plan before it.
+                    # Applied when its last (finishing) step starts, so outputs come out in
+                    # stepping's order across replicas; an arrival routed here at that start
+                    # settles the plan first and joins the step.
                     last_start = plan.end_times[-2] if len(plan.end_times) > 1 else plan.start_time
                     heapq.heappush(events, (last_start, 1, i, version[i]))
                     continue
@@ -282,12 +267,9 @@ class Cluster:
 
 @contextmanager
 def gc_paused(pause: bool = True) -> Iterator[None]:
-    """Pause CPython's cycle collector (if ``pause`` and it is on). A simulated run allocates
-    millions of small acyclic objects (token lists, floats, blocks' tuples) that the collector
-    would rescan again and again for nothing, about a tenth of the run; refcounting frees them
-    all the same. Nested pauses are free: only the outermost one acts. (Survivors are not moved
-    to the oldest generation on the way out: a finished run's cycles would then wait there for
-    a full collection that a process serving run after run seldom reaches.)"""
+    """Pause CPython's cycle collector (if ``pause`` and it is on; nested pauses are free): a
+    simulated run's millions of small acyclic objects, which refcounting frees anyway, would be
+    rescanned for about a tenth of the run. Survivors stay young, so a run's cycles are soon collected."""
     if not pause or not gc.isenabled():
         yield
         return
@@ -299,9 +281,8 @@ def gc_paused(pause: bool = True) -> Iterator[None]:
 
 
 def check_num_replicas(num_replicas: Any, executor: str | None = None) -> None:
-    """A positive integer, and one when the replicas would run an executor that serves in wall
-    time (the model executor), so the replicas would share this machine's cores. Checked before
-    any replica is built (the constructor's own check comes after every replica loaded its weights)."""
+    """ValueError unless a positive integer, and 1 for an executor in wall time (the replicas would
+    share this machine's cores). Call before building replicas: it fails before weights load."""
     check_positive_int("num_replicas", num_replicas)
     if num_replicas > 1 and executor is not None and not simulates_time(executor):
         raise ValueError(NEEDS_SIMULATED_TIME)
@@ -311,7 +292,7 @@ def check_router_options(options: Any) -> dict[str, Any]:
     """``router_options`` as a dict: a mapping of option names to values, or None for none."""
     if options is None:
         return {}
-    if not isinstance(options, Mapping):  # 5 failed as "'int' object is not iterable", a list was read as pairs
+    if not isinstance(options, Mapping):  # dict() would fail on 5 naming no option, and read a list as pairs
         raise ValueError(f"router_options must be a mapping of option names to values, got {options!r}")
     return dict(options)
 

@@ -8,12 +8,10 @@ DIR given, else ``./comparison``):
 - ``throughput_vs_rate.png`` and ``p99_latency_vs_rate.png``: the metrics against ``--x``
   (default ``workload.rate``), one line per configuration.
 
-A configuration is labelled by the config keys whose values differ between the runs (other
-than ``--x``), e.g. ``policy=chunked`` or ``enable_prefix_caching=False``; a group whose
-config file differs but not its part's name is labelled by the file (``workload=chat``, not
-its prompt and output options); a run that left a group out (no ``+policy``) counts as the
-part it ran, with that part's defaults (``policy=fcfs``); ``--label`` picks the keys instead. A
-multirun writes its own comparison at the end (``CompareCallback``).
+A configuration is labelled by the config keys whose values differ between the runs (other than
+``--x``), e.g. ``policy=chunked``; by the file where only a group's file differs (``workload=chat``);
+a run that left a group out counts as the part it ran, with its defaults (``policy=fcfs``).
+``--label`` picks the keys instead. A multirun writes its own comparison (``CompareCallback``).
 """
 from __future__ import annotations
 
@@ -83,9 +81,8 @@ def config_keys(run_dir: Path) -> dict[str, Any]:
 
 
 def _read_mapping(path: Path, parse: Any, syntax: str) -> Any:
-    """``path`` parsed by ``parse``: a mapping, or nothing (an empty YAML file). Anything else is
-    a ValueError naming the file (the parser's own error, a KeyError or AttributeError from
-    reading a list as a run's file, named neither the file nor the run)."""
+    """``path`` parsed by ``parse``: a mapping, or None (an empty YAML file). A syntax error or
+    another value is a ValueError naming the file."""
     try:
         value = parse(path.read_text())
     except (ValueError, yaml.YAMLError) as exc:  # json's JSONDecodeError is a ValueError
@@ -209,15 +206,14 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
     if label:
         keys = [_resolve_key(k, flats) for k in label]
     else:
-        # A failed run lacks what only a run records (the parts' names in its summary): labelled
-        # from the runs that ran, the table tells the configurations apart, the failed one included.
+        # A failed run lacks what only a run records (the parts' names in its summary): the labels
+        # come from the runs that ran.
         ran = [f for s, f in loaded if s.get("status") != "failed"]
         keys = label_keys(ran if ran else flats, x)
         if ran and len(ran) < len(flats):
-            # A failed run may differ from the others in a key of the config files they all have
-            # (the value that made it fail, engine.block_size=3): that key labels every run, or the
-            # failed run would look like one that ran. What only a run's summary records (the
-            # parts' names where a group was left out, the device) does not count.
+            # A key every run's config file has and a failed run's differs in (the value that made
+            # it fail, engine.block_size=3) labels every run, or the failed run would look like one
+            # that ran; what only summaries record does not count.
             written = [config_keys(r) for r in runs]
             keys = sorted({*keys, *(k for k in label_keys(written, x) if all(k in f for f in written))})
     names = short_names(keys)

@@ -1,8 +1,7 @@
-"""One experiment run: build the engine and workload a composed config describes, send the
-workload online, and record everything in the run directory (and the chosen logger).
+"""One experiment run: build what a composed config describes, serve the workload, record it.
 
-``run_experiment(cfg, run_dir)`` is what ``python -m framework.run`` calls for each run of a
-(multi)run; tests and notebooks call it directly with a config from Hydra's compose API.
+``run_experiment(cfg, run_dir)`` is what ``python -m framework.run`` calls for each run; tests and
+notebooks call it with a config from Hydra's compose API.
 """
 from __future__ import annotations
 
@@ -37,8 +36,8 @@ from framework.harness.workload import Workload, WorkloadContext, WorkloadReques
 
 log = logging.getLogger(__name__)
 
-#: Config groups that name a registered part, with the part used when the group is absent.
-#: Pluggable parts and their defaults (EngineConfig's, so the CLI and the Python API agree).
+#: Config groups that name a registered part, with the part used when the group is absent
+#: (EngineConfig's default, so the CLI and the Python API agree).
 PARTS = {part: EngineConfig.__dataclass_fields__[part].default for part in PART_NAMES}
 #: ``EngineConfig`` fields the ``engine`` node may set (the others come from their own groups).
 ENGINE_KEYS = set(EngineConfig.__dataclass_fields__) - {*PART_NAMES, *(f"{p}_options" for p in PART_NAMES),
@@ -59,8 +58,8 @@ def _check_keys(node: str, options: Any, valid: tuple[str, ...]) -> None:
 
 
 def _check_node(cfg: DictConfig, key: str, what: str, optional: bool = True) -> None:
-    """ValueError unless ``cfg.key`` is a node (or null, when ``optional``): a value given to the
-    node itself (``slo=5``, ``scheduler=true``) failed as a TypeError, or was read as no settings."""
+    """ValueError unless ``cfg.key`` is a node (or null, when ``optional``): a plain value (``slo=5``,
+    ``scheduler=true``) would fail as a TypeError or be read as no settings."""
     node = cfg.get(key)
     if not (isinstance(node, DictConfig) or optional and node is None):
         raise ValueError(f"{key} must be a node {what}, got {node!r}")
@@ -206,10 +205,9 @@ def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = N
 
 @contextmanager
 def _interrupts_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends, then act as they would have: the summary of a
-    run whose serving has ended is computed from every record and written whole, however long
-    that takes for millions of requests. (Python runs signal handlers in the main thread, so only
-    there can they be held; masking the signals would not do, another thread would take them.)"""
+    """SIGINT and SIGTERM wait until the block ends, then act as they would have, so a served run's
+    summary is written whole. Main thread only (where Python runs handlers); masking the signals
+    would not do, another thread would take them."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -224,18 +222,16 @@ def _interrupts_held() -> Iterator[None]:
         if pending:
             handler = previous[pending[0]]
             if callable(handler):
-                handler(pending[0], None)  # Python's Ctrl-C handler, or run.py's SIGTERM: KeyboardInterrupt
+                handler(pending[0], None)  # Python's Ctrl-C handler or supervision.py's: KeyboardInterrupt
             elif handler != signal.SIG_IGN:
                 signal.raise_signal(pending[0])
 
 
 @contextmanager
 def _repeats_dropped() -> Iterator[None]:
-    """One interrupt per run: the first SIGINT or SIGTERM acts as it would (a KeyboardInterrupt
-    that stops serving); those after it are dropped until the block ends (the run's summary is
-    written). In a parallel sweep a worker gets Ctrl-C twice, from the terminal and forwarded by
-    its parent (``framework.run``): the second must not cut short the stop the first started and
-    cost the run its metrics. A signal whose handler is no Python function is left alone."""
+    """One interrupt per run: the first SIGINT or SIGTERM acts as it would, later ones are dropped
+    until the block ends. A parallel sweep's worker gets Ctrl-C from the terminal and its parent
+    (``supervision.stop``). A signal whose handler is no Python function is left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -268,20 +264,9 @@ def _repeats_dropped() -> Iterator[None]:
 def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
                    run_name: str | None = None, group: str | None = None,
                    on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
-    """Run the experiment ``cfg`` describes, writing its files to ``run_dir``; return the summary.
-
-    One engine, or with a ``cluster`` node several replicas behind a router (simulated only),
-    served by ``Cluster.run``: requests enter when their arrival time comes on the engines'
-    clocks (wall time for the model executor, simulated time for the sim executor), and
-    durations and throughputs are in that time. Configuration errors raise ValueError before
-    anything runs; a failure while serving raises anything but (a ValueError then comes as the
-    cause of a RuntimeError), after writing a ``failed`` summary. A KeyboardInterrupt while
-    requests run stops the run, keeps what was measured and returns a summary with ``status:
-    interrupted``; a SIGINT or SIGTERM after it is dropped until that summary is written.
-    ``run_name`` / ``group`` name the run and its sweep for loggers. ``clock`` overrides the
-    config's ``clock`` (one replica only); ``on_engine`` sees each engine once it is built (to add
-    step callbacks, e.g. one that advances a ``VirtualClock``).
-    """
+    """Run the experiment ``cfg`` describes into ``run_dir``; return its summary. Config errors raise
+    ValueError first; a serving failure writes a ``failed`` summary, then raises (ValueError wrapped in
+    RuntimeError); an interrupt returns an ``interrupted`` one. ``clock``: one replica's, not the config's."""
     check_run_options(cfg)
     config = engine_config(cfg)
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
@@ -400,10 +385,9 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
                                               for r, i in zip(records, replica_of)])
         run_logger.log_plots(plots)
     except BaseException as exc:
-        # The logger's run ends here too: left open, it would end unmarked, and the next job of a
-        # sweep in this process would log into it (wandb.init returns the run still active). A
-        # failure marks it failed, as summary.json is (framework/harness/run.py); a Ctrl-C (the plots
-        # stopped) leaves the summary that says how the run ended.
+        # End the logger's run here too, or the sweep's next job in this process would log into it
+        # (wandb.init returns the active run). A failure marks it failed, as summary.json is
+        # (supervision.mark); a Ctrl-C leaves the summary that says how the run ended.
         if isinstance(exc, Exception):
             run_logger.log_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}"})
         run_logger.finish(result.interrupted)

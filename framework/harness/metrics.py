@@ -163,10 +163,8 @@ def latency_stats(name: str, values_s: Sequence[float]) -> dict[str, float | Non
     keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms"] + [f"p{p}_{name}_ms" for p in PERCENTILES]
     if not len(values_s):
         return dict.fromkeys(keys)
-    # Sorted, so the mean and deviation, whose sums round differently in another order, do not
-    # depend on the order the records came in (a simulated cluster's replicas deliver them in
-    # another order when fast-forwarding than when stepping); the percentiles of a sorted array
-    # cost no more (np.median would be the same 50th percentile).
+    # Sorted, so the mean and std do not depend on the order the records came in (a simulated
+    # cluster fast-forwarding delivers them in another order than stepping); percentiles cost no more.
     v = np.sort(np.asarray(values_s, dtype=np.float64) * 1000)
     median, *tails = np.percentile(v, [50, *PERCENTILES])
     stats = [v.mean(), median, v.std(), *tails]

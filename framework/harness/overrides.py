@@ -19,20 +19,15 @@ PLUGIN_OPTIONS = store_plugin_options(CONF_DIR)
 
 
 def legacy_overrides(argv: list[str]) -> list[str]:
-    """``+executor=NAME`` (from before executor had a default) as ``executor=NAME``; Hydra would
-    refuse it as a second value for the group. One difference from then: an ``+experiment``
-    file's engine settings now win over the executor's whatever the order on the command line
-    (the executor is composed first, from the defaults list)."""
+    """``argv`` with ``+executor=NAME``, the form older command lines use, as ``executor=NAME``:
+    Hydra would refuse it as a second value for a group that has a default."""
     return [a[1:] if a.startswith("+executor=") else a for a in argv]
 
 
 def null_group_overrides(argv: list[str]) -> tuple[list[str], str | None]:
-    """``GROUP=null`` overrides, which Hydra fails on with a traceback from its own internals
-    ("Config group override must be a string or a list"). For a group whose default in
-    ``conf/config.yaml`` is null (``executor``) it means that default: the override is dropped,
-    with any earlier choice for the group (the last value given wins, as for any other). Any
-    other group of conf/ needs one of its options (or ``~GROUP`` to drop an optional one).
-    Returns the arguments to hand Hydra, and the error naming those options, or None."""
+    """``(argv, error)``: ``GROUP=null``, a traceback in Hydra, is dropped with the group's earlier
+    overrides where the group's default is null (``executor``), so that default runs; for another
+    conf/ group, ``error`` names the group's options (else None)."""
     conf = Path(CONF_DIR)
     defaults = (yaml.safe_load((conf / "config.yaml").read_text()) or {}).get("defaults") or []
     null_defaults = {g for d in defaults if isinstance(d, dict) for g, v in d.items() if v is None}
@@ -53,12 +48,9 @@ def null_group_overrides(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def non_string_group_overrides(argv: list[str]) -> str | None:
-    """The error naming a conf/ group's options for an override that gives the group a value its
-    override grammar reads as no name (``backend=5``, ``logger=true``, ``workload=1.5``, a sweep
-    ``backend=5,naive``, a list ``backend=[naive,5]``), which Hydra fails on with a traceback from
-    its own internals ("Config group override must be a string or a list"); None when there is
-    none. Overrides Hydra cannot parse, and its own groups, are left to Hydra's own errors. Runs
-    after ``null_group_overrides``."""
+    """The error naming a conf/ group's options for an override whose value is no name (``backend=5``,
+    ``logger=true``, ``backend=5,naive``), a traceback in Hydra; else None. Unparsable overrides and
+    Hydra's own groups are left to Hydra. Runs after ``null_group_overrides``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     conf = Path(CONF_DIR)
@@ -88,7 +80,6 @@ def non_string_group_overrides(argv: list[str]) -> str | None:
 
 
 def group_options(group: str) -> list[str]:
-    """The options of conf/ group ``group``: its files', and those installed plugins add (an
-    installed plugin's option is one of the group's as much as a file's is)."""
+    """The options of conf/ group ``group``: its files' and those installed plugins add."""
     return sorted({p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")}
                   | {o.partition("/")[2] for o in PLUGIN_OPTIONS if o.partition("/")[0] == group})

@@ -1,5 +1,4 @@
-"""PNG plots of one run (latency CDFs, step timeline) and of a comparison (metrics against
-request rate, one line per configuration). Headless: matplotlib's Agg backend."""
+"""PNG plots, drawn headless (Agg): a run's latency CDFs and step timeline, a comparison's metrics."""
 from __future__ import annotations
 
 import math
@@ -69,9 +68,7 @@ def timeline(steps: Mapping[str, Any], path: str | Path, max_points: int = MAX_P
     ``steps`` holds ``steps.csv`` columns (``time_s``, ``duration``, ``num_prefill_tokens``,
     ``num_decode_tokens``, ``num_running``, ``num_waiting``, ``num_swapped``, ``kv_usage`` and,
     for a cluster, ``replica``). One replica with at most ``max_points`` steps is drawn step by
-    step; otherwise the run is cut into ``bins`` time bins: tokens become tokens per second
-    of the bin, queue lengths the sum over replicas of each one's last value in the bin, and KV
-    usage the mean over replicas of each one's mean in the bin."""
+    step; otherwise the run is cut into ``bins`` time bins (``binned_timeline``)."""
     plt = _pyplot()
     col = {k: np.asarray(v, dtype=np.float64) for k, v in steps.items()}
     t = col["time_s"]
@@ -113,11 +110,10 @@ def timeline(steps: Mapping[str, Any], path: str | Path, max_points: int = MAX_P
 
 def binned_timeline(col: Mapping[str, np.ndarray], replicas: np.ndarray, bins: int,
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]:
-    """``(edges, prefill, decode, queues, kv)`` of the steps cut into ``bins`` equal time bins
-    from 0 to the last step: prefill and decode tokens per second of each bin, the queue lengths
-    summed over replicas (each replica's last value in the bin, carried over bins where it took
-    no step) and the KV usage averaged over replicas ``0 .. replicas.max()`` (each one's mean in the
-    bin, carried over; 0 for a replica without steps)."""
+    """``(edges, prefill, decode, queues, kv)`` of the steps in ``bins`` equal time bins from 0 to the
+    last step: tokens per second, queue lengths summed over replicas (each one's last value in the
+    bin) and KV usage averaged over replicas ``0 .. replicas.max()`` (each one's mean in the bin; 0 for
+    a replica without steps). A replica's values carry over bins where it took no step."""
     t = col["time_s"]
     edges = np.linspace(0.0, float(t.max()) * (1 + 1e-9) + 1e-9, bins + 1)
     which = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, bins - 1)

@@ -1,8 +1,9 @@
-"""Hydra options for parts installed as plugins. A policy from another package (an entry point
-in ``framework.policies``) cannot add a file to ``conf/policy/``; this gives it the option
-``+policy=NAME`` all the same, as ``{name: NAME}``. Its options keep their constructor defaults,
-and ``+policy.KEY=VALUE`` sets one (the ``+`` because the option has no file listing its keys).
-Nothing is imported: the names come from the installed packages' metadata."""
+"""Hydra options for parts installed as plugins, named by the packages' metadata (nothing is imported).
+
+A plugin policy (an entry point in ``framework.policies``) has no file in ``conf/policy/``, yet gets
+``+policy=NAME`` as ``{name: NAME}``, with its constructor's defaults; ``+policy.KEY=VALUE`` sets an
+option (the ``+`` because no file lists its keys).
+"""
 from __future__ import annotations
 
 from importlib.metadata import entry_points

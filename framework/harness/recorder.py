@@ -1,19 +1,13 @@
 """The local files of one run, written as the run goes so an interrupted run keeps its data.
 
-In the run directory: ``config.yaml`` (the resolved config), ``workload.jsonl`` (the requests
-sent, replayable as a trace), ``requests.csv`` (a row per finished request, as its output is
-made: in the order of the steps that finish them, a cluster's replicas' steps by their start
-times, fast-forwarded or stepped one by one),
-``steps.csv`` (a row per engine step) and ``summary.json`` (written at the start with
-``status: running`` and rewritten at the end with ``completed``, ``interrupted`` or ``failed``).
-A cluster run's ``requests.csv`` and ``steps.csv`` have a ``replica`` column (after
-``request_id``; first); step rows come in chunks per replica, each replica's in step order.
-
-Per step and per request the work is O(1): a step's row is formatted as it comes (a decode run's
-rows in one go), a request's row holds no per-token lists, and the run's step totals are kept as
-running sums. Rows are buffered and written at least every ``flush_interval`` seconds of wall
-time (and every ``CHUNK_ROWS`` steps), so a killed run loses at most that much; the run also
-flushes (``flush``) when a real engine runs out of work and waits for the next arrival.
+In the run directory: ``config.yaml`` (the resolved config), ``workload.jsonl`` (the requests sent,
+replayable as a trace), ``requests.csv`` (a row per finished request, in the order of the steps that
+finish them, a cluster's by start time, fast-forwarded or not), ``steps.csv`` (a row per engine step)
+and ``summary.json`` (``status: running`` at the start, then ``completed``, ``interrupted`` or
+``failed``). A cluster run's CSVs have a ``replica`` column (after ``request_id`` in
+``requests.csv``, first in ``steps.csv``); step rows come in chunks per replica, each in step order.
+Rows are written at least every ``flush_interval`` seconds of wall time and every ``CHUNK_ROWS``
+steps, so a killed run loses at most that much.
 """
 from __future__ import annotations
 
@@ -69,11 +63,9 @@ def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> None:
 
 
 class RunRecorder:
-    """Owns the run directory's files. ``step_log(replica, run_start)`` makes the step callback
-    of one replica's engine; ``add_request`` takes finished requests; ``close`` writes what is
-    buffered. ``replica_column`` adds the ``replica`` columns (cluster runs); ``step_listener``
-    receives every step row as a dict as it is written (a logger's timeline); ``keep_timeline``
-    keeps the columns the timeline plot needs (``timeline()``)."""
+    """Owns the run directory's files: ``step_log`` makes a replica's step callback, ``add_request``
+    takes finished requests, ``close`` writes what is buffered. ``replica_column`` adds the ``replica``
+    columns; ``step_listener`` gets each step row as a dict; ``keep_timeline`` keeps ``timeline()``."""
 
     def __init__(self, run_dir: str | Path, replica_column: bool = False, step_listener: StepListener | None = None,
                  keep_timeline: bool = True, flush_interval: float = 1.0) -> None:
@@ -155,12 +147,9 @@ class RunRecorder:
 
 
 class StepLog:
-    """A step callback (``engine.step_callbacks.append(log)``): one ``steps.csv`` row per engine
-    step of one replica. It takes whole decode runs too (``on_decode_run``), so a simulated engine
-    keeps fast-forwarding (a callback without it switches the fast path off); the rows of a run
-    are exactly the ones stepping one by one would have made. Rows are formatted as they come
-    (one string each) and written by the recorder's ``flush``; the run's totals and the timeline
-    are kept as they come."""
+    """A step callback making one ``steps.csv`` row per step of one replica, written by the recorder's
+    ``flush``. ``on_decode_run`` keeps a simulated engine fast-forwarding (a callback without it
+    switches the fast path off) and makes exactly the rows stepping one by one would."""
 
     def __init__(self, recorder: RunRecorder, replica: int, run_start: float) -> None:
         self.recorder = recorder

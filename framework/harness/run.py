@@ -1,26 +1,17 @@
 """``python -m framework.run [+policy=NAME] [backend=NAME] [workload=NAME] [key=value ...]``.
 
-Composes ``conf/config.yaml`` with Hydra and runs one experiment per composed config (several
-with ``-m``), writing its files to Hydra's run directory (``outputs/DATE/TIME`` or
-``multirun/DATE/TIME/N``): ``config.yaml``, ``workload.jsonl``, ``summary.json``,
-``requests.csv``, ``steps.csv`` and the plots. A multirun also gets a comparison of its runs
-(``comparison.md``/``.csv`` and plots) at its root.
+Composes ``conf/config.yaml`` with Hydra and runs one experiment per composed config (several with
+``-m``) in Hydra's run directory (``outputs/DATE/TIME`` or ``multirun/DATE/TIME/N``): ``config.yaml``,
+``workload.jsonl``, ``summary.json``, ``requests.csv``, ``steps.csv`` and plots. A multirun also writes
+the comparison of its runs (``comparison.md``/``.csv`` and plots) at its root.
 
-A configuration error (an unknown policy, a bad option value, a config the run cannot read) or a
-part that cannot run on this machine (flash_attn without CUDA) prints one clear line and exits
-with status 2; any other failure keeps its traceback. Either way the run's ``summary.json`` says
-``failed``, with the error. Errors Hydra reports itself (an unknown config group option such as
-``+policy=NAME``, a key the config does not have, an override it cannot parse) come before any
-run directory exists; they exit with status 2 too, in a sweep as in a single run. Ctrl-C stops
-the run, keeps what it measured and exits with status 130 (SIGTERM, as a batch scheduler sends
-at its time limit, likewise, with status 143); a sweep stopped so also gets the comparison of
-the runs it made. A parallel sweep's parent (``hydra/launcher=parallel``) that gets the signal
-alone (``kill -INT PID`` from a scheduler or a supervisor) forwards it to its workers and waits,
-30 s at most, for their jobs to write their summaries (a second signal stops the waiting); a
-terminal's Ctrl-C, which reaches the workers too, waits likewise. In a sweep, a job that fails
-is logged (a configuration error in one line, anything else with its traceback) and marked
-``failed`` in its summary; the other jobs run, the comparison is written, and the sweep exits
-with status 1.
+Exit statuses: 2 for a configuration error (Hydra's own included, in a sweep too) or a part this
+machine cannot run, printed as one line; any other failure keeps its traceback. 130 for Ctrl-C, 143
+for SIGTERM: the run keeps what it measured, and a stopped sweep still gets its comparison. 1 for a
+sweep with a failed job: the job is logged and marked ``failed``, the other jobs run and are compared.
+A failed run's ``summary.json`` says ``failed``, with the error. A parallel sweep's parent
+(``hydra/launcher=parallel``) forwards a signal to its workers and waits up to 30 s for their
+summaries (a second signal stops the waiting).
 """
 from __future__ import annotations
 
@@ -90,10 +81,8 @@ def main(cfg: DictConfig) -> None:
         sys.exit(stopped_status())
     except Exception as exc:
         mark(run_dir, "failed", exc)
-        # run_experiment raises ValueError only for configuration errors; UnavailableError is a
-        # part that cannot run on this machine; an OmegaConf error is a config it cannot read (a
-        # group dropped with ~workload, an interpolation that does not resolve). None needs a
-        # traceback to be understood.
+        # Configuration errors (run_experiment's ValueError), parts this machine cannot run and
+        # configs OmegaConf cannot read (~workload, a broken interpolation) need no traceback.
         config_error = isinstance(exc, (ValueError, UnavailableError, OmegaConfBaseException))
         if config_error:
             log.debug("configuration error", exc_info=True)
@@ -120,14 +109,9 @@ def main(cfg: DictConfig) -> None:
 
 
 def _hydra_config_error(exc: SystemExit) -> bool:
-    """Whether Hydra's exit 1 was a configuration error it reported itself. Hydra exits inside
-    the ``except`` that caught the error, so the exit's context is that error: a composition or
-    override error (an unknown option, a key not in the config, an unparsable override), in a
-    sweep as in a single run (a sweep's jobs may run in other processes, but their configs are
-    composed where Hydra reports them). Any other error before a single run's job started is one
-    too (a Hydra internal such as a malformed defaults entry). A sweep's jobs may all have run in
-    other processes (joblib's workers), so a sweep that started counts as started jobs, whether
-    ``-m`` or a named experiment's ``hydra.mode: MULTIRUN`` made it one."""
+    """Whether Hydra's exit 1 reported a configuration error: the exit's context (Hydra exits in its
+    ``except``) is a composition or override error, or a single run failed before its job started. A
+    started sweep counts as started jobs: they may all have run in joblib's worker processes."""
     if isinstance(exc.__context__, (CompactHydraException, OmegaConfBaseException)):
         return True
     multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:]) or CompareCallback.multirun_started
@@ -142,11 +126,9 @@ def cli() -> None:
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-    # SIGTERM stops the whole command as Ctrl-C does, not only a job under way: outside a job
-    # (composing, between sweep jobs, a joblib sweep's parent waiting on its workers) its default
-    # action would kill the process on the spot, with no comparison and, in a parallel sweep, the
-    # workers left running as orphans with summaries that say "running". Either signal, sent to a
-    # parallel sweep's parent alone (a scheduler's, a supervisor's), reaches its workers (stop).
+    # SIGTERM stops the whole command as Ctrl-C does: outside a job its default action would kill
+    # the process with no comparison, leaving a parallel sweep's workers orphaned. ``stop`` forwards
+    # either signal to those workers.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
@@ -156,9 +138,8 @@ def cli() -> None:
         compare_stopped()
         sys.exit(stopped_status())
     except ValueError as exc:
-        # Hydra checks its command-line flags (-m with --cfg, --info or -r: "Only one of --run,
-        # --multirun, --cfg, --info and --shell_completion can be specified") before it reports
-        # errors itself, so that one escaped as a traceback. A job's own errors never reach here.
+        # Hydra checks its own flags (-m with --cfg, --info or -r) before its error reporting
+        # starts, so their ValueError reaches here; a job's own errors never do.
         if _jobs_started or CompareCallback.multirun_started:
             raise
         print(f"error: {exc}", file=sys.stderr)
@@ -172,6 +153,6 @@ def cli() -> None:
             sys.exit(EXIT_CONFIG_ERROR)
         elif exc.code and CompareCallback.sweep_dir is not None:
             # The sweep neither ended (its end clears sweep_dir) nor was stopped: its launcher
-            # failed, and Hydra printed the error. The jobs it took down say "running" no more.
+            # failed, and Hydra printed the error. The jobs it took down are marked failed.
             compare_stopped(exc.__context__ or RuntimeError(f"the sweep failed (status {exc.code})"))
         raise

@@ -1,10 +1,9 @@
 """The ``RunLogger`` interface: where a run's measurements go besides its local files.
 
-The run (``framework/harness/experiment.py``) always writes its files to the run directory; a logger
-sends the same things elsewhere (an experiment tracker). Chosen by the Hydra ``logger`` group
-(``logger=wandb``); options are the group's keys. The run calls every logger through
-``Guarded``, so a logger that fails (a tracker that is unreachable, a bug) is switched off with
-a warning and never fails the run.
+The run (``framework/harness/experiment.py``) always writes its local files; a logger sends the same
+things elsewhere (an experiment tracker). The Hydra ``logger`` group picks it (``logger=wandb``) and
+holds its options. Every call goes through ``Guarded``: a logger that fails is switched off with a
+warning and never fails the run.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ _terminated = False
 
 
 def terminate(signum: int, frame: object) -> None:
-    """SIGTERM (a batch scheduler's time limit, ``kill``, a sweep launcher stopping its workers)
-    stops a run as Ctrl-C does, so it keeps what it measured, instead of dying mid-write."""
+    """A job's SIGTERM handler (a batch scheduler's time limit, ``kill``, a launcher stopping its
+    workers): stops the run as Ctrl-C does, so it keeps what it measured."""
     global _terminated
     _terminated = True
     raise KeyboardInterrupt("SIGTERM")
@@ -48,9 +48,8 @@ def _workers() -> list[multiprocessing.process.BaseProcess]:
 
 
 def started_jobs(sweep_dir: Path) -> list[Path]:
-    """The folders of the sweep's jobs that have started: Hydra writes a job's ``.hydra`` folder
-    before the job's function runs, so a folder with one and no ``summary.json`` is a job still
-    building its engine or warming up (``run_experiment`` writes its ``running`` summary next)."""
+    """The folders of the sweep's jobs that have started (Hydra writes ``.hydra`` before the job
+    runs); one without ``summary.json`` is still building its engine or warming up."""
     return sorted(path.parent for path in sweep_dir.glob("*/.hydra"))
 
 
@@ -69,15 +68,9 @@ def _running(sweep_dir: Path) -> bool:
 
 
 def stop(signum: int, frame: object) -> None:
-    """The command's SIGINT and SIGTERM handler: a KeyboardInterrupt, as Python's Ctrl-C handler
-    raises (SIGTERM also sets the exit status 143). In a parallel sweep's parent it first forwards
-    the signal to the workers and waits (``WORKERS_GRACE_S`` at most, or until the next signal)
-    until every job that started has a summary that says how it ended (``_running``), one still
-    building its engine included: joblib kills its workers with SIGKILL as soon as the
-    parent is interrupted, and a job killed so keeps no metrics. A worker stops its job as on
-    Ctrl-C and writes its summary. A terminal's Ctrl-C reaches the workers too, and the forwarded
-    signal is dropped as a repeat (``framework.harness.experiment``); the waiting then spares them the
-    race against the SIGKILL they used to lose."""
+    """The command's SIGINT and SIGTERM handler: raises KeyboardInterrupt (SIGTERM also sets status
+    143). A parallel sweep's parent first forwards the signal to its workers and waits, up to
+    ``WORKERS_GRACE_S`` or the next signal, for their summaries: joblib SIGKILLs them once this raises."""
     global _terminated, _waiting
     if signum == signal.SIGTERM:
         _terminated = True
@@ -88,6 +81,7 @@ def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(reason)
     _waiting = True
     try:
+        # A worker that got a terminal's Ctrl-C too drops this repeat (experiment._repeats_dropped).
         for worker in workers:
             try:
                 os.kill(worker.pid, signum)
@@ -104,11 +98,9 @@ def stop(signum: int, frame: object) -> None:
 
 
 def mark(run_dir: Path, status: str, exc: Exception | None = None) -> bool:
-    """Make the run's summary.json say ``status`` (``failed`` or ``interrupted``), also when the
-    run stopped before writing one (a configuration error, building the engine, warming up). An
-    interrupt keeps a summary that already says how the run ended (a Ctrl-C while the plots of a
-    finished run were drawn); a failure overrides it with its error. Returns whether the summary
-    holds measurements (requests served)."""
+    """Make the run's summary.json say ``status`` (``failed`` or ``interrupted``), writing one if
+    there is none; an interrupt keeps a summary that already says how the run ended, a failure
+    overrides it. Returns whether the summary holds measurements."""
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.is_file() else {}
     if status == "failed" or summary.get("status") in (None, "running"):
@@ -121,13 +113,9 @@ def mark(run_dir: Path, status: str, exc: Exception | None = None) -> bool:
 
 
 def compare_stopped(failure: BaseException | None = None) -> None:
-    """A sweep stopped by Ctrl-C still gets the comparison of the runs it made. A job whose summary
-    still says ``running``, or that started and wrote none, was killed where no handler runs
-    (joblib's launcher SIGKILLs its workers once the parent is interrupted: the parent waits for
-    their summaries first, see ``stop``, but not past ``WORKERS_GRACE_S`` or a second Ctrl-C):
-    it is marked ``interrupted``;
-    or ``failed``, with ``failure``, when the launcher itself failed mid-sweep (a joblib worker
-    killed by the OS, which takes the other workers' jobs down with it)."""
+    """Compare the runs a stopped sweep made. Its jobs still ``running`` (or started with no summary:
+    SIGKILLed, see ``stop``) are marked ``interrupted``, or ``failed`` with ``failure`` when the
+    launcher itself failed (a worker killed by the OS takes the other workers' jobs down)."""
     sweep_dir = CompareCallback.sweep_dir
     if sweep_dir is not None:
         jobs = {path.parent for path in sweep_dir.glob("*/summary.json")} | set(started_jobs(sweep_dir))
@@ -140,9 +128,8 @@ def compare_stopped(failure: BaseException | None = None) -> None:
     try:
         table = compare_stopped_sweep()
     except KeyboardInterrupt:
-        # Ctrl-C again while the comparison is written (matplotlib's import and the plots take
-        # seconds) stops it, as a run's repeated Ctrl-C stops its plots: the caller still ends
-        # the command with the stopped status, not a traceback from inside the first one's handling.
+        # A second Ctrl-C stops the comparison (the plots take seconds); the caller still exits
+        # with the stopped status, not a traceback.
         print("interrupted: the comparison of the runs so far was not finished", file=sys.stderr)
         return
     if table is not None:

@@ -1,10 +1,8 @@
 """The ``Workload`` interface: what requests an experiment sends, and when.
 
-A workload turns its options (the Hydra ``workload`` group's keys) into a list of
-``WorkloadRequest``: prompt tokens, output length, priority, an arrival time in seconds after
-the run starts and, where a request samples unlike the others, its own sampling keys. The
-cluster driver (``framework/harness/cluster.py``) feeds them to the engine when their time comes.
-Generation is deterministic: the same options and seed give the same requests.
+A workload turns its options (the Hydra ``workload`` group's keys) into a list of ``WorkloadRequest``,
+deterministically: the same options and seed give the same requests. The serving loop
+(``framework/harness/cluster.py``) sends each to the engine when its arrival time comes.
 """
 from __future__ import annotations
 
@@ -93,10 +91,9 @@ def sampling_params(request: WorkloadRequest, sampling: dict[str, Any]) -> Sampl
 
 
 def non_default_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
-    """The ``SAMPLING_KEYS`` whose values under ``sampling`` differ from a workload's defaults
-    (``SAMPLING_DEFAULTS``, then ``SamplingParams``'), as ``SamplingParams`` normalises them (a
-    top_k of -1 is its 0): what a saved trace must hold to replay them. A bad value raises
-    SamplingParams' ValueError."""
+    """The ``SAMPLING_KEYS`` of ``sampling`` that differ from a workload's defaults, normalised as
+    ``SamplingParams`` does (top_k -1 is 0): what a saved trace must hold to replay them. A bad
+    value raises SamplingParams' ValueError."""
     params = SamplingParams(**{**SAMPLING_DEFAULTS, **sampling})
     return {k: getattr(params, k) for k in SAMPLING_KEYS if getattr(params, k) != getattr(_DEFAULT_PARAMS, k)}
 
@@ -116,6 +113,6 @@ def create_workload(options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
     try:
         return WORKLOADS.create_from(options), sampling
     except BadOptionsError as exc:
-        # The sampling keys were split off above, so the workload's own options it lists lack
-        # them: a misspelt repetition_penalty would be answered with a list that omits it.
+        # The options it lists lack the sampling keys split off above: a misspelt
+        # repetition_penalty would get a list without it.
         raise BadOptionsError(f"{exc}; and every workload's sampling keys: {', '.join(SAMPLING_KEYS)}") from None

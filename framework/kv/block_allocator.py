@@ -1,10 +1,4 @@
-"""The ``BlockAllocator`` interface: KV block bookkeeping that the scheduler calls.
-
-An allocator owns the ids of the device KV blocks (and of the CPU swap blocks) and decides
-which request holds which block. It never touches a tensor: the executor moves data for the
-copy/swap lists the scheduler collects, which is why the same allocator serves real and
-simulated runs.
-"""
+"""The ``BlockAllocator`` interface: KV block bookkeeping (block ids, never tensors) that the scheduler calls."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -49,6 +43,8 @@ class BlockAllocator(ABC):
     swap blocks.
 
     Contract:
+    - It keeps books only and never touches a tensor: the executor runs the copy and swap lists the
+      scheduler collects, so real and simulated runs share one allocator.
     - Block ``NULL_BLOCK`` is reserved; ``num_blocks - 1`` blocks are usable.
     - ``allocate_slots`` either gives the request every block it needs, or changes nothing and
       returns False. It writes ``request.block_ids`` and nothing else on the request but
@@ -111,17 +107,15 @@ class BlockAllocator(ABC):
     # -- allocation ------------------------------------------------------------------------------
     @abstractmethod
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
-        """Give ``request`` blocks for its first ``num_computed_tokens + prefix + num_new_tokens``
-        tokens, taking the ``prefix`` blocks first (only for a request holding no blocks).
-        All-or-nothing: on False nothing changed. A ``prefix`` holds only until the next
-        allocation evicts one of its blocks; taking it after that is a ValueError."""
+        """Give ``request`` blocks for its first ``num_computed_tokens + prefix + num_new_tokens`` tokens, the
+        ``prefix`` blocks first (only for a request holding none). All-or-nothing: False changes nothing. A
+        ``prefix`` holds until an allocation evicts one of its blocks; taking it after that is a ValueError."""
 
     def fits_after(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None,
                    released: Sequence[Request]) -> bool:
-        """Whether ``allocate_slots(request, num_new_tokens, prefix)`` would succeed once the
-        ``released`` requests gave their device blocks back (a policy asking before it preempts
-        them). Changes nothing. This default counts every block they hold as freed, which
-        overcounts blocks they share; allocators that share blocks answer exactly."""
+        """Whether ``allocate_slots(request, num_new_tokens, prefix)`` would succeed once the ``released``
+        requests gave their device blocks back; changes nothing. This default counts all their blocks as
+        freed, overcounting shared ones; allocators that share blocks answer exactly."""
         freed = sum(len(r.block_ids) for r in released)
         return self._new_blocks(request, num_new_tokens, prefix) <= self.num_free_blocks + freed
 

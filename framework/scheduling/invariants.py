@@ -1,4 +1,4 @@
-"""The scheduling invariants, checked after a step when ``scheduler.check_invariants`` is set."""
+"""The scheduling invariants, checked after each step when ``EngineConfig.check_invariants`` is set."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -11,10 +11,9 @@ if TYPE_CHECKING:
 
 
 def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
-    """Raise AssertionError if this step's output or the queues break a scheduling invariant:
-    budgets; every scheduled token has a slot in a block its request holds (and may write);
-    waiting requests hold no blocks, swapped ones exactly the swap blocks of their computed
-    tokens and no device blocks; the queues and the allocator's books agree."""
+    """Raise AssertionError if this step's output or the queues break an invariant: budgets; each scheduled
+    token has a writable slot in its request's blocks; waiting requests hold no blocks, swapped ones exactly
+    the swap blocks of their computed tokens; the queues and the allocator's books agree."""
     total = out.total_num_scheduled_tokens
     assert total <= scheduler.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
     assert len(scheduler.running) <= scheduler.max_num_seqs, f"{len(scheduler.running)} running > max_num_seqs"

@@ -10,16 +10,14 @@ from framework.common.request import Request
 class SchedulerOutput:
     """What to run this step. The runner reads only this, never the scheduler's queues.
 
-    ``scheduled`` is the batch order; ``num_scheduled_tokens`` lists the same requests in the same
-    order. Rows of ``new_requests`` (first run, forked sequences
-    included) and ``resumed_requests`` (back from recompute or swap) are built from scratch; other scheduled
-    requests extend their row with the tokens and blocks added since the last step. Rows of
-    ``finished_req_ids`` (finished, aborted, preempted or swapped out) are dropped; an output that
-    schedules nothing and moves no block is not run, so it lists no rows to drop and no forked
-    sequence (the next one does). Block lists
-    are applied before the forward pass: all three read their sources as they were before the
-    step, then write (a block freed during the step may be reused by another list in the same step).
-    No request is swapped both out and in within one step.
+    ``scheduled`` is the batch order; ``num_scheduled_tokens`` lists the same requests in the same order.
+    Rows of ``new_requests`` (first run, forked sequences included) and ``resumed_requests`` (back from
+    recompute or swap) are built from scratch; other scheduled requests extend their row with the tokens
+    and blocks added since the last step. Rows of ``finished_req_ids`` (finished, aborted, preempted or
+    swapped out) are dropped. An output that schedules nothing and moves no block is not run, so it lists
+    no rows to drop and no forked sequence (the next one does). The three block lists are applied before
+    the forward pass, all reading their sources before any is written (a block freed during the step may
+    be reused by another list). No request is swapped both out and in within one step.
     """
 
     scheduled: list[Request] = field(default_factory=list)

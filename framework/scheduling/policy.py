@@ -57,10 +57,9 @@ class SchedulerPolicy(ABC):
         return self.preemption_mode
 
     def on_waiting(self, request: Request) -> None:
-        """Called each time ``request`` enters the waiting queue (on arrival, preempted by
-        recompute, a forked sample waiting for a seat, told once the step's samples are all
-        forked, last first): for a policy that keeps its own index of the waiting requests
-        (``priority_swap``'s heap). Default: nothing."""
+        """Called each time ``request`` enters the waiting queue (arrival, recompute preemption, a forked
+        sample waiting for a seat: told after the step's forks, last first), for a policy that indexes
+        its waiting requests (``chunked``'s heap). Default: nothing."""
 
     def num_new_tokens(self, request: Request, token_budget: int, num_prefix_tokens: int = 0) -> int:
         """Tokens to compute for ``request`` now, given what is left of the step's budget."""

@@ -133,16 +133,9 @@ class Scheduler:
         return out
 
     def step_failed(self, out: SchedulerOutput) -> None:
-        """The executor failed on ``out`` (an exception, Ctrl-C), after this scheduler committed
-        it: the KV the step was to write, swap in or copy may be missing or partial, and its
-        requests hold blocks for tokens they did not compute. The blocks the step was to fill
-        leave the prefix cache, or a later request with the same prefix would read them as
-        computed. The step's scheduled and swapped-out requests, and any other that counts a
-        block it was to fill as computed (one swapped in but not scheduled), go back to waiting,
-        their blocks freed, to be recomputed. The runner may not have dropped the rows the step
-        listed, and may have built rows for others: the next output that runs lists them again,
-        and rebuilds the rows of the step's new or resumed requests still running (a forked
-        sample it did not schedule)."""
+        """Recover from the executor failing on committed ``out`` (an exception, Ctrl-C): the blocks it was
+        to fill leave the prefix cache; its scheduled and swapped-out requests, and any counting such a block
+        as computed, wait to be recomputed; the next output that runs redoes its row drops and row builds."""
         bs = self.block_size
         written = [dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy]
         for req in out.scheduled:
@@ -211,9 +204,8 @@ class Scheduler:
 
     # -- operations for policies -----------------------------------------------------------------
     def find_prefix(self, request: Request) -> PrefixHit:
-        """Cached blocks the request could start from (only for a request holding no blocks).
-        None for a request whose prompt logprobs are still to come: a hit would skip the
-        positions that compute them, so, as vLLM v1, it computes its whole prompt."""
+        """Cached blocks the request could start from; an empty hit for a request with blocks or computed
+        tokens, or with prompt logprobs to come (as vLLM v1: a hit would skip the positions computing them)."""
         if request.num_computed_tokens or request.block_ids or request.needs_prompt_logprobs:
             return PrefixHit()
         return self.allocator.find_prefix(request)
@@ -312,10 +304,9 @@ class Scheduler:
         self.policy.on_waiting(request)
 
     def swap_in(self, step: Step, request: Request, num_tokens: int = 0) -> bool:
-        """Bring a swapped request back to the device. Without ``num_tokens`` it still has to be
-        scheduled; with it, it comes back only if the free blocks also hold that many new
-        tokens, which are then scheduled. False, with nothing changed, when blocks or
-        ``max_num_seqs`` do not allow it."""
+        """Bring a swapped request back to the device; with ``num_tokens``, only if the free blocks also hold
+        that many new tokens, which are then scheduled (else it is still to be scheduled). False, with
+        nothing changed, when the blocks or ``max_num_seqs`` do not allow it."""
         if request.status != RequestStatus.SWAPPED:
             raise ValueError(f"{request.request_id} is {request.status.name}, not swapped")
         if step.was_preempted(request):
@@ -359,20 +350,14 @@ class Scheduler:
 
     # -- parallel sampling (vLLM v0) -------------------------------------------------------------
     def fork(self, parent: Request, child: Request, first_token: int, now: float | None = None) -> None:
-        """vLLM v0's fork: ``parent`` computed the rest of its prompt in the step being finished,
-        and ``child`` (a request with the same prompt, not yet known to the scheduler) sampled
-        ``first_token`` from the same logits. Call it after the executor ran the step and before
-        ``update_from_output``, so ``parent`` still holds its blocks even if its own first token
-        finishes it.
+        """vLLM v0's fork: ``child`` (new to the scheduler, with ``parent``'s prompt) sampled ``first_token``
+        in the step that completed ``parent``'s prompt. Call it after the executor ran that step, before
+        ``update_from_output`` (so ``parent`` still holds its blocks), with that call's ``now``.
 
-        The child then runs on ``parent``'s device blocks (reference counts go up; its first write
-        into the shared last block gets a private copy through ``blocks_to_copy``) and is listed in
-        the next output's ``new_requests``. With ``max_num_seqs`` sequences already running it
-        waits instead, at the front of the waiting queue behind the samples forked to wait
-        before it in this step, to be prefilled on its own (the prefix cache still finds the
-        prompt's full blocks). A child that its first token finishes never runs. ``now`` (default: the clock's
-        now) times the first token: pass the step's ``update_from_output`` time, so the samples of
-        one step share one time."""
+        The child shares ``parent``'s device blocks (copy-on-write through ``blocks_to_copy``) and is in the
+        next output's ``new_requests``; with ``max_num_seqs`` running it waits instead, at the queue's front
+        after this step's earlier waiting forks, to be prefilled on its own. A child finished by its first
+        token never runs."""
         if parent.status != RequestStatus.RUNNING or parent.num_output_tokens:
             raise ValueError(f"cannot fork from {parent.request_id}: it must be running and still at its prompt")
         if (child.request_id in self.requests or child.status != RequestStatus.WAITING

@@ -1,10 +1,8 @@
 """Fitting a cost model's parameters to measured step times (what ``framework.profile`` runs).
 
-A roofline-style model predicts ``t = offset + sum_g max_{(i, x) in g} theta_i * x``: each group
-``g`` is one part of the step whose legs (compute, memory, ...) each scale with one parameter.
-Given which leg binds in every group, ``t`` is linear in ``theta``, so the fit alternates: pick
-the binding legs under the current ``theta``, solve a bounded linear least-squares problem on
-relative error, repeat until the choice of legs stops changing. A few dozen small solves.
+A row predicts ``t = offset + sum_g max_{(i, x) in g} theta_i * x`` (``Groups``: each group one part of the
+step, each leg ``(i, x)`` one parameter's term). With each group's binding leg fixed, ``t`` is linear in
+``theta``: the fit alternates choosing the binding legs and a bounded least-squares solve on relative error.
 """
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The ``CostModel`` interface: how long one engine step takes, from what the step computes.
-
-The simulated executor (``framework/sim/executor.py``) calls it once per step with the step's
-``BatchShape``; the profile command (``framework/sim/profile.py``) measures real steps and asks the
-cost model to fit its parameters to them.
-"""
+"""The ``CostModel`` interface: how long one engine step takes, from the step's ``BatchShape``."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -96,30 +91,22 @@ class BatchShape:
 
 
 class CostModel(ABC):
-    """Predicts step durations in seconds for one replica: ``tensor_parallel_size`` devices of
-    ``hardware`` running ``model`` in ``dtype`` (``dtype_bytes``-byte weights and KV cache; the
-    dtype picks the device's peak FLOP/s). Without ``dtype``, the one ``dtype_bytes`` means:
-    ``default_dtype``.
-
-    Contract: ``step_time`` is a pure function of its argument (the same shape always takes the
-    same time; a replay model is the exception and says so); ``decode_step_time(m, ctx)``
-    returns exactly (bit for bit) ``step_time`` of a batch of ``m`` decode rows attending to
-    ``ctx`` keys in total, so a simulator may advance pure-decode steps without building shapes
-    (a subclass that overrides ``step_time`` alone is asked through ``step_time`` there too).
-    Options come from the ``cost_model`` config node as keyword arguments; unknown ones are
-    rejected.
+    """Step durations in seconds for one replica: ``tensor_parallel_size`` devices of ``hardware`` running
+    ``model`` in ``dtype`` (default: ``default_dtype(dtype_bytes)``), options from the ``cost_model`` config
+    node as keyword arguments (unknown ones rejected). ``step_time`` is a pure function of the shape unless
+    ``deterministic`` is False; ``decode_step_time(m, ctx)`` must equal, bit for bit, ``step_time`` of
+    ``m`` decode rows attending to ``ctx`` keys in all (a subclass overriding only ``step_time`` is timed through it).
     """
 
     name: ClassVar[str] = ""
-    #: Whether ``step_time`` is a pure function of the shape. A simulator may then plan steps it
-    #: ends up not taking (and ask again later); a model that is not (a replay) is asked once per
-    #: step actually taken.
+    #: Whether ``step_time`` is a pure function of the shape: a simulator may then plan steps it does
+    #: not take; otherwise (a replay) it asks once per step taken.
     deterministic: ClassVar[bool] = True
 
     def __init__(self, model: ModelConfig, hardware: Hardware, dtype_bytes: int = 2,
                  tensor_parallel_size: int = 1, block_size: int = 16, *, dtype: str | None = None) -> None:
         tp, heads, kv = tensor_parallel_size, model.num_attention_heads, model.num_key_value_heads
-        # is_int: a bool is no device count (tensor_parallel_size=true ran, and was labelled, as true).
+        # is_int: a bool is no device count (True would pass as 1).
         if not (is_int(tp) and tp >= 1 and heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)):
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size!r} must be >= 1 and divide the model's "

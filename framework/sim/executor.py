@@ -1,9 +1,4 @@
-"""The simulated executor: no weights, no KV tensors; each step lasts what a cost model says.
-
-Everything above the executor (policy, scheduler, block allocator with its prefix cache and swap
-space) runs unchanged, so a policy studied here behaves as it does on the real executor; only
-the forward pass is replaced by advancing a ``VirtualClock`` by the predicted step time.
-"""
+"""The simulated executor: no weights, no KV tensors; a cost model says how far each step moves the clock."""
 from __future__ import annotations
 
 import functools
@@ -56,8 +51,8 @@ class SimExecutor(Executor):
         self.dtype_bytes = DTYPE_BYTES[self.dtype]
         model = source.config
         name, _ = split_spec(cost_model, "roofline", COST_MODELS.kind)
-        # A cost model written before dtypes were passed (no ``dtype`` keyword) still loads; it
-        # then gets the dtype as an attribute, which is all the base class keeps of it.
+        # A plugin cost model taking no ``dtype`` keyword still loads: it gets the dtype as an
+        # attribute, which is all the base class keeps of it.
         takes_dtype = name is None or "dtype" in inspect.signature(COST_MODELS.get(name)).parameters
         self.cost_model: CostModel = COST_MODELS.create_from(cost_model, model, self.hardware, self.dtype_bytes,
                                                              tensor_parallel_size, config.block_size, default="roofline",
@@ -100,8 +95,7 @@ class SimExecutor(Executor):
         usable = hw.memory_bytes * config.gpu_memory_utilization - hw.runtime_reserved_gib * GiB
         budget = usable - weights - activations
         if budget <= 0:
-            # The usable figure is what the weights and activations must fit in: the runtime's
-            # reserve is out of it (it used to be left in, so 15.5 GiB "did not fit" in 16.0).
+            # The usable figure excludes the runtime's reserve: it is what weights and activations must fit in.
             raise ValueError(
                 f"model {config.model!r} does not fit on {hw.name!r} with tensor_parallel_size={self.tp}: "
                 f"{weights / GiB:.2f} GiB of weights and {activations / GiB:.2f} GiB of activations per device, "
@@ -134,10 +128,9 @@ class SimExecutor(Executor):
         return ExecutorOutput(sampled)
 
     def plan_decode_run(self, segments: list[tuple[int, int, int]], until: float = math.inf) -> list[float]:
-        """End times of consecutive pure-decode steps: segment ``(steps, num_seqs, context)`` is
-        ``steps`` steps of ``num_seqs`` rows attending to ``context`` keys in its first step
-        (``num_seqs`` more each step). Stops before the first step that would start at or after
-        ``until``. The times are what stepping one by one gives, bit for bit."""
+        """End times of consecutive pure-decode steps, bit for bit those stepping gives: segment ``(steps,
+        num_seqs, context)`` is ``steps`` steps of ``num_seqs`` rows attending to ``context`` keys on its first
+        (``num_seqs`` more each step); stops before a step that would start at or after ``until``."""
         t = self.clock.now()
         times: list[float] = []
         cost = self.cost_model.decode_step_time

@@ -1,29 +1,10 @@
-"""Advance a simulated engine by a run of pure-decode steps at once, with the same result as
-stepping them one by one.
+"""Advance a simulated engine by a run of pure-decode steps at once, as stepping them one by one would.
 
-Between two events (an arrival, a request finishing, a preemption, a swap) a serving engine
-mostly repeats one step: every running request computes one token. When the policy promises
-that (``DecodeRunPolicy``), nothing waits or is swapped, and the free blocks cover
-every block the steps will start, the scheduler's decisions for the next ``J`` steps are known
-without asking it, up to and including the first step on which a request finishes.
-``plan_decode_run`` works out those steps and their times without changing anything, and
-``commit_decode_run`` applies the first ``k`` of them:
-
-- the allocator sees exactly the ``allocate_slots(request, 1)`` calls of the step-by-step run,
-  in the same (step, running-order) order, less the calls that change nothing
-  (``DecodeRunAllocator.allocate_decode_run``), so block ids, prefix-cache contents and evictions
-  come out identical;
-- the step times are the executor's, computed step by step from the same batch shapes
-  (``SimExecutor.plan_decode_run``), so every token time is bit-for-bit the same;
-- each request gets its tokens, token times and computed-token count in bulk; a request
-  finishing on the last step gets that step's token through ``Scheduler.update_from_output``,
-  which finishes it as an ordinary step would; steps are counted, and step callbacks that can
-  take a whole run (``on_decode_run``) get one.
-
-Everything else (the first step after an arrival, a step that needs a block the pool lacks, a
-preemption) is left to ``LLMEngine.step``. A part takes part by declaring its protocol
-(``DecodeRunPolicy``, ``DecodeRunAllocator``, ``DecodeRunExecutor``); turn it off with the sim
-executor's ``fast_forward=False`` to step one by one.
+A run qualifies when nothing waits or is swapped, the free blocks cover the blocks its steps start, and the
+policy, allocator and executor declare ``DecodeRunPolicy``, ``DecodeRunAllocator`` and ``DecodeRunExecutor``.
+The allocator then sees the same ``allocate_slots(request, 1)`` calls in the same order (less those that change
+nothing) and the executor times the same shapes, so block ids, prefix-cache contents and token times are
+identical. Anything else is left to ``LLMEngine.step``; the sim executor's ``fast_forward=False`` turns it off.
 """
 from __future__ import annotations
 
@@ -45,10 +26,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecodeRun:
-    """Steps ``first_step .. first_step + len(end_times) - 1``, each one token for each request
-    running at its start (``batch_sizes[k]`` of them on step ``k``). Step ``k`` of the run starts
-    at ``start_time`` (k = 0) or at the previous end time; ``kv_blocks_used[k]`` is the device
-    blocks in use after it (both lists empty when no step callback asked)."""
+    """Steps ``first_step .. first_step + len(end_times) - 1``, each one token for each of the ``batch_sizes[k]``
+    requests running at its start (``start_time``, then the previous end time); ``kv_blocks_used[k]`` is
+    the device blocks in use after step ``k`` (both lists empty unless a step callback asked)."""
 
     first_step: int
     start_time: float
@@ -65,10 +45,9 @@ class DecodeRun:
 
 
 class DecodeRunPolicy(Protocol):
-    """A policy takes part by setting ``steady_decode = True`` on the class that defines its
-    ``schedule`` (or a subclass), a promise: while nothing waits or is swapped and every running
-    request has one token to compute, ``schedule`` gives each of them one token, in ``running``
-    order, and preempts only when blocks run out."""
+    """A policy takes part by setting ``steady_decode = True`` on the class defining ``schedule`` (or a
+    subclass), a promise: while nothing waits or is swapped and every running request has one token to
+    compute, ``schedule`` gives each one token, in ``running`` order, preempting only when blocks run out."""
 
     steady_decode: ClassVar[bool]
 
@@ -78,10 +57,9 @@ class DecodeRunAllocator(Protocol):
     ``allocate_slots`` (or a subclass), so that a subclass changing allocation alone drops out."""
 
     def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
-        """At least as many free blocks as ``allocate_decode_run(requests, num_steps)`` would take
-        (the caller only checks the pool covers them), or None when skipping the
-        ``allocate_slots(request, 1)`` calls that neither start nor fill a block could change
-        anything (a shared block still written into); no decode run then."""
+        """At least as many free blocks as ``allocate_decode_run(requests, num_steps)`` would take, or
+        None (no decode run) when skipping the ``allocate_slots(request, 1)`` calls that neither start
+        nor fill a block could change anything (a shared block still written into)."""
 
     def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False,
                             active: Sequence[int] | None = None,
@@ -113,15 +91,10 @@ class DecodeRunExecutor(Protocol):
 def replay_decode_run(allocator: BlockAllocator, requests: Sequence[Request], num_steps: int, track: bool = False,
                       active: Sequence[int] | None = None,
                       pauses: Mapping[int, Callable[[], None]] | None = None) -> list[int]:
-    """The allocations of ``num_steps`` steps that each compute one token of every request
-    still taking part: the same effect as calling ``allocate_slots(request, 1)`` for step
-    ``j = 1..num_steps`` and each request in order, with ``num_computed_tokens`` ``j - 1`` past
-    its value at the call. Request ``i`` takes part in the first ``active[i]`` steps (default:
-    all); after step ``j``'s allocations, ``pauses[j]()`` runs (the caller finishes requests
-    there, which frees blocks). The requests' new tokens are already in ``token_ids``, and
-    ``decode_run_blocks`` said the free blocks suffice. Returns the blocks in use after each
-    step when ``track``, else []. It replays only the calls that can change anything: the
-    reference for an allocator's own ``allocate_decode_run``."""
+    """The effect of ``allocate_slots(request, 1)`` for steps ``j = 1..num_steps`` and each request in order,
+    replaying only the calls that can change anything (the reference ``allocate_decode_run``): request ``i``
+    takes the first ``active[i]`` steps (default: all), ``pauses[j]()`` runs after step ``j``'s allocations.
+    Needs the new tokens in ``token_ids`` and the pool checked; returns as ``allocate_decode_run``."""
     bs = allocator.block_size
     pauses = pauses or {}
     events: dict[int, list[tuple[Request, int]]] = {j: [] for j in pauses}
@@ -173,10 +146,9 @@ def _declares(policy_cls: type) -> bool:
 
 
 def plans_as_it_runs(part: object, runs: tuple[str, ...], plans: tuple[str, ...]) -> bool:
-    """Whether ``part``'s decode-run planning (its methods ``plans``) is defined by the class
-    that defines how it runs steps (its methods ``runs``), or by a subclass of it: a subclass
-    overriding ``execute`` or ``allocate_slots`` alone would have its decode runs planned by
-    its base, as if unchanged, and the fast path would no longer be what stepping gives."""
+    """Whether ``part``'s decode-run planning (methods ``plans``) is defined by the class that defines
+    how it runs steps (methods ``runs``) or a subclass of it; if not, its base would plan the decode runs
+    of a subclass overriding only ``execute`` or ``allocate_slots``, and the fast path would diverge."""
     return _plans_as_it_runs(type(part), runs, plans)
 
 
@@ -198,11 +170,9 @@ ALLOCATOR_METHODS = ("allocate_slots",), ("decode_run_blocks", "allocate_decode_
 
 @dataclass
 class DecodePlan:
-    """The pure-decode steps that provably come next from the engine's current state: step ``k``
-    ends at ``end_times[k]``; request ``i`` of ``running`` samples ``tokens[i]`` and finishes on
-    its ``lefts[i]``-th step; ``segments`` are the runs of steps between finishes, ``(steps, batch
-    size, keys attended on the first)``. Planning changes nothing; a plan is valid until the
-    engine changes."""
+    """The pure-decode steps that provably come next, valid until the engine changes: step ``k`` ends at
+    ``end_times[k]``; request ``i`` of ``running`` samples ``tokens[i]`` and finishes on its ``lefts[i]``-th step;
+    ``segments`` are the runs between finishes, ``(steps, batch size, keys attended on the first)``."""
 
     start_time: float
     end_times: list[float]
@@ -213,11 +183,9 @@ class DecodePlan:
 
 
 def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes: bool = True) -> DecodePlan | None:
-    """Plan the pure-decode steps that provably come next: every running request computes one
-    token per step until it finishes (``through_finishes``; else the run ends with the first
-    step on which one does), stopping before a step that would start at or after ``until`` (the
-    next arrival) or need a block the pool lacks. None when not even one step qualifies (the
-    caller then takes an ordinary ``engine.step()``)."""
+    """Plan, changing nothing, the pure-decode steps that provably come next, up to the last finish
+    (``through_finishes``) or the first, none starting at or after ``until`` (the next arrival) or
+    needing a block the pool lacks. None when no step qualifies: take an ordinary ``engine.step()``."""
     executor = engine.executor
     if not getattr(executor, "fast_forward", False):
         return None

@@ -1,13 +1,9 @@
-"""Device descriptions for the simulator's cost model: ``conf/hardware/NAME.yaml`` or a dict.
+"""Device descriptions for the simulator's cost models: ``conf/hardware/NAME.yaml`` or a dict of its fields.
 
-Figures are the datasheet's (peak dense matrix throughput per dtype, memory bandwidth and size,
-interconnect), plus the launch and runtime costs a serving stack pays on top. What a real kernel
-reaches of the peaks is not a device fact: the cost model's efficiency factors say that, and
-calibration measures them.
-
-``peak_tflops`` is either one number (the same peak whatever the dtype, as hardware files had it
-before the peaks were per dtype) or a mapping ``{dtype: TFLOP/s}``; a dtype a mapping leaves out
-is one the device is not described for, and a simulation in it is refused.
+Figures are the datasheet's (peak dense matrix throughput, memory bandwidth and size, interconnect) plus the
+launch and runtime costs a serving stack pays; how much of the peaks kernels reach is left to the cost model's
+efficiency factors. ``peak_tflops`` is one number for every dtype or a mapping ``{dtype: TFLOP/s}``; a dtype
+the mapping leaves out cannot be simulated.
 """
 from __future__ import annotations
 
@@ -162,7 +158,7 @@ def load_hardware(spec: str | dict[str, Any] | Hardware) -> Hardware:
         return spec
     if isinstance(spec, dict):
         return Hardware.from_dict(dict(spec))
-    if not isinstance(spec, (str, Path)):  # executor.hardware=null or =5 was a TypeError from Path()
+    if not isinstance(spec, (str, Path)):  # executor.hardware=null or =5: Path() would raise a bare TypeError
         raise ValueError(f"hardware must be a preset ({', '.join(hardware_presets())}), the path of a YAML file "
                          f"or a mapping of its fields, got {spec!r}")
     path = Path(spec).expanduser()

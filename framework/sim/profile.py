@@ -1,14 +1,9 @@
 """``python -m framework.profile``: measure the real executor, fit the cost model, write a YAML.
 
-Runs the ``model`` executor (the real forward pass, on the device at hand: this CPU, or a GPU
-when there is one) through a grid of batch compositions: ``m`` requests of ``L``-token prompts,
-prefilled in as few steps as the token budget allows and then decoded for a few steps. Every
-engine step is timed from its start to its end (scheduler, forward pass, sampling and output
-bookkeeping: what a real run's timeline is made of) and recorded with its ``BatchShape``. The
-grid runs ``--repeats`` times and each distinct shape keeps its median (``--statistic min``: its
-fastest repeat, the one other work disturbed least). The cost model then fits its parameters to
-those (a small least-squares problem, well under a second), and the YAML it writes is what
-``cost_model.calibration=FILE`` loads::
+Runs the ``model`` executor on the device at hand through a grid of cells (``m`` requests of ``L``-token
+prompts, prefilled, then decoded a few steps), times every whole engine step with its ``BatchShape``, keeps
+each distinct shape's median over ``--repeats`` (``--statistic min``: its fastest), fits the cost model's
+parameters to them and writes the YAML that ``cost_model.calibration=FILE`` loads::
 
     python -m framework.profile --model tiny-llama --hardware cpu --out calibration/cpu-tiny-llama.yaml
     python -m framework.profile --hardware h100-sxm --model /path/to/checkpoint --grid large
@@ -31,13 +26,10 @@ from framework.sim.hardware import load_hardware
 
 logger = logging.getLogger(__name__)
 
-#: (prompt lengths, request counts, decode steps, most prompt tokens per cell). A dozen decode steps
-#: per cell: the first after a prefill runs slower (cold caches), as it does in real runs too. The
-#: counts are dense where batches are small: they are the knots of the roofline's small-GEMM curve,
-#: and step time is not monotone there (this VM, small-llama: a decode step of 3 requests is
-#: slower than one of 4). On this CPU the extra counts cost 50% more profiling time (tiny-llama,
-#: 3 repeats: 30 s, was 20 s); the fit's error on held-out real steps fell from 21-23% to 14-17%
-#: (calibrated first, then served).
+#: (prompt lengths, request counts, decode steps, most prompt tokens per cell). A dozen decode steps per
+#: cell, as the first after a prefill runs slower (cold caches). Counts are dense at small batches, the knots
+#: of the roofline's small-GEMM curve, where step time is not monotone (on a CPU, 3 requests can be slower
+#: than 4); the extra counts take 50% longer to profile and cut the error on held-out steps by about a third.
 GRIDS: dict[str, tuple[list[int], list[int], int, int]] = {
     "quick": ([16, 96], [1, 4], 2, 512),
     "default": ([16, 64, 128, 256, 512], [1, 2, 3, 4, 6, 8, 12, 16, 32], 12, 4096),
@@ -55,16 +47,15 @@ def grid_cells(name: str, lengths: list[int] | None = None, counts: list[int] | 
     if min(lengths) < 1 or min(counts) < 1:
         raise ValueError("prompt lengths and request counts must be >= 1")
     cells = [(m, length, decode) for length in lengths for m in counts if m * length <= max(budget, length)]
-    if not cells:  # else the engine's sizing failed on "max() arg is an empty sequence"
+    if not cells:  # else the engine's sizing would fail on "max() arg is an empty sequence"
         raise ValueError(f"no cell of grid {name!r} fits its budget of {budget} prompt tokens (requests x prompt "
                          f"length, or one prompt): lower --counts (now {counts})")
     return cells
 
 
-#: How a shape's repeated measurements become one sample. ``median`` is robust to a disturbed
-#: repeat either way; ``min`` keeps the least disturbed one, for measurements taken in a way that
-#: disturbs the grid more than the steps it is meant to predict (sim_fidelity interleaves the
-#: grid's cells with a real run, so every cell starts on caches the other engine has just filled).
+#: How a shape's repeats become one sample: ``median`` is robust to a disturbed repeat; ``min`` keeps the
+#: least disturbed one, for grids disturbed more than the steps they predict (sim_fidelity interleaves
+#: the cells with a real run, whose engine leaves the caches full).
 STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 
 
@@ -131,11 +122,9 @@ class Profiler:
 
 def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: int = 0,
             timer: Callable[[], float] = time.perf_counter, statistic: str = "median") -> list[tuple[BatchShape, float]]:
-    """Seconds per distinct step shape (the ``statistic`` of its repeats) over ``repeats``
-    passes of ``cells`` on ``engine`` (a model-executor ``LLMEngine``; its prefix cache should be
-    off so every prompt computes), timed with ``timer`` (``time.process_time`` leaves out other
-    processes' time on a shared machine, provided torch runs one thread). A first pass warms up
-    and is not recorded."""
+    """Seconds per distinct step shape (the ``statistic`` of its repeats) over ``repeats`` passes of ``cells``,
+    after an unrecorded warm-up pass, on ``engine`` (a model-executor ``LLMEngine``, prefix cache off), timed
+    by ``timer`` (``time.process_time`` ignores other processes on a shared machine if torch runs one thread)."""
     _statistic(statistic)  # before the grid runs
     profiler = Profiler(engine, seed, timer)
     try:

@@ -29,9 +29,8 @@ class Replica:
         # Set by the cluster: the routing time, and how to bring the replica's state up to it.
         self._now = 0.0
         self._settle: Callable[[int, float], None] = lambda index, t: None
-        # Set by the cluster when this replica's blocks are of another size than the first replica's:
-        # the routed request's hash cache (block_hashes, filled by the replicas asked before) holds
-        # hashes of the first one's blocks, which would match none of this one's.
+        # Set by the cluster when this replica's block size differs from the first's: the request's
+        # block_hashes, filled by the replicas asked before, would match none of its blocks.
         self._own_hashes = False
 
     @property

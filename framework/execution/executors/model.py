@@ -40,10 +40,9 @@ _threads: tuple[int, int] | None = None
 
 
 def set_num_threads(num_threads: int | None) -> None:
-    """Run torch on ``num_threads`` threads; None: on the process's own count (torch's default, or
-    what the caller set), also after an earlier engine in this process chose one. torch's setting
-    is per process, and the jobs of a Hydra sweep (or of a reused joblib worker) share one: a job
-    with ``engine.num_threads=null`` after one with 1 ran single-threaded."""
+    """Run torch on ``num_threads`` threads; None: on the process's own count (torch's default or the
+    caller's), also after an earlier engine in this process chose one (the setting is per process, and
+    a Hydra sweep's jobs or a reused joblib worker share it)."""
     global _threads
     current = torch.get_num_threads()
     # The count before an engine's choice, unless the caller set one of their own since.

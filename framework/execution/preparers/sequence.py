@@ -1,10 +1,9 @@
-"""vLLM v0's sequence data model (seed 004): the vocabulary of the ``v0`` input preparer.
+"""vLLM v0's sequence data model (seed 004), the vocabulary of the ``v0`` input preparer (data only).
 
-A request is a ``SequenceGroup``: the ``n`` sequences sampled from one prompt. Each ``Sequence``
-has a status, logical blocks and a ``SequenceData`` (prompt and output tokens, how many of them
-are computed, and the stage: PREFILL until every known token is computed, then DECODE). Each
-step the scheduler describes every scheduled group to the model runner with a
-``SequenceGroupMetadata`` (seed 002). This module holds data only; it is not a preparer.
+A request is a ``SequenceGroup``, the ``n`` sequences sampled from one prompt. Each ``Sequence`` has a
+status, logical blocks and a ``SequenceData`` (tokens, how many are computed, and the stage: PREFILL
+until every known token is computed, then DECODE). A ``SequenceGroupMetadata`` describes one scheduled
+group to the model runner for one step.
 """
 from __future__ import annotations
 
@@ -29,12 +28,9 @@ class SequenceStage(enum.Enum):
 
 
 class SequenceData:
-    """Token ids of one sequence and how far its KV cache is computed.
-
-    ``update_num_computed_tokens`` moves the stage to DECODE once every known token is computed;
-    appending the sampled token afterwards leaves it in DECODE (one uncomputed token, the next
-    step's input). ``reset_state_for_recompute`` (after a preemption) goes back to PREFILL.
-    """
+    """Token ids of one sequence and how far its KV cache is computed. The stage turns DECODE once every
+    known token is computed and stays so as sampled tokens are appended (each the next step's input);
+    ``reset_state_for_recompute`` (after a preemption) returns it to PREFILL."""
 
     __slots__ = ("prompt_token_ids", "output_token_ids", "_token_ids", "_num_computed_tokens", "_stage")
 
@@ -126,11 +122,8 @@ class LogicalTokenBlock:
 
 
 class Sequence:
-    """One sequence of a group: its data, status and logical blocks.
-
-    The logical blocks are derived from the tokens when asked for (later v0 did the same, keeping
-    only ``n_blocks`` per step), so appending a token costs nothing beyond the list append.
-    """
+    """One sequence of a group: its data, status and logical blocks. The logical blocks are derived from
+    the tokens when read (as later v0 versions do), so appending a token costs only the list append."""
 
     __slots__ = ("seq_id", "block_size", "data", "status", "stop_reason")
 
@@ -219,10 +212,9 @@ class SequenceGroup:
         return next(iter(self.seqs_dict.values())).is_prefill()
 
     def get_max_num_running_seqs(self) -> int:
-        """The most sequences this group can run at once for the rest of its life: ``n`` while
-        its prompt is computed (the others are forked when it is sampled), then the unfinished
-        ones (the v0 preparer drops finished ones from the group, so counting the group's
-        sequences against ``n`` would not tell the two apart)."""
+        """The most sequences this group can run at once for the rest of its life: ``n`` while its prompt
+        is computed (the others are forked when it is sampled), then its unfinished ones (the v0 preparer
+        drops finished ones from the group)."""
         if self.is_prefill():
             return self.sampling_params.n
         return self.num_unfinished_seqs()
@@ -244,11 +236,10 @@ class SequenceGroup:
 class SequenceGroupMetadata:
     """What the model runner learns about one scheduled group in one step (seed 002).
 
-    ``seq_data`` and ``block_tables`` are keyed by sequence id (the block table lists physical
-    block numbers). A prompt step computes ``token_chunk_size`` tokens of each sequence (default:
-    the whole sequence), a decode step one; ``do_sample`` is False for a prompt chunk that stops
-    short of the last token. ``computed_block_nums`` are blocks whose KV is already cached (prefix
-    caching) and need no recomputation.
+    ``seq_data`` and ``block_tables`` (physical block numbers) are keyed by sequence id. A prompt step
+    computes ``token_chunk_size`` tokens of each sequence (default: all), a decode step one;
+    ``do_sample`` is False for a prompt chunk short of the last token. ``computed_block_nums``: blocks
+    whose KV is already cached (prefix caching).
     """
 
     __slots__ = ("request_id", "is_prompt", "seq_data", "sampling_params", "block_tables", "do_sample",

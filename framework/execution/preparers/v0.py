@@ -1,16 +1,10 @@
 """vLLM v0's input preparation, sequence group by sequence group (seeds 002 and 004).
 
-Two stages, as in v0. ``to_metadata`` does what v0's scheduler did after scheduling: it keeps a
-``SequenceGroup`` per live request group (one ``Sequence`` per scheduled request, its
-``SequenceData`` following the request's tokens and progress) and describes the step as a list
-of ``SequenceGroupMetadata``, prompt groups first, then decode groups (the decoding sequences of
-one group share one entry). ``build`` is v0's model runner: it walks that list sequence by
-sequence in Python, appending each sequence's tokens, positions, cache slots, lengths and block
-table, and pads the block tables with the null block.
-
-Parallel sampling is v0's too (``forks_parallel_samples``): a request with ``forks`` prefills
-once, and when its prompt completes its logits row is sampled for it and for each fork; the
-engine then forks those sequences from it, sharing its KV blocks copy-on-write.
+Two stages, as in v0: ``to_metadata`` (v0's scheduler after scheduling) keeps a ``SequenceGroup`` per
+live request group, one ``Sequence`` per request, and describes the step as ``SequenceGroupMetadata``,
+prompt groups first, then one entry per decoding group; ``build`` (v0's model runner) walks that list
+sequence by sequence in Python. Parallel sampling is v0's too: a request with ``forks`` prefills once
+and its logits row is sampled for it and each fork (``forks_parallel_samples``).
 """
 from __future__ import annotations
 

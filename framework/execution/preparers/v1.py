@@ -1,16 +1,11 @@
 """vLLM v1's flat persistent batch (seeds 000 and 001).
 
-The preparer keeps one row per live request, as vLLM v1's model runner does: its tokens in a
-token table ``(max_num_reqs, max_model_len rounded up to whole blocks)``, its blocks in a block
-table ``(max_num_reqs, ceil(max_model_len / block_size))``, and how many tokens it has computed
-and knows. A row is built from its request when the request enters the batch (new, resumed
-after preemption or swap, forked); after that the row follows from the scheduled token counts:
-a prepared step advances the row's computed tokens, the model runner records the sampled tokens
-(``record_sampled``), and only blocks a row newly needs, or tokens nobody recorded, are read
-from the request. The step's inputs are gathered from the tables with vectorised numpy.
-
-The scheduler stays the source of truth: ``check=True`` compares every scheduled row with its
-request each step (the engine turns it on with ``check_invariants``, as the tests do).
+As vLLM v1's model runner, the preparer keeps one row per live request: its tokens in a token table
+``(max_num_reqs, max_model_len rounded up to whole blocks)``, its blocks in a block table
+``(max_num_reqs, ceil(max_model_len / block_size))``, its computed and known token counts. A row is
+built from its request when it enters the batch (new, resumed, forked), then follows the scheduled
+counts and ``record_sampled``; only blocks it newly needs, or tokens nobody recorded, are read from the
+request. The requests stay the source of truth: ``check=True`` compares each scheduled row with its own.
 """
 from __future__ import annotations
 
@@ -45,9 +40,8 @@ def _flags(req: Request) -> int:
 
 
 class _HostArrays(dict):
-    """The step's host arrays. Two of vLLM's intermediates that the step itself never needs,
-    ``req_indices`` (the batch row of each token, as ``rows`` gives each request's) and
-    ``arange`` (each token's index within its request's chunk), are computed when first read.
+    """The step's host arrays. ``req_indices`` (each token's batch row) and ``arange`` (each token's index
+    in its request's chunk), vLLM intermediates the step never needs, are computed when first read.
     As in seed 001, ``token_indices`` is ``req_indices * token table width + positions`` and
     ``block_table_indices`` is ``req_indices * max_blocks_per_req + positions // block_size``."""
 

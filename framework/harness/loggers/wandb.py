@@ -1,11 +1,9 @@
-"""Weights & Biases: the resolved config, the step timeline, the summary, the per-request table
-and the plots of a run.
+"""Weights & Biases logger: a run's resolved config, step timeline, summary, request table and plots.
 
-Offline unless told otherwise: ``mode`` in the logger config wins, then ``WANDB_MODE``, then
-online when an API key is configured (``WANDB_API_KEY`` or a ``~/.netrc`` / ``$NETRC`` entry
-for the W&B host), else offline. Offline runs land in ``<run dir>/wandb/offline-run-*`` (upload them later
-with ``wandb sync``). If an online start fails (no network, bad key) the run logs offline
-instead; any later failure switches the logger off (``framework/harness/run_logger.py: Guarded``).
+The mode is the logger config's ``mode``, else ``WANDB_MODE``, else online when an API key is
+configured (``WANDB_API_KEY`` or a ``~/.netrc`` / ``$NETRC`` entry for the W&B host), else offline.
+Offline runs land in ``<run dir>/wandb/offline-run-*`` (``wandb sync`` uploads them). A failed online
+start logs offline instead; a later failure switches the logger off (``run_logger.Guarded``).
 """
 from __future__ import annotations
 
@@ -58,11 +56,10 @@ def _name(option: str, value: Any) -> str | None:
 
 @LOGGERS.register("wandb")
 class WandbLogger(RunLogger):
-    """Options: ``project``, ``entity``, ``group`` (default: the sweep's folder), ``tags``,
-    ``mode`` (online / offline / disabled; null: decide as above), ``init_timeout`` (seconds),
-    ``max_step_rows``: each time this many step rows have been logged, only every other one of
-    the following steps is (a simulated run has hundreds of thousands of steps and each log call
-    costs ~0.4 ms; ``steps.csv`` keeps every one); null logs every step."""
+    """Options: ``project``, ``entity``, ``group`` (default: the sweep's folder), ``tags``, ``mode``
+    (online / offline / disabled; null: as the module says), ``init_timeout`` (seconds),
+    ``max_step_rows``: each time this many step rows were logged, the stride over steps doubles (a
+    log call costs ~0.4 ms; ``steps.csv`` keeps every step); null logs every step."""
 
     def __init__(self, project: str = "servelab", entity: str | None = None, group: str | None = None,
                  tags: list[str] | None = None, mode: str | None = None, init_timeout: float = 60.0,

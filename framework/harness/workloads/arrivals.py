@@ -23,12 +23,9 @@ def check_rate(rate: float | None, burstiness: float = 1.0, what: str = "rate") 
 
 
 def arrival_times(n: int, rate: float | None, burstiness: float, rng: np.random.Generator) -> np.ndarray:
-    """Arrival times (seconds, non-decreasing) of ``n`` requests; the first arrives after one gap.
-
-    ``rate`` None (or infinite) sends everything at t=0. The gaps are drawn at unit rate and
-    divided by ``rate``, so the same seed at another rate gives the same requests, only scaled
-    in time: a rate sweep changes nothing but the load.
-    """
+    """Arrival times (seconds, non-decreasing) of ``n`` requests, the first after one gap; all 0 for a
+    ``rate`` of None or inf. Gaps are drawn at unit rate and divided by ``rate``, so another rate
+    only rescales the same times."""
     if isinstance(rate, float) and math.isinf(rate):
         rate = None
     check_rate(rate, burstiness)

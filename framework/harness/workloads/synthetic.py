@@ -1,5 +1,4 @@
-"""Synthetic workloads: random prompts with chosen length distributions, arrival process,
-shared prefixes and priority classes."""
+"""Synthetic workloads: random prompts with chosen lengths, arrivals, shared prefixes and priorities."""
 from __future__ import annotations
 
 import math
@@ -126,8 +125,8 @@ class SyntheticWorkload(Workload):
     def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:
         n = self.num_requests
         seeds = np.random.SeedSequence(self.seed).spawn(6)
-        # The second stream, once the all-at-once class mix, is unused; still spawned so that the
-        # streams after it, and so every seed's requests, stay as they were.
+        # The second stream is unused but still spawned, so the streams after it (and so each
+        # seed's requests) keep their values.
         arrival_rng, _, prompt_rng, output_rng, token_rng, prefix_rng = (np.random.default_rng(s) for s in seeds)
         times, class_of = self._arrivals(arrival_rng)
         classes = self.classes or [PriorityClass(0, self.rate, 1.0, self.prompt_len, self.output_len)]
@@ -168,9 +167,8 @@ class SyntheticWorkload(Workload):
         shares = np.array([c.share for c in self.classes])
         shares /= shares.sum()
         explicit = self.classes[0].rate is not None
-        # All at once, the classes are ordered as the streams at unit total rate would order them:
-        # the same order as at any workload rate, so a sweep over rate (null included) changes
-        # only the times, as documented.
+        # All at once, the classes are ordered as the streams at unit total rate would order them,
+        # as at any workload rate: a sweep over rate (null included) changes only the times.
         rates = [c.rate for c in self.classes] if explicit else [(self.rate or 1.0) * s for s in shares]
         # Superpose one arrival stream per class, each long enough alone, and keep the first n.
         streams = [arrival_times(n, r, self.burstiness, np.random.default_rng(s))

@@ -11,10 +11,8 @@ the workload's, which apply to the entries without them).
 
 A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
 skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Files are
-UTF-8, as JSON is. Every run
-saves the requests it sent as ``workload.jsonl`` in this format (their token ids, arrival times,
-priorities, output lengths and the sampling keys that differ from the defaults; not a text
-prompt's text), so any workload can be replayed exactly.
+UTF-8, as JSON is. Every run saves the requests it sent as ``workload.jsonl`` in this format
+(token ids, not a text prompt's text), so any workload can be replayed exactly.
 """
 from __future__ import annotations
 
@@ -66,10 +64,8 @@ def _a_file(path: Path) -> Path:
 
 
 def read_text(path: Path) -> str:
-    """A workload file's text, decoded as UTF-8 (JSON's encoding; a byte-order mark is skipped),
-    not in the locale's encoding, which reads the same file differently on another machine (and
-    not at all under ``LC_ALL=C`` once it holds a non-ASCII character). A file that cannot be
-    read, or is not text, is a ValueError naming it."""
+    """A workload file's text, decoded as UTF-8 (JSON's encoding, whatever the locale; a byte-order
+    mark is skipped). A file that cannot be read, or is not text, is a ValueError naming it."""
     try:
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -177,14 +173,9 @@ def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[Wo
 
 
 def save_trace(path: str | Path, requests: list[WorkloadRequest], sampling: dict[str, Any] | None = None) -> None:
-    """Write ``requests`` as JSONL that ``load_trace`` reads back to the same requests, less the
-    text of text prompts (their token ids are kept). Each entry holds the sampling keys its
-    request is sent with (``sampling``, the workload's, under the request's own) where they differ
-    from the defaults (``SAMPLING_DEFAULTS``, then ``SamplingParams``'), so a replay under the
-    trace workload's defaults samples as the run did; an entry of default sampling has none, as
-    files had before, so the replaying workload's own keys apply to it (and to the keys an
-    entry leaves out). (orjson: a simulated run's workload holds millions of token ids, which
-    the json module writes 5x slower.)"""
+    """Write ``requests`` as JSONL that ``load_trace`` reads back as the same requests, less text
+    prompts' text. Each entry holds its non-default sampling keys (``sampling`` under the request's
+    own), so a replay samples as the run did. orjson: json writes millions of token ids 5x slower."""
     shared = non_default_sampling(sampling or {})
     with open(path, "wb") as f:
         for r in requests:

@@ -1,5 +1,4 @@
-"""Paged KV blocks with reference counts, hash-chained prefix caching, LRU eviction and a CPU
-swap space (vLLM's block manager, nano-vllm's ``BlockManager``, seed 003)."""
+"""Paged KV blocks: reference counts, hash-chained prefix cache, LRU eviction, CPU swap (vLLM's, seed 003)."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, defaultdict
@@ -164,11 +163,9 @@ class PagedBlockAllocator(BlockAllocator):
     # -- decode runs (framework.sim.fast_forward.DecodeRunAllocator) ----------------------------
     def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
         """The fast-forward protocol's bound on the blocks a decode run takes (None: not now)."""
-        # A one-token step allocates only when it starts a block and seals only when it fills
-        # one; it would copy only when writing into a shared partial block, which we rule out.
-        # Only fork() shares a block a request still writes into (prefix hits are full blocks),
-        # so without one the bound below (each request starts at most one block per bs steps)
-        # settles the common case without visiting the requests.
+        # A one-token step allocates only when it starts a block and copies only into a shared partial
+        # block, which only fork() makes (prefix hits are full blocks): without a fork, one block per
+        # request per bs steps bounds the run without visiting the requests.
         bs, blocks = self.block_size, self._blocks
         bound = len(requests) * -(-num_steps // bs)
         if not self._forked and bound <= len(self._free):
@@ -187,12 +184,11 @@ class PagedBlockAllocator(BlockAllocator):
     def allocate_decode_run(self, requests: Sequence[Request], num_steps: int, track: bool = False,
                             active: Sequence[int] | None = None,
                             pauses: Mapping[int, Callable[[], None]] | None = None) -> list[int]:
-        """The fast-forward protocol's decode run: ``replay_decode_run``'s effect, event by event."""
+        """The fast-forward protocol's decode run: ``fast_forward.replay_decode_run``'s effect, event by event."""
         bs = self.block_size
-        # events[j]: what happens on step j, in request order: (request, -1) takes a fresh block
-        # (the step starts one), (request, i) seals block i (the step fills it). Requests are
-        # visited in order and each adds its start before its fill, as allocate_slots does when
-        # one step does both (block_size 1).
+        # events[j]: step j's events in request order: (request, -1) takes a fresh block (the step starts
+        # one), (request, i) seals block i (the step fills it); a start precedes a fill in the same step
+        # (block_size 1), as in allocate_slots.
         events: defaultdict[int, list[tuple[Request, int]]] = defaultdict(list)
         caching = self.enable_prefix_caching
         for k, req in enumerate(requests):

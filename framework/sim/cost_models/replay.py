@@ -1,9 +1,4 @@
-"""Replayed step times: the k-th step takes the k-th measured duration, whatever it computes.
-
-For re-running a measured timeline step for step (the sim-versus-model identity check, or a
-trace from a real deployment): not a function of the batch shape, so the contract's purity
-clause does not hold, and a run that takes more steps than were recorded is an error.
-"""
+"""Replayed step times: the k-th step takes the k-th measured duration, whatever it computes."""
 from __future__ import annotations
 
 import csv
@@ -19,9 +14,9 @@ from models.config import ModelConfig
 
 @COST_MODELS.register("replay")
 class ReplayCostModel(CostModel):
-    """Options: ``durations`` (seconds, in step order) or ``file`` (one duration per line, or a
-    CSV with a ``duration`` column such as a run's ``steps.csv``; of a cluster run's, the rows of
-    replica ``replica``)."""
+    """Options: ``durations`` (seconds, in step order) or ``file`` (one duration per line, or a CSV with a
+    ``duration`` column such as a run's ``steps.csv``; of a cluster run's, the rows of replica ``replica``).
+    Not a function of the shape (``deterministic = False``); a step past the recorded ones is a RuntimeError."""
 
     deterministic = False
 
@@ -49,8 +44,8 @@ class ReplayCostModel(CostModel):
 
 
 def _durations(values: Sequence[Any], source: str) -> list[float]:
-    """``values`` as seconds, each a finite number >= 0; ``source`` names them for the error. A
-    NaN would pass a ``>= 0`` test as false and make the clock, and every latency, NaN."""
+    """``values`` as seconds, each a finite number >= 0 (a NaN would make the clock, and every latency,
+    NaN); ``source`` names them for the error."""
     out = []
     for k, value in enumerate(values):
         d = parse_finite_float(value)

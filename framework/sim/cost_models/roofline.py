@@ -1,29 +1,12 @@
-"""Roofline step times: every part of a step takes the longer of its compute time (FLOPs over
-the device's peak FLOP/s in the model's dtype) and its memory time (bytes over bandwidth), each
-derated by an efficiency factor, plus the overheads a serving stack pays per step, per request
-and per kernel.
+"""The roofline cost model: each part of a step takes the longer of its compute and memory time, plus overheads.
 
-Per tensor-parallel device, for ``N`` scheduled tokens of which ``S`` sample:
-
-- linear layers: ``2 N P`` FLOPs, their weights plus their inputs and outputs in bytes
-  (``P`` = one device's share of the layers' matrices); the LM head likewise for ``S`` rows;
-- attention: prefill rows ``4 d H`` FLOPs per query-key pair and their keys and values read once;
-  decode rows the same per key, which makes them memory bound; the KV cache write, norms, RoPE,
-  the activation and the residuals are memory traffic;
-- tensor parallelism: two ring all-reduces of the hidden states per layer, one after the
-  embedding, and a gather of the logits, over the interconnect; swap traffic over PCIe;
-  copy-on-write copies in device memory;
-- overheads: a fixed CPU cost per step, per request (input preparation, sampling, and backends
-  that loop over requests), per token, and a launch cost per kernel;
-- small GEMMs (``extra_weight_passes``, calibrated, off by default): a GEMM of a few rows may
-  stream its weights more than once. CPU BLAS runs small-M products a few rows per pass over
-  the weights (measured here: 2 or 3 rows cost 2 or 3 single-row products, 4 about as much as
-  3, 5 to 8 one pass more), and GPU libraries switch tile shapes and split-K by M. For ``N``
-  tokens the layers' weights are read ``extra(N)`` more times at nominal bandwidth, ``extra``
-  interpolated linearly between the token counts it was fitted at and held beyond them.
-
-The efficiency factors and overheads are parameters (``PARAMS``, plus the ``CURVE``);
-``calibrate`` fits them to measured steps by bounded least squares on relative error.
+Per tensor-parallel device, for ``N`` scheduled tokens of which ``S`` sample, each time derated by an efficiency
+factor: linear layers ``2 N P`` FLOPs and their weights, inputs and outputs in bytes (``P``: the device's share of
+the matrices), the LM head likewise for ``S`` rows; attention ``4 d H`` FLOPs per query-key pair and its keys and
+values read once; the KV write, norms, RoPE, activation and residuals as memory traffic; two ring all-reduces per
+layer, one after the embedding and a logits gather over the interconnect; swaps over PCIe; overheads per step,
+request, token and kernel launch; and, off by default, ``extra_weight_passes(N)`` more reads of the layers'
+weights (interpolated between its token counts, held beyond), as small GEMMs may stream their weights repeatedly.
 """
 from __future__ import annotations
 
@@ -221,10 +204,9 @@ class RooflineCostModel(CostModel):
         return offset, groups
 
     def _warn_if_fitted_elsewhere(self, calibration: Mapping[str, Any]) -> None:
-        """Log a warning for each way the calibration's measurements differ from this simulation:
-        another device, a model of another shape (GEMMs of other sizes reach other fractions of
-        the peaks), another dtype (another peak, other kernels), tensor-parallel degree (smaller
-        GEMMs per device) or KV block size. Provenance a calibration leaves out is not checked."""
+        """Log a warning for each way the calibration's measurements differ from this simulation (device,
+        its figures, model shape, dtype, tensor-parallel degree, KV block size), as its efficiencies may not
+        carry over. Provenance a calibration leaves out is not checked."""
         # `hardware: null` (a calibration that names no device) is no provenance, as a missing one.
         fitted_hw = calibration.get("hardware") or {}
         fitted_on = fitted_hw.get("name")
@@ -232,9 +214,8 @@ class RooflineCostModel(CostModel):
             logger.warning("calibration fitted on hardware %r applied to %r: its efficiency factors may not carry over",
                            fitted_on, self.hardware.name)
         elif fitted_on is not None:
-            # The same device with other figures: the efficiencies are fractions of the figures the
-            # fit was made against (a calibration written when the preset had one peak for every
-            # dtype, or a figure overridden on the command line), so the times it fitted would change.
+            # Same device, other figures (an edited preset, a figure overridden): the efficiencies are
+            # fractions of the fitted figures, so the times the fit reproduced would change.
             differ = self._figures_differ(fitted_hw, calibration.get("dtype") or self.dtype)
             if differ:
                 logger.warning("calibration fitted on hardware %r with other figures than this simulation's (%s): its "
@@ -340,10 +321,8 @@ def load_calibration(spec: str | Path | dict[str, Any]) -> dict[str, Any]:
 
 
 def _number(name: str, value: Any, source: str | None = None) -> float:
-    """Parameter ``name``'s ``value`` as a float: a finite number (or a string of one, as a YAML
-    written by hand may give). ``source`` names where it came from, for the error. A NaN or an
-    infinity would pass the range checks and make every step time NaN or infinite, and with
-    them every latency of the run."""
+    """Parameter ``name``'s ``value`` as a float: a finite number, or a string of one (a hand-written YAML);
+    NaN and infinity are refused, as they would pass the range checks. ``source`` names its origin."""
     x = parse_finite_float(value)
     if x is None:
         where = f" (from {source})" if source else ""

@@ -1,10 +1,8 @@
 """Prefix-cache-aware routing: send a request where most of its prompt is already cached.
 
-Each replica's allocator says how many leading blocks of the prompt its prefix cache holds
-(``find_prefix``); the request goes to the replica holding the most, ties to the least loaded.
-Pure cache affinity piles a popular prefix onto one replica, so when that replica has more than
-``max_imbalance`` outstanding requests above the least loaded one, load wins (SGLang's
-cache-aware router balances the same way).
+The request goes to the replica whose prefix cache holds most of its prompt's leading blocks, ties to
+the least loaded; when that replica has more than ``max_imbalance`` outstanding requests above the least
+loaded one, load wins, so a popular prefix is not piled onto one replica (as SGLang's cache-aware router).
 """
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from framework.sim.router import ROUTERS, Replica, Router, least_loaded
 @ROUTERS.register("prefix_aware")
 class PrefixAwareRouter(Router):
     def __init__(self, max_imbalance: int | None = 16) -> None:
-        # An integer: outstanding requests are counted. A NaN would compare false and silently
-        # mean no balancing, a bool would mean 0 or 1, and a string would fail with a TypeError.
+        # An integer, as outstanding requests are counted: a NaN would silently mean no balancing.
         if max_imbalance is not None and not (is_int(max_imbalance) and max_imbalance >= 0):
             raise ValueError(f"max_imbalance must be an integer >= 0 or None (no balancing), got {max_imbalance!r}")
         self.max_imbalance = max_imbalance
