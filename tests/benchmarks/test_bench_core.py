@@ -8,6 +8,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from framework import EngineConfig, LLMEngine, SamplingParams
 from framework.kv.allocators.paged import PagedBlockAllocator
@@ -26,6 +27,43 @@ def test_engine_decode_step(benchmark, batch):
     engine.step()  # the prefill; every later step is a pure decode of `batch` requests
     benchmark(engine.step)
     engine.abort_request([str(i) for i in range(batch)])
+    engine.step()
+
+
+class NoModel(torch.nn.Module):
+    """Stands in for the model so that a step costs only its CPU side: hidden states and logits of
+    the right shapes, made once (the logits favour one token, so greedy sampling has one answer)."""
+
+    def __init__(self, hidden: int, vocab: int, max_rows: int) -> None:
+        super().__init__()
+        self.hidden = torch.zeros(max_rows, hidden)
+        self.logits = torch.zeros(max_rows, vocab)
+        self.logits[:, 7] = 1.0
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        return self.hidden[:len(input_ids)]
+
+    def compute_logits(self, hidden):
+        return self.logits[:len(hidden)]
+
+
+@pytest.mark.parametrize("running", [64, 256])
+def test_step_loop_cpu_side(benchmark, running):
+    """One decode step of ``running`` requests without the forward pass: scheduler, input
+    preparation, attention metadata, sampler and outputs (final only, as ``LLM.generate`` asks),
+    the CPU work every step adds."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=2048, max_num_seqs=running,
+                                    max_num_batched_tokens=max(2048, running)))
+    cfg = engine.model_config
+    engine.executor.runner.model = NoModel(cfg.hidden_size, cfg.vocab_size, max(2048, running))
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(running):
+        engine.add_request(str(i), list(range(3, 3 + 16 + i % 32)), params)
+    while engine.scheduler.waiting:
+        engine.step()  # the prefills; every later step is a pure decode of `running` requests
+    benchmark(engine.step, final_only=True)
+    assert len(engine.scheduler.running) == running
+    engine.abort_request([str(i) for i in range(running)])
     engine.step()
 
 

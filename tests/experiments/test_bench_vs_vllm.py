@@ -18,6 +18,7 @@ spec.loader.exec_module(bench_vs_vllm)
 
 @pytest.mark.parametrize("argv, match", [
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
     (["--num-requests", "-1"], "--num-requests must be at least 1"),
     (["--policies", "fcfs,nope"], "--policies: nope not a policy; choose among"),
     (["--policies", ","], "--policies: (none) not a policy"),

@@ -1,0 +1,102 @@
+// Decode attention on a CPU, read straight from the paged KV cache: one query token per request,
+// no gather of its K/V into a padded batch first (the copy and the padding cost more than the
+// arithmetic at decode). Loaded by backends/cpu_kernels.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// q, out: [n, H, D]; k_cache, v_cache: [blocks, block_size, KVH, D] (D contiguous);
+// block_table: [n, >= ceil(max seq_len / block_size)] int64; seq_lens: [n] int64, each >= 1.
+template <typename T>
+void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t table_width = block_table.size(1);
+  const int64_t k_blk = k_cache.stride(0), k_tok = k_cache.stride(1), k_head = k_cache.stride(2);
+  const int64_t v_blk = v_cache.stride(0), v_tok = v_cache.stride(1), v_head = v_cache.stride(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < n; ++r) max_len = std::max(max_len, lens[r]);
+  const float sc = static_cast<float>(scale);
+  // One request per task: its token rows (all heads, contiguous in a block) are read in order.
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), scores(H * max_len);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t len = lens[r];
+      const int64_t* blocks = table + r * table_width;
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[r * H * D + i]) * sc;
+      for (int64_t t = 0; t < len; ++t) {
+        const T* krow = kp + blocks[t / bs] * k_blk + (t % bs) * k_tok;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const T* kh = krow + h * k_head;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qh = &qf[(h * G + g) * D];
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
+            scores[(h * G + g) * max_len + t] = dot;
+          }
+        }
+      }
+      for (int64_t head = 0; head < H; ++head) {
+        float* s = &scores[head * max_len];
+        float top = s[0];
+        for (int64_t t = 1; t < len; ++t) top = s[t] > top ? s[t] : top;
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - top);
+          sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* vrow = vp + blocks[t / bs] * v_blk + (t % bs) * v_tok;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const T* vh = vrow + h * v_head;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[(h * G + g) * max_len + t];
+            float* a = &acc[(h * G + g) * D];
+            for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(vh[d]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < H * D; ++i) op[r * H * D + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor out) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the cache's head_dim must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong,
+              "block_table and seq_lens must be int64");
+  TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table and seq_lens must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  switch (q.scalar_type()) {
+    case torch::kFloat: decode<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    case torch::kBFloat16: decode<c10::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    case torch::kHalf: decode<c10::Half>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ", q.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (CPU)");
+}
