@@ -16,6 +16,15 @@ ROPE_REQUIRED_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("f
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
+def eos_token_ids(value: Any, source: str) -> list[int]:
+    """An ``eos_token_id`` (null, a token id or a list of them) as a list. Raises ValueError naming ``source``:
+    ``list("</s>")`` would have made four bogus ids."""
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{source}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(ids)
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -110,8 +119,7 @@ class ModelConfig:
             window = d.get("sliding_window", 4096)
         else:
             window = d.get("sliding_window")
-        eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_ids = eos_token_ids(d.get("eos_token_id"), "model config")
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],

@@ -107,9 +107,9 @@ class LlamaForCausalLM(nn.Module):
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Raises ValueError naming any
-        parameter left unloaded or any checkpoint tensor this model has no place for."""
+        parameter left unloaded, any checkpoint tensor this model has no place for, and two tensors for one."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: dict[str, str] = {}  # parameter (or fused part) -> the checkpoint name loaded into it
         cfg = self.config
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         shards = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
@@ -118,6 +118,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
+            given = name
             if name.startswith("model."):
                 name = name[len("model."):]
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -131,12 +132,15 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 unexpected.append(name)
                 continue
+            key = target if offset is None else f"{target}[{offset}]"
+            if key in loaded:  # e.g. one name with and one without "model.": the second would silently win
+                raise ValueError(f"checkpoint tensors {loaded[key]} and {given} are both the weight {name}")
             with torch.no_grad():
                 dst = param if offset is None else param.narrow(0, offset, size)
                 if dst.shape != tensor.shape:
                     raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
                 dst.copy_(tensor)
-            loaded.add(target if offset is None else f"{target}[{offset}]")
+            loaded[key] = given
         if unexpected:
             raise ValueError(f"checkpoint has tensors this {cfg.model_type} model has no place for: {unexpected[:8]}")
         missing = []

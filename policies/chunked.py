@@ -8,6 +8,7 @@ from typing import Any
 
 from framework.common.config import is_int
 from framework.common.request import Request, RequestStatus
+from framework.kv.block_allocator import PrefixHit
 from framework.scheduling.output import Step
 from framework.scheduling.policy import POLICIES, RECOMPUTE, SchedulerPolicy
 from framework.scheduling.scheduler import Scheduler
@@ -22,10 +23,17 @@ class ChunkedPolicy(SchedulerPolicy):
     prompt is prefilled over several steps.
 
     ``long_prefill_token_threshold`` (> 0) caps the tokens any one request computes per step, so several
-    long prompts share a step. A running request short of blocks preempts the victim ``select_victim``
-    picks (default: the newest running request not yet scheduled this step, else itself). As in vLLM v1,
-    a step that preempted admits nobody: the freed blocks go to the running requests. With
-    ``preemption_mode="swap"``, swapped requests return (oldest first) before new admissions.
+    long prompts share a step; as in vLLM 0.32 (PR #57951) not in a step that starts with one request or
+    none running, waiting or swapped (nobody to starve), unless ``long_prefill_cap_when_alone``. A running
+    request short of blocks preempts the victim ``select_victim`` picks (default: the newest running request
+    not yet scheduled this step, else itself). As in vLLM v1, a step that preempted admits nobody: the freed
+    blocks go to the running requests. With ``preemption_mode="swap"``, swapped requests return (oldest
+    first) before new admissions.
+
+    ``reserve_full_prompt`` (vLLM 0.32's ``scheduler_reserve_full_isl``, PR #37307): a waiting request is
+    admitted only if the free blocks hold all its tokens (its prefix-cache hit reused, a free cached block of
+    that hit counted as taken), not just its first chunk, so a chunked prompt is not admitted only to be
+    preempted halfway; off, its first chunk is enough (vLLM before 0.32).
 
     ``waiting_key`` (one hook, as in ``sjf``) orders the waiting queue by a key read once, when a request
     starts waiting; equal keys keep the queue's order (preempted ones first). The queue is then a heap kept
@@ -38,12 +46,16 @@ class ChunkedPolicy(SchedulerPolicy):
     # requests gives each its one token.
     steady_decode = True
 
-    def __init__(self, preemption_mode: str = RECOMPUTE, long_prefill_token_threshold: int = 0) -> None:
+    def __init__(self, preemption_mode: str = RECOMPUTE, long_prefill_token_threshold: int = 0,
+                 reserve_full_prompt: bool = True, long_prefill_cap_when_alone: bool = False) -> None:
         super().__init__(preemption_mode)
         if not is_int(long_prefill_token_threshold) or long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0 = no cap), "
                              f"got {long_prefill_token_threshold!r}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.reserve_full_prompt = check_flag("reserve_full_prompt", reserve_full_prompt)
+        self.long_prefill_cap_when_alone = check_flag("long_prefill_cap_when_alone", long_prefill_cap_when_alone)
+        self._prefill_cap = long_prefill_token_threshold  # this step's cap: see start_step
         # With a waiting_key: heap entries (key, tie, request) and each request's live entry; a request that
         # leaves or re-enters the queue leaves a stale entry, dropped when it comes up. Ties keep the queue's
         # order: one entering at the front sorts before every earlier entry, one entering at the back after.
@@ -127,11 +139,28 @@ class ChunkedPolicy(SchedulerPolicy):
 
     def num_new_tokens(self, request: Request, token_budget: int, num_prefix_tokens: int = 0) -> int:
         n = super().num_new_tokens(request, token_budget, num_prefix_tokens)
-        if self.long_prefill_token_threshold:
-            n = min(n, self.long_prefill_token_threshold)
+        if self._prefill_cap:
+            n = min(n, self._prefill_cap)
         return n
 
+    def start_step(self, scheduler: Scheduler) -> None:
+        """Fixes this step's long-prefill cap from the requests there are as it starts (vLLM 0.32 counts
+        them once, before scheduling). ``schedule`` calls it first; so does an override of ``schedule``."""
+        alone = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.swapped) <= 1
+        self._prefill_cap = 0 if alone and not self.long_prefill_cap_when_alone else self.long_prefill_token_threshold
+
+    def prompt_fits(self, scheduler: Scheduler, request: Request, prefix: PrefixHit,
+                    released: Sequence[Request] = ()) -> bool:
+        """Whether waiting ``request`` may be admitted as far as its blocks go, once ``released`` gave theirs
+        back: with ``reserve_full_prompt``, all its tokens must fit (as vLLM 0.32 counts: its prompt, and the
+        outputs of a preempted one); without, always (the first chunk's blocks are checked on scheduling)."""
+        if not self.reserve_full_prompt:
+            return True
+        left = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
+        return scheduler.allocator.fits_after(request, left, prefix, released)
+
     def schedule(self, scheduler: Scheduler, step: Step) -> None:
+        self.start_step(scheduler)
         for req in list(scheduler.running):
             if step.token_budget == 0:
                 break
@@ -147,6 +176,13 @@ class ChunkedPolicy(SchedulerPolicy):
             if step.token_budget == 0 or len(scheduler.running) >= scheduler.max_num_seqs:
                 break
             prefix = scheduler.find_prefix(req)
-            if not scheduler.schedule_request(step, req, self.num_new_tokens(req, step.token_budget, prefix.num_tokens),
-                                              prefix):
+            if not self.prompt_fits(scheduler, req, prefix) or not scheduler.schedule_request(
+                    step, req, self.num_new_tokens(req, step.token_budget, prefix.num_tokens), prefix):
                 break
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a bool; else a ValueError naming option ``name`` and its valid values."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value

@@ -26,7 +26,8 @@ class PrioritySwapPolicy(ChunkedPolicy):
     - A swapped request is swapped back in when the blocks for its next tokens are free; it
       never preempts to come back.
     - A waiting request is admitted, preempting lower-priority running requests if that makes
-      room (checked before anyone is preempted, so no swap is wasted).
+      room (checked before anyone is preempted, so no swap is wasted): room for its whole prompt
+      with ``reserve_full_prompt`` (the default, as ``chunked``), else for its first chunk.
     - Once a swapped or waiting request cannot get on the device, or a request was preempted,
       nothing of lower priority is admitted or swapped in behind it in this step (running
       requests keep their turn).
@@ -40,8 +41,10 @@ class PrioritySwapPolicy(ChunkedPolicy):
     steps, as in vLLM v1's priority queue, so a step visits only the waiting requests it reaches.
     """
 
-    def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0) -> None:
-        super().__init__(preemption_mode, long_prefill_token_threshold)
+    def __init__(self, preemption_mode: str = SWAP, long_prefill_token_threshold: int = 0,
+                 reserve_full_prompt: bool = True, long_prefill_cap_when_alone: bool = False) -> None:
+        super().__init__(preemption_mode, long_prefill_token_threshold, reserve_full_prompt,
+                         long_prefill_cap_when_alone)
         self._keyed = True  # a step visits waiting requests in the heap's order, by _order, always
 
     def waiting_key(self, request: Request) -> tuple:
@@ -69,6 +72,7 @@ class PrioritySwapPolicy(ChunkedPolicy):
         # below a victim: both hold for every later request too), only running requests act.
         first = itemgetter(0)
         self._check_indexed(scheduler)
+        self.start_step(scheduler)
         running = sorted([(self._order(r), r) for r in scheduler.running], key=first)
         swapped = sorted([(self._order(r), r) for r in scheduler.swapped], key=first)
         taken: list[tuple[tuple, int, Request]] = []  # heap entries visited in this step
@@ -123,12 +127,20 @@ class PrioritySwapPolicy(ChunkedPolicy):
     def _admit(self, scheduler: Scheduler, step: Step, req: Request) -> bool:
         prefix = scheduler.find_prefix(req)
         n = self.num_new_tokens(req, step.token_budget, prefix.num_tokens)
-        if scheduler.schedule_request(step, req, n, prefix):
+        if self.prompt_fits(scheduler, req, prefix) and scheduler.schedule_request(step, req, n, prefix):
             return True
         order = self._order(req)
         victims = [r for r in scheduler.running
                    if self._order(r) > order and not step.is_scheduled(r) and not step.was_swapped_in(r)]
         if (len(scheduler.running) - len(victims) >= scheduler.max_num_seqs
-                or not scheduler.allocator.fits_after(req, n, prefix, victims)):
+                or not scheduler.allocator.fits_after(req, n, prefix, victims)
+                or not self.prompt_fits(scheduler, req, prefix, victims)):
             return False
+        # With reserve_full_prompt, victims make room for the whole prompt, not only for its first chunk.
+        while not self.prompt_fits(scheduler, req, prefix):
+            candidates = [r for r in scheduler.running if not step.is_scheduled(r) and not step.was_swapped_in(r)]
+            victim = self.select_victim(candidates, req)
+            if victim is None:
+                return False
+            scheduler.preempt(step, victim)
         return scheduler.schedule_or_preempt(step, req, n, prefix)

@@ -22,7 +22,10 @@ class EngineConfig:
     ``preparer``, ``executor``) and receive their ``*_options`` as keyword arguments.
     ``max_model_len=None`` takes the model's longest context (``ModelConfig.max_context``:
     ``max_position_embeddings``, stretched by linear or YaRN RoPE scaling), capped at 8192 so the
-    persistent batch stays small on a laptop. The KV block count comes from
+    persistent batch stays small on a laptop. ``max_num_batched_tokens=None`` is 2048 (or
+    ``max_num_seqs``, if more), raised to ``max_model_len`` for a policy that prefills each prompt
+    whole (vLLM v0's default); such a policy's budget below ``max_model_len`` is refused when the
+    engine is built (``LLMEngine``), as in vLLM. The KV block count comes from
     ``num_gpu_blocks_override`` when set, else from ``kv_cache_memory_gb``, else (CUDA) from
     ``gpu_memory_utilization`` of the card, else (CPU) from ``cpu_kv_cache_gb``. ``swap_space``
     is the CPU swap space in GiB, as in vLLM.
@@ -43,7 +46,7 @@ class EngineConfig:
     executor_options: dict[str, Any] = field(default_factory=dict)
     block_size: int = 16
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_gb: float | None = None
@@ -74,9 +77,9 @@ class EngineConfig:
         bs = self.block_size
         if not is_int(bs) or bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...), got {bs!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            check_positive_int(name, getattr(self, name))
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        check_positive_int("max_num_seqs", self.max_num_seqs)
+        check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             # As vLLM: every running sequence needs a token a step, or the ones past the budget
             # hold their KV blocks and a seat without decoding until those ahead finish.
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

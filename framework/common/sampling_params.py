@@ -2,10 +2,27 @@
 from __future__ import annotations
 
 import enum
+import math
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from framework.common.config import is_finite_number, is_int
+
+
+#: float32's smallest normal and largest finite magnitudes: a number between them keeps its value's sign.
+_FLOAT32_NORMAL, _FLOAT32_MAX = 2.0 ** -126, 3.4028234663852886e38
+
+
+def _check_float32(name: str, value: float, valid: str, span: str, positive: bool = False) -> None:
+    """ValueError naming ``name``, ``valid`` and its float32 ``span`` unless ``value`` stays finite (and > 0 when
+    ``positive``) as the float32 the sampler computes with: a repetition penalty of 1e-300 rounds to 0 there."""
+    if value == 0 or _FLOAT32_NORMAL <= abs(value) <= _FLOAT32_MAX:  # no cast for the usual values (every request)
+        return
+    x = array("f", [float(value)])[0]
+    if not math.isfinite(x) or positive and x <= 0:
+        raise ValueError(f"SamplingParams.{name} must be {valid} ({span} in float32, the sampler's type), "
+                         f"got {value!r}")
 
 
 class RequestOutputKind(enum.Enum):
@@ -74,10 +91,12 @@ class SamplingParams:
                              f"got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check_float32("temperature", self.temperature, "a finite number >= 0", "at most 3.4e38")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        _check_float32("top_p", self.top_p, "in (0, 1]", "at least about 1.4e-45", positive=True)
         if not is_finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -87,6 +106,8 @@ class SamplingParams:
         if not is_finite_number(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0, got "
                              f"{self.repetition_penalty!r}")
+        _check_float32("repetition_penalty", self.repetition_penalty, "a finite number > 0", "about 1.4e-45 to 3.4e38",
+                       positive=True)
         # The seed feeds a 64-bit torch generator: a larger one would fail mid-step, not here.
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -13,11 +14,14 @@ from framework.engine.prompts import Prompt, check_request_args
 from framework.common.outputs import RequestOutput
 from framework.common.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class LLM:
     """``LLM(model="tiny-llama", policy="fcfs", backend="naive", ...)``: every ``EngineConfig``
     field is a keyword argument. ``generate`` runs prompts to completion and returns one
-    ``RequestOutput`` per prompt, in the prompts' order."""
+    ``RequestOutput`` per prompt, in the prompts' order; one the engine never ran (a prompt too
+    long for it) has no tokens and a ``status_message``, and is logged as a warning."""
 
     def __init__(self, model: str = "tiny-llama", **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
@@ -88,7 +92,11 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [results[rid] for rid in ids]
+        outputs = [results[rid] for rid in ids]
+        for out in outputs:
+            if out.status_message:  # ignored by the scheduler: its output alone would not say why it is empty
+                logger.warning("request %s was not run: %s", out.request_id, out.status_message)
+        return outputs
 
 
 def _is_one_prompt(prompts: Any) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from framework.kv.block_allocator import ALLOCATORS
 from framework.scheduling.output import SchedulerOutput
 from framework.scheduling.policy import POLICIES
 from framework.scheduling.scheduler import Scheduler
+from models.config import ModelConfig
 from models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -29,7 +31,8 @@ logger = logging.getLogger(__name__)
 #: A default max_model_len larger than this is capped: the persistent batch and the RoPE table
 #: are sized by it, and tiny CPU experiments do not need 128k-token rows.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
+#: The token budget when none is given (vLLM's), before a policy that prefills each prompt whole raises it.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -58,8 +61,11 @@ class LLMEngine:
     """Online serving core. ``add_request`` queues work, each ``step`` runs one batch and returns
     outputs for the requests that progressed (a new token, or finished). Single-threaded."""
 
-    def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, **kwargs: Any) -> None:
-        """Built from ``config``, or from ``EngineConfig`` keyword arguments: not both."""
+    def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, *,
+                 max_prompt_len: int | None = None, **kwargs: Any) -> None:
+        """Built from ``config``, or from ``EngineConfig`` keyword arguments: not both. ``max_prompt_len``: the
+        longest prompt the caller will send, when it knows (a run knows its workload's), which the token budget of
+        a policy that prefills each prompt whole must hold instead of ``max_model_len``; a longer one is ignored."""
         if config is not None and kwargs:
             # Each would otherwise be dropped without a word, the config's value used instead.
             raise ValueError(f"LLMEngine takes an EngineConfig or EngineConfig keyword arguments, not both: "
@@ -68,10 +74,12 @@ class LLMEngine:
         self.clock = clock or EXECUTORS.get(config.executor).make_clock()
         self.source = resolve_model(config.model)
         self.model_config = self.source.config
-        config.max_model_len = self._resolve_max_model_len()
+        config.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config)
         # Resolve every name before loading anything, so a typo fails in milliseconds.
         POLICIES.get(config.policy)
         ALLOCATORS.get(config.allocator)
+        config.max_num_batched_tokens = resolve_token_budget(config, config.max_model_len)
+        check_token_budget(config.policy, config.max_num_batched_tokens, config.max_model_len, max_prompt_len)
         # The tensor parts' registries load torch (about 2 s), which a simulated run never needs:
         # their names are checked only when not the defaults, so a typo is still caught.
         defaults = EngineConfig.backend, EngineConfig.preparer
@@ -111,14 +119,6 @@ class LLMEngine:
         self.num_steps = 0
         self._stalled_steps = 0
 
-    def _resolve_max_model_len(self) -> int:
-        limit, why = self.model_config.max_context()
-        if self.config.max_model_len is None:
-            return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
-        if self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's {why} of {limit}")
-        return self.config.max_model_len
-
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
         """Token ids and text of a prompt given as text, token ids or a vLLM-style dict."""
@@ -126,13 +126,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue one request; ValueError, with nothing queued, for a bad prompt or argument."""
+        """Queue one request; ValueError, with nothing queued, for a bad prompt or argument. ``arrival_time`` (default:
+        now) is a time on the engine's clock, ``clock.now()``: seconds since it started (simulated ones, simulated);
+        a ``time.time()`` timestamp, which vLLM takes, is refused."""
         # abort_request takes only str ids (an iterable means several): an int id could never be aborted.
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}")
         # Only None means the defaults: a falsy mistake ([], {}, 0) would otherwise pass as them.
         params = SamplingParams() if params is None else params
         check_request_args(params, arrival_time, priority)
+        if arrival_time is not None:
+            self._check_arrival_time(arrival_time)
         self.check_params(params)
         ids, text = self.tokenize(prompt)
         if request_id in self.output_processor.requests or request_id in self.scheduler.requests:
@@ -178,6 +182,15 @@ class LLMEngine:
             return
         for req in children:
             self.scheduler.add_request(req)
+
+    def _check_arrival_time(self, arrival_time: float) -> None:
+        """ValueError for an arrival time nearer the current Unix time than to the engine clock's reading: read on
+        the engine's clock, a ``time.time()`` timestamp would put the arrival decades ahead (latencies of -1.8e9 s)."""
+        now = self.clock.now()
+        if arrival_time > now and arrival_time - now > abs(arrival_time - time.time()):
+            raise ValueError(f"arrival_time={arrival_time!r} is a time.time() timestamp, not a time on the engine's "
+                             f"clock (engine.clock.now(): {now:.6g} s since it started): pass None for now, or "
+                             f"engine.clock.now() - (time.time() - t) for a request that arrived at Unix time t")
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError, one line naming the option, for sampling parameters this engine cannot
@@ -303,6 +316,48 @@ class LLMEngine:
             num_preempted=len(out.preempted) + len(out.swapped_out),
             num_swapped_out_blocks=len(out.blocks_to_swap_out), num_swapped_in_blocks=len(out.blocks_to_swap_in),
             num_finished=num_finished)
+
+
+def resolve_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> int:
+    """``max_model_len``, or for None the model's longest context capped at ``DEFAULT_MAX_MODEL_LEN_CAP``; ValueError
+    when it exceeds the model's context."""
+    limit, why = model_config.max_context()
+    if max_model_len is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's {why} of {limit}")
+    return max_model_len
+
+
+def resolve_token_budget(config: EngineConfig, max_model_len: int) -> int:
+    """``config.max_num_batched_tokens``, or for None vLLM v0's default: 2048 (at least ``max_num_seqs``), raised to
+    ``max_model_len`` for a policy that prefills each prompt whole."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+    return budget if POLICIES.get(config.policy).chunks_prefills else max(budget, max_model_len)
+
+
+def check_token_budget(policy: str, max_num_batched_tokens: int, max_model_len: int,
+                       max_prompt_len: int | None = None) -> None:
+    """ValueError, one line, when ``policy`` prefills each prompt whole and the token budget is below the longest
+    prompt it may be sent: ``max_prompt_len`` where the caller knows it, else ``max_model_len`` (vLLM's check)."""
+    if POLICIES.get(policy).chunks_prefills:
+        return
+    budget = max_num_batched_tokens
+    if max_prompt_len is None:
+        if budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={budget} is below max_model_len={max_model_len} and policy "
+                             f"{policy!r} prefills each prompt whole, so a longer prompt could never run: raise "
+                             f"max_num_batched_tokens to >= {max_model_len}, lower max_model_len to <= {budget}, or "
+                             f"use a policy that chunks prefills (chunked)")
+        return
+    longest = min(max_prompt_len, max_model_len)  # a longer one is refused for its length whatever the budget
+    if budget < longest:
+        raise ValueError(f"max_num_batched_tokens={budget} is below the longest prompt sent ({longest} tokens) and "
+                         f"policy {policy!r} prefills each prompt whole, so it could never run: raise "
+                         f"max_num_batched_tokens to >= {longest}, send shorter prompts, or use a policy that chunks "
+                         f"prefills (chunked)")
 
 
 def _seeded_generator_states(out: SchedulerOutput) -> list[tuple[Any, Any]]:

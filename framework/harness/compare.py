@@ -12,6 +12,10 @@ A configuration is labelled by the config keys whose values differ between the r
 ``--x``), e.g. ``policy=chunked``; by the file where only a group's file differs (``workload=chat``);
 a run that left a group out counts as the part it ran, with its defaults (``policy=fcfs``).
 ``--label`` picks the keys instead. A multirun writes its own comparison (``CompareCallback``).
+
+A run whose summary holds no metrics (killed, SIGKILL or out of memory, before writing them) gets those its
+``requests.csv`` and ``steps.csv`` give (no ITL statistics or prefix-cache hit rate: only a run keeps what they
+need); one whose summary still says ``running`` (killed, or still under way) shows the status ``running (killed?)``.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import inspect
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +98,10 @@ def _read_mapping(path: Path, parse: Any, syntax: str) -> Any:
 
 def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(summary, flat config)`` of one run; the parts' names come from the summary, since a
-    config without ``+policy`` has no policy node."""
+    config without ``+policy`` has no policy node. An unfinished run's metrics come from its CSVs."""
     summary = _read_mapping(run_dir / "summary.json", json.loads, "JSON") or {}
     flat = config_keys(run_dir)
+    summary = _with_csv_metrics(run_dir, summary, flat)
     written = set(flat)
     for part in PART_NAMES:
         if summary.get(part) is not None:
@@ -120,6 +125,74 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             for key, value in _default_options(part, summary[part]).items():
                 flat.setdefault(f"{part}.{key}", value)
     return summary, flat
+
+
+#: The status shown for a run whose summary still says ``running``: killed (SIGKILL, out of memory), or under way.
+UNFINISHED = "running (killed?)"
+
+
+def _with_csv_metrics(run_dir: Path, summary: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with the metrics of its run's CSVs where it holds none (``flat``: the run's config, for its SLOs),
+    and the status ``UNFINISHED`` where it still says ``running``; the files are only read."""
+    if summary.get("status") == "running":
+        summary = {**summary, "status": UNFINISHED}
+    if "completed" in summary or not (run_dir / "requests.csv").is_file():
+        return summary
+    try:
+        return {**summary, **csv_metrics(run_dir, {k: flat.get(f"slo.{k}") for k in ("ttft_ms", "tpot_ms", "e2el_ms")})}
+    except (OSError, ValueError, csv.Error) as exc:  # unreadable, or not a run's CSV: the run shows without them
+        log.warning("%s: no metrics from its CSVs: %s", run_dir, exc)
+        return summary
+
+
+def csv_metrics(run_dir: Path, slo: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``metrics.summarize`` of the rows in the run's ``requests.csv`` and ``steps.csv`` (a row a kill cut short
+    left out) over the time they span, goodput by ``slo`` (``SLO``'s keys); ITLs and hit rate unknown (None)."""
+    from framework.harness.metrics import SLO, summarize  # numpy and the engine: only for a run that needs it
+
+    records = _csv_records(run_dir / "requests.csv")
+    steps, steps_end = _csv_steps(run_dir / "steps.csv")
+    end = max([steps_end, *(r.arrival_time + r.e2el for r in records if r.e2el is not None)])
+    return summarize(records, end, SLO(**(slo or {})), steps)
+
+
+def _complete_rows(path: Path) -> Iterator[dict[str, str]]:
+    """The rows of CSV file ``path`` that have every column (the last one a kill cut short has not)."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        for row in reader:
+            if None not in row.values() and None not in row:
+                yield row
+
+
+def _csv_records(path: Path) -> list[Any]:
+    """``RequestRecord``s of ``requests.csv``'s rows (latencies back in seconds; no token times)."""
+    from framework.harness.metrics import RequestRecord
+
+    def seconds(ms: str) -> float | None:
+        return float(ms) / 1000 if ms else None
+
+    return [RequestRecord(r["request_id"], r["status"], int(r["priority"]), float(r["arrival_s"]), int(r["prompt_len"]),
+                          int(r["output_len"]), int(r["cached_tokens"]), seconds(r["queueing_delay_ms"]),
+                          seconds(r["ttft_ms"]), seconds(r["tpot_ms"]), seconds(r["e2el_ms"]), [],
+                          int(r["num_preemptions"]), int(r["num_swaps"]), r["message"])
+            for r in _complete_rows(path)]
+
+
+def _csv_steps(path: Path) -> tuple[Any, float]:
+    """The ``StepTotals`` of ``steps.csv``'s rows (none without the file) and when the last step ended."""
+    from framework.harness.metrics import StepTotals
+
+    totals, end, kv_usage = StepTotals(), 0.0, []
+    sums = dict.fromkeys(("num_scheduled_tokens", "num_prefill_tokens", "num_swapped_out_blocks",
+                          "num_swapped_in_blocks"), 0)
+    for row in _complete_rows(path) if path.is_file() else ():
+        kv_usage.append(float(row["kv_usage"]))
+        end = max(end, float(row["time_s"]) + float(row["duration"]))
+        for key in sums:
+            sums[key] += int(row[key])
+    totals.add(len(kv_usage), kv_usage, *sums.values())
+    return totals, end
 
 
 def _default_options(part: str, name: str) -> dict[str, Any]:

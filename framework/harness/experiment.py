@@ -16,16 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.kv.block_allocator import AllocatorStats
 from framework.common.clock import Clock, VirtualClock, WallClock
 from framework.harness.cluster import Cluster, check_num_replicas, check_router_options, gc_paused
 from framework.common.config import PART_NAMES, EngineConfig, check_bool, is_int
-from framework.engine.llm_engine import LLMEngine, StepStats
+from framework.engine.llm_engine import (LLMEngine, StepStats, check_token_budget, resolve_max_model_len,
+                                         resolve_token_budget)
 from framework.execution.executor import EXECUTORS, simulates_time
 from framework.harness.metrics import SLO, RequestRecord, summarize
 from framework.common.outputs import RequestOutput
-from framework.harness.recorder import RunRecorder
+from framework.harness.recorder import RunRecorder, clear_run_files
 from framework.harness.report import format_summary
 from framework.common.registry import split_spec
 from framework.sim.router import ROUTERS
@@ -33,6 +35,7 @@ from framework.harness.run_logger import Guarded, create_logger
 from framework.common.sampling_params import SamplingParams
 from framework.scheduling.output import SchedulerOutput
 from framework.harness.workload import Workload, WorkloadContext, WorkloadRequest, create_workload
+from models.loader import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -189,17 +192,29 @@ def cluster_spec(cfg: DictConfig) -> tuple[int, str, dict[str, Any]] | None:
     return num_replicas, spec.get("router", "round_robin"), options
 
 
-def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = None) -> Cluster:
+def check_workload(config: EngineConfig, workload: Workload) -> int | None:
+    """ValueError for what an engine of ``config`` could never serve of ``workload``, found before any engine is
+    built or request drawn: a length past its ``max_model_len``, a prompt its token budget cannot prefill whole (a
+    policy that does not chunk prefills). Returns the longest prompt sent, where the workload's options tell."""
+    max_model_len = resolve_max_model_len(config.max_model_len, resolve_model(config.model).config)
+    longest = workload.check_lengths(max_model_len)
+    check_token_budget(config.policy, resolve_token_budget(config, max_model_len), max_model_len, longest)
+    return longest
+
+
+def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = None,
+                  max_prompt_len: int | None = None) -> Cluster:
     """The replicas (one engine without a ``cluster`` node) and their router, each replica on
-    its own clock: ``clock`` for a single replica, else the config's ``clock``."""
+    its own clock: ``clock`` for a single replica, else the config's ``clock``. ``max_prompt_len``:
+    the longest prompt the workload sends (``check_workload``), when known."""
     spec = cluster_spec(cfg)
     num_replicas, router, router_options = spec or (1, "round_robin", {})
     if clock is not None and num_replicas > 1:
         raise ValueError("a given clock drives one replica; each of several replicas needs its own")
     check_num_replicas(num_replicas, config.executor)
     router = ROUTERS.create_with(router, router_options)  # a bad router fails before any engine is built
-    engines = [LLMEngine(dataclasses.replace(config), clock=clock or make_clock(cfg.get("clock", "auto"), config.executor))
-               for _ in range(num_replicas)]
+    clocks = [clock or make_clock(cfg.get("clock", "auto"), config.executor) for _ in range(num_replicas)]
+    engines = [LLMEngine(dataclasses.replace(config), clock=c, max_prompt_len=max_prompt_len) for c in clocks]
     return Cluster(engines, router)
 
 
@@ -261,18 +276,39 @@ def _repeats_dropped() -> Iterator[None]:
                 signal.signal(s, handler)
 
 
+def clear_run_dir(cfg: DictConfig, run_dir: str | Path) -> None:
+    """Start ``run_dir`` afresh: remove the files an earlier run left there (``recorder.RUN_FILES``), but none
+    that ``cfg`` names (a trace replayed from the folder's own ``workload.jsonl`` is this run's input)."""
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:  # a broken interpolation, which the run reports: the strings as written
+        container = OmegaConf.to_container(cfg, resolve=False)
+    clear_run_files(run_dir, keep=_strings(container))
+
+
+def _strings(node: Any) -> Iterator[str]:
+    """Every string in a config's nested dicts and lists."""
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, (dict, list)):
+        for value in node.values() if isinstance(node, dict) else node:
+            yield from _strings(value)
+
+
 def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
                    run_name: str | None = None, group: str | None = None,
                    on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
-    """Run the experiment ``cfg`` describes into ``run_dir``; return its summary. Config errors raise
-    ValueError first; a serving failure writes a ``failed`` summary, then raises (ValueError wrapped in
-    RuntimeError); an interrupt returns an ``interrupted`` one. ``clock``: one replica's, not the config's."""
+    """Run the experiment ``cfg`` describes into ``run_dir`` (an earlier run's files removed first); return its
+    summary. Config errors raise ValueError first; a serving failure writes a ``failed`` summary, then raises
+    (ValueError wrapped in RuntimeError); an interrupt returns an ``interrupted`` one. ``clock``: one replica's."""
+    clear_run_dir(cfg, run_dir)
     check_run_options(cfg)
     config = engine_config(cfg)
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
     workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+    max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
     run_logger = Guarded(create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {}))
-    cluster = build_cluster(cfg, config, clock)
+    cluster = build_cluster(cfg, config, clock, max_prompt_len)
     engines = cluster.engines
     identity = describe(cfg, cluster)
     run_name = run_name or f"{config.policy}-{config.backend}"

@@ -206,8 +206,8 @@ def failure_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:
 def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None = None,
               steps: StepTotals | None = None, prefix_cache_hit_rate: float | None = None) -> dict[str, Any]:
     """Run-level metrics over ``duration`` seconds. Latencies and throughputs count completed
-    requests only; ignored and aborted ones are counted as ``failed``. ``steps`` adds the step
-    aggregates when it counted any step."""
+    requests only; ignored and aborted ones are counted as ``failed`` (the ignored, never run,
+    also as ``num_ignored``). ``steps`` adds the step aggregates when it counted any step."""
     slo = slo or SLO()
     done = [r for r in records if r.completed]
     dur = duration if duration > 0 else float("nan")
@@ -216,6 +216,7 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None
     summary: dict[str, Any] = {
         "completed": len(done),
         "failed": len(records) - len(done),
+        "num_ignored": sum(r.status == "ignored" for r in records),
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,

@@ -17,7 +17,7 @@ import math
 import os
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
@@ -51,6 +51,29 @@ TIMELINE_COLUMNS = {"time_s": "f", "duration": "f", "num_prefill_tokens": "i", "
                     "num_running": "i", "num_waiting": "i", "num_swapped": "i", "kv_usage": "f", "replica": "i"}
 
 StepListener = Callable[[dict[str, Any]], None]
+
+#: The files a run writes in its directory, plots included (``experiment._plots``'s): a run starting in a
+#: folder used before removes them, so it mixes nothing of an earlier run's. Hydra's ``.hydra/`` and log are Hydra's.
+RUN_FILES = ("config.yaml", "workload.jsonl", "summary.json", "summary.json.tmp", "requests.csv", "steps.csv",
+             "latency_cdf.png", "timeline.png")
+
+
+def clear_run_files(run_dir: str | Path, keep: Iterable[str] = ()) -> None:
+    """Remove the ``RUN_FILES`` an earlier run left in ``run_dir`` (a ``hydra.run.dir`` given twice means to
+    overwrite, as Hydra's fresh default folders do), but none that a path in ``keep`` names (the run's inputs)."""
+    kept = {_resolved(name) for name in keep}
+    for name in RUN_FILES:
+        path = Path(run_dir) / name
+        if path.resolve() not in kept:
+            path.unlink(missing_ok=True)  # a link itself, not what it points to
+
+
+def _resolved(name: str) -> Path | None:
+    """``name`` as an absolute path, or None where it is none (a NUL character)."""
+    try:
+        return Path(name).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
 
 
 def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> None:

@@ -23,6 +23,8 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     row("Status:", "status", "{}")
     row("Successful requests:", "completed", "{}")
     row("Failed requests:", "failed", "{}")
+    if summary.get("num_ignored"):  # never run (a prompt the engine cannot take): not to be missed
+        row("  of which never run (ignored):", "num_ignored", "{}")
     for reason, count in (summary.get("failure_reasons") or {}).items():
         lines.append(f"  {count} x {reason}")
     row("Benchmark duration (s):", "duration_s")

@@ -3,7 +3,8 @@
 Composes ``conf/config.yaml`` with Hydra and runs one experiment per composed config (several with
 ``-m``) in Hydra's run directory (``outputs/DATE/TIME`` or ``multirun/DATE/TIME/N``): ``config.yaml``,
 ``workload.jsonl``, ``summary.json``, ``requests.csv``, ``steps.csv`` and plots. A multirun also writes
-the comparison of its runs (``comparison.md``/``.csv`` and plots) at its root.
+the comparison of its runs (``comparison.md``/``.csv`` and plots) at its root. A folder used again
+(``hydra.run.dir=DIR`` twice) is cleared of the earlier run's files and log when the job starts.
 
 Exit statuses: 2 for a configuration error (Hydra's own included, in a sweep too) or a part this
 machine cannot run, printed as one line; any other failure keeps its traceback. 130 for Ctrl-C, 143
@@ -11,14 +12,17 @@ for SIGTERM: the run keeps what it measured, and a stopped sweep still gets its 
 sweep with a failed job: the job is logged and marked ``failed``, the other jobs run and are compared.
 A failed run's ``summary.json`` says ``failed``, with the error. A parallel sweep's parent
 (``hydra/launcher=parallel``) forwards a signal to its workers and waits up to 30 s for their
-summaries (a second signal stops the waiting).
+summaries (a second signal stops the waiting); SIGKILLed, it leaves workers that stop their jobs as
+SIGTERM does and end (``supervision.parent_watched``).
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import hydra
@@ -30,10 +34,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.common.registry import UnavailableError
 from framework.harness.compare import CompareCallback
-from framework.harness.experiment import run_experiment
+from framework.harness.experiment import clear_run_dir, run_experiment
 from framework.harness.overrides import CONF_DIR, legacy_overrides, non_string_group_overrides, null_group_overrides
-from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, stop,
-                                           stopped_status, terminate)
+from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, parent_watched,
+                                           stop, stopped_status, terminate)
 
 log = logging.getLogger("framework.run")
 
@@ -47,6 +51,20 @@ def _run_name(hc: object) -> str | None:
     return name or None
 
 
+def _start_afresh(cfg: DictConfig, run_dir: Path) -> None:
+    """Clear what an earlier run left in the job's folder (``hydra.run.dir`` given again): its files, and the log
+    Hydra appends to, so that nothing of that run's (its metrics in a failure's summary) mixes with this one's."""
+    clear_run_dir(cfg, run_dir)
+    folder = run_dir.resolve()
+    for handler in logging.getLogger().handlers:
+        # Opened for appending before the job started: truncated, it goes on at its new end.
+        if isinstance(handler, logging.FileHandler) and handler.mode == "a" and \
+                Path(handler.baseFilename).parent == folder:
+            handler.flush()
+            with suppress(FileNotFoundError):
+                os.truncate(handler.baseFilename, 0)
+
+
 #: Jobs this process has started; none when Hydra itself stopped the command (see ``cli``).
 _jobs_started = 0
 
@@ -58,10 +76,18 @@ _job_interrupted = False
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    # A parallel sweep's worker must not outlive its parent: SIGKILLed, that one stops none of its workers.
+    with parent_watched():
+        _job(cfg)
+
+
+def _job(cfg: DictConfig) -> None:
+    """One run (a sweep's job) in Hydra's job folder: exits as the module's docstring says."""
     global _jobs_started, _job_interrupted
     _jobs_started += 1
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    _start_afresh(cfg, run_dir)
     try:
         previous = signal.signal(signal.SIGTERM, terminate)
     except ValueError:  # not the main thread (a launcher running jobs in threads): leave it

@@ -6,7 +6,10 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from framework.harness.compare import CompareCallback, compare_stopped_sweep
@@ -97,10 +100,69 @@ def stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(reason)
 
 
+#: How often a parallel sweep's worker checks that its parent lives, and how long it then leaves its job to stop as
+#: SIGTERM stops it (keeping what it measured) before it ends the process.
+PARENT_POLL_S = 0.5
+ORPHAN_GRACE_S = 10.0
+
+
+#: Jobs under way in this process (``parent_watched``), and whether its parent watchdog runs.
+_jobs_running = 0
+_watching = False
+
+
+@contextmanager
+def parent_watched() -> Iterator[None]:
+    """Around a job of a process that has a multiprocessing parent (a parallel sweep's loky worker): once the parent
+    dies (SIGKILLed, it stops no worker), the job stops as SIGTERM stops it, and the process ends when the job has
+    or ``ORPHAN_GRACE_S`` later; idle, at once. One watchdog thread per process, polling its parent pid."""
+    global _jobs_running, _watching
+    parent = multiprocessing.parent_process()
+    # A parent pid that is not ours (a fork server's child) cannot be watched through getppid.
+    if not _watching and parent is not None and parent.pid == os.getppid():
+        _watching = True
+        threading.Thread(target=_watch, args=(parent.pid,), name="parent-watchdog", daemon=True).start()
+    _jobs_running += 1
+    try:
+        yield
+    finally:
+        _jobs_running -= 1
+
+
+def _watch(parent_pid: int) -> None:
+    """Wait for the parent's death (the process is then another's child), stop the job and end the process."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    if _jobs_running:
+        _write_out(f"the sweep's parent process ({parent_pid}) is gone: this job stops\n")
+        os.kill(os.getpid(), signal.SIGTERM)  # the job's handler (run._job) stops it as a time limit would
+    while _jobs_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _write_out("")
+    os._exit(EXIT_TERMINATED)
+
+
+def _write_out(message: str) -> None:
+    """Write ``message`` to stderr and flush both streams, for a second at most: the pipe they may write to can
+    have lost its reader with the parent, or be full."""
+    def write() -> None:
+        try:
+            sys.stderr.write(message)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+        except (OSError, ValueError):  # a broken pipe, a closed stream
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    writer.join(1.0)
+
+
 def mark(run_dir: Path, status: str, exc: Exception | None = None) -> bool:
-    """Make the run's summary.json say ``status`` (``failed`` or ``interrupted``), writing one if
-    there is none; an interrupt keeps a summary that already says how the run ended, a failure
-    overrides it. Returns whether the summary holds measurements."""
+    """Make the run's summary.json say ``status`` (``failed`` or ``interrupted``), writing one if there is none (the
+    job cleared an earlier run's: only this run's is kept); an interrupt keeps a summary that says how the run
+    ended, a failure overrides it. Returns whether the summary holds measurements."""
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.is_file() else {}
     if status == "failed" or summary.get("status") in (None, "running"):

@@ -70,6 +70,12 @@ class Workload(ABC):
     @abstractmethod
     def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]: ...
 
+    def check_lengths(self, max_model_len: int) -> int | None:
+        """Before anything is generated: ValueError, naming the option and the limit, for a length the options state
+        that an engine of ``max_model_len`` tokens can never take. Returns the longest prompt within it that will be
+        sent, or None where only generating tells (text to tokenize; the default: no check)."""
+        return None
+
 
 WORKLOADS: Registry[Workload] = Registry(
     "workload", Workload, entry_point_group="framework.workloads", builtin="framework.harness.workloads")

@@ -7,11 +7,12 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.common.config import EngineConfig
-from framework.engine.llm_engine import LLMEngine
-from framework.harness.experiment import ENGINE_KEYS, build_cluster, engine_config
+from framework.engine.llm_engine import LLMEngine, check_token_budget, resolve_max_model_len, resolve_token_budget
+from framework.harness.experiment import ENGINE_KEYS, build_cluster, check_workload, engine_config
 from framework.run import engine_config as cli_engine_config
 from framework.harness.run_logger import LOGGERS, create_logger
 from framework.harness.workload import WorkloadContext, create_workload
+from models.loader import resolve_model
 from tests.hydra_support import CONF, compose_config
 
 #: Groups not in the defaults list are added with '+'.
@@ -117,10 +118,20 @@ def test_every_experiment_sweep_job_composes(experiment, overrides):
             pytest.skip(f"conf/{key}/{value}.yaml is not in this checkout (another branch adds it)")
     cfg = compose_with([f"+experiment={experiment}", *overrides])
     config = engine_config(cfg)
+    check_workload(config, create_workload(OmegaConf.to_container(cfg.workload, resolve=True))[0])  # it can serve it
     for o in overrides:
         key, value = o.split("=", 1)
         got = config.policy if key == "policy" else cfg[key.split(".")[0]][key.split(".", 1)[1]] if "." in key else None
         assert str(got).lower() == value.lower(), (o, got)
+
+
+@pytest.mark.parametrize("executor", [[], ["executor=sim"]])
+def test_the_default_engine_can_run_any_prompt_its_max_model_len_allows(executor):
+    """conf/ paired fcfs, the default policy, with a token budget of 512 under max_model_len 1024: a prompt of
+    513 to 1024 tokens was dropped."""
+    config = engine_config(compose_with(executor))
+    max_model_len = resolve_max_model_len(config.max_model_len, resolve_model(config.model).config)
+    check_token_budget(config.policy, resolve_token_budget(config, max_model_len), max_model_len)
 
 
 @pytest.mark.parametrize("executor", [[], ["executor=sim"]])

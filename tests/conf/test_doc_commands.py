@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from framework.harness.experiment import engine_config
+from framework.harness.experiment import check_workload, engine_config
 from framework.harness.workload import create_workload
 from tests.hydra_support import compose_config
 
@@ -67,8 +67,9 @@ def test_every_documented_run_command_composes(args):
     for overrides in sweep_jobs(args):
         hydra_args = [o for o in overrides if o.startswith("hydra")]
         cfg = compose_config(*(o for o in overrides if o not in hydra_args))
-        engine_config(cfg)  # the values are ones the run accepts, not only keys the config has
-        create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+        config = engine_config(cfg)  # the values are ones the run accepts, not only keys the config has
+        workload, _ = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+        check_workload(config, workload)  # and an engine of them can serve the workload's lengths
         if hydra_args:
             compose_config(*overrides, return_hydra_config=True)
 

@@ -107,12 +107,13 @@ class Run:
 
 
 def shadow_engine(policy: str, num_blocks: int, num_cpu_blocks: int = 0, policy_options: dict | None = None,
-                  **kwargs) -> LLMEngine:
+                  max_prompt_len: int | None = None, **kwargs) -> LLMEngine:
+    """``max_prompt_len``: as ``LLMEngine``'s, what a prefill-first policy's token budget must hold."""
     args = dict(model="tiny-llama", executor="shadow", policy=policy, policy_options=policy_options or {},
                 executor_options={"num_blocks": num_blocks, "num_cpu_blocks": num_cpu_blocks},
                 block_size=4, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8, check_invariants=True)
     args.update(kwargs)
-    return LLMEngine(EngineConfig(**args), clock=VirtualClock())
+    return LLMEngine(EngineConfig(**args), clock=VirtualClock(), max_prompt_len=max_prompt_len)
 
 
 def drive(engine: LLMEngine, arrivals: list[Arrival], max_steps: int, on_step=None) -> Run:

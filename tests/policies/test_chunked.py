@@ -91,3 +91,80 @@ def test_an_on_waiting_override_that_skips_the_waiting_heap_is_reported(policy_n
     e.add_request("a", [3] * 10, SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match=r"must call super\(\).on_waiting"):
         e.step()
+
+
+# -- vLLM 0.32's newer defaults (issue 26), each with the earlier behaviour one option away ---------------------
+def scheduler(num_blocks=9, budget=16, policy="chunked", **options):
+    """A bare scheduler over blocks of 4 tokens (``num_blocks - 1`` usable), with prefix caching."""
+    from framework.common.clock import VirtualClock
+    from framework.kv.allocators.paged import PagedBlockAllocator
+    from framework.scheduling.policy import POLICIES
+    from framework.scheduling.scheduler import Scheduler
+
+    config = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64,
+                          check_invariants=True)
+    return Scheduler(config, POLICIES.create(policy, **options), PagedBlockAllocator(num_blocks, 4), VirtualClock())
+
+
+def arrive(s, rid, prompt, max_tokens=20):
+    from framework.common.request import Request
+
+    s.add_request(Request(rid, prompt, greedy(max_tokens), arrival_time=float(len(s.requests))))
+
+
+def run_step(s):
+    """One step; every request that reaches the end of its tokens samples token 7. Returns {id: tokens}."""
+    out = s.schedule()
+    s.update_from_output(out, {r.request_id: 7 for r in out.scheduled
+                               if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens})
+    return {r.request_id: out.num_scheduled_tokens[r.request_id] for r in out.scheduled}
+
+
+@pytest.mark.parametrize("options, admitted", [({}, {"a": 8}), ({"reserve_full_prompt": True}, {"a": 8}),
+                                               ({"reserve_full_prompt": False}, {"a": 8, "b": 8})])
+def test_a_prompt_is_admitted_only_when_all_its_blocks_fit(options, admitted):
+    # 8 usable blocks; a takes 2, leaving 6: b's first chunk (2 blocks) fits, its whole prompt (7) does not.
+    s = scheduler(**options)
+    arrive(s, "a", list(range(10, 18)))
+    arrive(s, "b", list(range(30, 58)))
+    assert run_step(s) == admitted
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_full_prompt_admission_counts_a_free_cached_hit_as_taken(held):
+    # b's prompt (7 blocks) starts with a's first 2 blocks, and 5 blocks are free. Held by a (running), the
+    # hit costs no free block: b needs 5, and is admitted. Freed by a (cached, free), the 2 are taken from
+    # the pool too: 7 > 5, and b waits (its first chunk, 2 + 2 blocks, would fit). vLLM 0.32 counts so.
+    s = scheduler(budget=8)
+    shared = list(range(10, 18))
+    arrive(s, "a", shared + [99], max_tokens=20 if held else 1)
+    run_step(s), run_step(s)
+    if not held:  # a finished; c takes 3 blocks that cache nothing, leaving a's 2 cached ones free
+        arrive(s, "c", list(range(60, 71)))
+        run_step(s), run_step(s)
+        assert s.allocator.num_cached_blocks == 2
+    assert s.allocator.num_free_blocks == 5
+    arrive(s, "b", shared + list(range(40, 60)))
+    assert ("b" in run_step(s)) == held
+
+
+@pytest.mark.parametrize("options, chunks", [({}, [40]), ({"long_prefill_cap_when_alone": False}, [40]),
+                                             ({"long_prefill_cap_when_alone": True}, [8] * 5)])
+def test_the_long_prefill_cap_is_lifted_for_a_request_alone(options, chunks):
+    s = scheduler(num_blocks=40, budget=64, long_prefill_token_threshold=8, **options)
+    arrive(s, "a", list(range(10, 50)), max_tokens=1)
+    assert [run_step(s)["a"] for _ in chunks] == chunks
+
+
+def test_the_long_prefill_cap_holds_when_another_request_waits_or_runs():
+    s = scheduler(num_blocks=40, budget=64, long_prefill_token_threshold=8)
+    arrive(s, "a", list(range(10, 50)), max_tokens=1)
+    arrive(s, "b", list(range(60, 100)), max_tokens=1)
+    assert run_step(s) == {"a": 8, "b": 8}
+
+
+@pytest.mark.parametrize("option, value", [("reserve_full_prompt", "yes"), ("long_prefill_cap_when_alone", 1)])
+@pytest.mark.parametrize("policy", ["chunked", "priority_swap", "sjf"])
+def test_a_flag_that_is_not_a_bool_is_refused(policy, option, value):
+    with pytest.raises(ValueError, match=f"^{option} must be true or false, got {value!r}$"):
+        scheduler(policy=policy, **{option: value})

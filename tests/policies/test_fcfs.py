@@ -8,7 +8,8 @@ from policies.fcfs import FCFSPolicy
 
 
 def engine(**kw):
-    args = dict(model="tiny-llama", max_model_len=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+    # max_model_len no more than the budget: fcfs is refused a budget that a prompt it takes could exceed.
+    args = dict(model="tiny-llama", max_model_len=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
                 check_invariants=True)
     args.update(kw)
     return LLMEngine(EngineConfig(**args))
@@ -79,7 +80,8 @@ def test_a_watermark_holds_back_prompts_that_would_leave_too_few_free_blocks():
     the 14 the watermark ever admits) is finished as ignored, naming the watermark."""
     admitted = {}
     for watermark in (0.0, 0.3):
-        e = engine(num_gpu_blocks_override=20, max_model_len=72, policy_options={"watermark": watermark})
+        e = engine(num_gpu_blocks_override=20, max_model_len=72, max_num_batched_tokens=72,
+                   policy_options={"watermark": watermark})
         for i in range(3):
             e.add_request(str(i), list(range(3 + 20 * i, 23 + 20 * i)), greedy(4))  # no shared blocks
         steps = []

@@ -89,7 +89,8 @@ def test_the_entry_point_policy_is_listed_and_runs(installed_plugin):
 def test_the_entry_point_policy_is_selectable_from_hydra(installed_plugin):
     config = engine_config(compose_with(["+policy=chunked", "policy.name=srpt", "scheduler.check_invariants=true"]))
     assert config.policy == "srpt" and config.check_invariants
-    assert config.policy_options == {"preemption_mode": "recompute", "long_prefill_token_threshold": 0}
+    assert config.policy_options == {"preemption_mode": "recompute", "long_prefill_token_threshold": 0,
+                                     "long_prefill_cap_when_alone": False, "reserve_full_prompt": True}
     assert type(POLICIES.create(config.policy, **config.policy_options)).__name__ == "ShortestOutputFirst"
 
 

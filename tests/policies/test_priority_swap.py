@@ -213,3 +213,23 @@ def test_a_step_reads_ranks_of_the_requests_it_reaches_not_of_the_whole_queue():
         return len(calls)
 
     assert ranks_read_in_a_step(400) == ranks_read_in_a_step(40)
+
+
+@pytest.mark.parametrize("options, preempted", [({}, ["l2"]), ({"reserve_full_prompt": False}, [])])
+def test_an_urgent_prompt_makes_room_for_all_its_blocks(options, preempted):
+    # Two low-priority requests hold 3 of 8 blocks each; an urgent 20-token prompt (5 blocks) arrives. Its
+    # first chunk (8 tokens, 2 blocks) fits the 2 free blocks; its whole prompt needs the newer low one out
+    # (reserve_full_prompt, as chunked admits), or with the option off is admitted by its chunk alone.
+    from framework.common.request import Request
+    from tests.policies.test_chunked import run_step, scheduler
+
+    s = scheduler(budget=8, policy="priority_swap", **options)
+    for rid in ("l1", "l2"):
+        s.add_request(Request(rid, [ord(rid[1])] * 9, GREEDY, arrival_time=len(s.requests), priority=1))
+    for _ in range(3):
+        run_step(s)
+    assert [len(r.block_ids) for r in s.running] == [3, 3]
+    s.add_request(Request("high", list(range(100, 120)), GREEDY, arrival_time=9.0, priority=0))
+    out = s.schedule()
+    assert [r.request_id for r in out.preempted] == preempted
+    assert out.num_scheduled_tokens["high"] == 8

@@ -107,3 +107,16 @@ class LengthDist:
             sigma2 = math.log1p((self.std / self.mean) ** 2)
             x = rng.lognormal(math.log(self.mean) - sigma2 / 2, math.sqrt(sigma2), size=n)
         return np.clip(np.rint(x), self.min, self.max if self.max is not None else None).astype(np.int64)
+
+
+def check_bound(what: str, dist: LengthDist, limit: int, why: str, drawn: int | None = None) -> None:
+    """ValueError naming ``workload.what`` when ``dist`` reaches past ``limit`` (``why`` says what sets it): by its
+    bound (``max``, a fixed value), or for one without a bound by the longest length it ``drawn``."""
+    longest = dist.max if drawn is None else drawn
+    if longest is None or longest <= limit:
+        return
+    if drawn is not None:
+        stated, fix = f": dist {dist.dist} without a max drew {drawn},", "give it a max"
+    else:
+        stated, fix = (f"={dist.value} is" if dist.dist == "fixed" else f": max={dist.max} is"), "lower it"
+    raise ValueError(f"workload.{what}{stated} beyond {why}: {fix} or raise engine.max_model_len")

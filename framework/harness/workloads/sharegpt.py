@@ -48,6 +48,15 @@ class ShareGPTWorkload(Workload):
         self.output_len, self.max_output_len, self.max_prompt_len = output_len, max_output_len, max_prompt_len
         self.min_len, self.seed = min_len, seed
 
+    def check_lengths(self, max_model_len: int) -> None:
+        """Refuses an ``output_len`` that leaves no room within ``max_model_len`` for a prompt of ``min_len`` tokens
+        (every conversation would be skipped). Prompts are text: their lengths are known once tokenised."""
+        if self.output_len is not None and self.output_len > max_model_len - self.min_len:
+            raise ValueError(f"workload.output_len={self.output_len} leaves no room within max_model_len="
+                             f"{max_model_len} for a prompt of min_len={self.min_len} tokens: lower it or raise "
+                             f"engine.max_model_len")
+        return None
+
     def _conversations(self) -> list[dict[str, Any]]:
         path = resolve_path(self.path)
         try:

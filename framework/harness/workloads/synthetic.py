@@ -11,7 +11,7 @@ import numpy as np
 from framework.common.config import check_positive_int, check_seed, is_finite_number, is_int
 from framework.harness.workload import WORKLOADS, Workload, WorkloadContext, WorkloadRequest
 from framework.harness.workloads.arrivals import arrival_times, check_rate
-from framework.harness.workloads.lengths import LengthDist
+from framework.harness.workloads.lengths import LengthDist, check_bound
 
 
 #: Requests whose prompt tokens are drawn in one call.
@@ -122,12 +122,60 @@ class SyntheticWorkload(Workload):
             raise ValueError("priority_classes have their own rates: set the workload's rate to null")
         return classes
 
-    def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:
-        n = self.num_requests
-        seeds = np.random.SeedSequence(self.seed).spawn(6)
+    def check_lengths(self, max_model_len: int) -> int:
+        """Refuses a length distribution that reaches past ``max_model_len``: by its bound, before anything is
+        drawn (a huge ``max`` would be costly to draw from), or, for one without a bound, by what it draws. Returns
+        the longest prompt (with the shared prefix) it may send."""
+        prefix = self._prefix_len()
+        if prefix >= max_model_len:
+            raise ValueError(f"workload.shared_prefix.prefix_len={prefix} leaves no room within max_model_len="
+                             f"{max_model_len} for a request's own tokens: lower it or raise engine.max_model_len")
+        room = (f"{max_model_len - prefix}, what max_model_len={max_model_len} leaves after the shared prefix of "
+                f"{prefix} tokens") if prefix else f"max_model_len={max_model_len}"
+        limits = ((max_model_len - prefix, room),
+                  (max_model_len - 1, f"{max_model_len - 1}, the most output max_model_len={max_model_len} leaves "
+                                      f"after a 1-token prompt"))
+        dists = self._named_dists()
+        for pair in dists:
+            for (what, dist), (limit, why) in zip(pair, limits):
+                check_bound(what, dist, limit, why)
+        longest = [pair[0][1].max for pair in dists]  # None for a prompt length without a bound
+        if any(dist.max is None for pair in dists for _, dist in pair):
+            _, class_of, prompt_lens, output_lens = self._lengths(self._streams())
+            for c, pair in enumerate(dists):
+                members = class_of == c
+                if not members.any():
+                    continue
+                drawn = (int(prompt_lens[members].max()), int(output_lens[members].max()))
+                for (what, dist), (limit, why), n in zip(pair, limits, drawn):
+                    if dist.max is None:
+                        check_bound(what, dist, limit, why, drawn=n)
+                if longest[c] is None:
+                    longest[c] = drawn[0]
+        return max((n for n in longest if n is not None), default=0) + prefix
+
+    def _named_dists(self) -> list[list[tuple[str, LengthDist]]]:
+        """Each class's ``[(name, prompt_len), (name, output_len)]``, named as the options that give them."""
+        classes = self.classes or [PriorityClass(0, self.rate, 1.0, self.prompt_len, self.output_len)]
+        return [[(key if getattr(cls, key) is getattr(self, key) else f"priority_classes[{i}].{key}", getattr(cls, key))
+                 for key in ("prompt_len", "output_len")] for i, cls in enumerate(classes)]
+
+    def _prefix_len(self) -> int:
+        """The shared prefix's length when some request gets it, else 0."""
+        sp = self.shared_prefix
+        return sp.prefix_len if sp is not None and round(sp.fraction * self.num_requests) else 0
+
+    def _streams(self) -> list[np.random.Generator]:
+        """The random streams, in order: arrivals, (unused), prompt lengths, output lengths, tokens, prefixes."""
         # The second stream is unused but still spawned, so the streams after it (and so each
         # seed's requests) keep their values.
-        arrival_rng, _, prompt_rng, output_rng, token_rng, prefix_rng = (np.random.default_rng(s) for s in seeds)
+        return [np.random.default_rng(s) for s in np.random.SeedSequence(self.seed).spawn(6)]
+
+    def _lengths(self, streams: list[np.random.Generator]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Arrival times, class indices, and prompt (without the shared prefix) and output lengths, drawn from
+        ``_streams()``' own streams: drawn alone, they are ``generate``'s."""
+        n = self.num_requests
+        arrival_rng, _, prompt_rng, output_rng = streams[:4]
         times, class_of = self._arrivals(arrival_rng)
         classes = self.classes or [PriorityClass(0, self.rate, 1.0, self.prompt_len, self.output_len)]
         prompt_lens = np.zeros(n, dtype=np.int64)
@@ -136,6 +184,14 @@ class SyntheticWorkload(Workload):
             members = np.flatnonzero(class_of == c)
             prompt_lens[members] = cls.prompt_len.sample(prompt_rng, n)[: len(members)]
             output_lens[members] = cls.output_len.sample(output_rng, n)[: len(members)]
+        return times, class_of, prompt_lens, output_lens
+
+    def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:
+        n = self.num_requests
+        streams = self._streams()
+        token_rng, prefix_rng = streams[4:]
+        times, class_of, prompt_lens, output_lens = self._lengths(streams)
+        classes = self.classes or [PriorityClass(0, self.rate, 1.0, self.prompt_len, self.output_len)]
         prefixes = self._prefix_assignment(prefix_rng, ctx)
         low, high = ctx.first_token_id, ctx.vocab_size
         if not 0 <= low < high:

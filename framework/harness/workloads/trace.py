@@ -7,7 +7,9 @@ ids of that length, drawn from the workload's seed), and optionally ``arrival_ti
 default 0), ``priority`` (default 0), ``request_id`` (a string or an integer;
 default: the entry's position) and the request's own sampling keys ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, the three penalties and ``ignore_eos`` (``SAMPLING_KEYS``; they win over
-the workload's, which apply to the entries without them).
+the workload's, which apply to the entries without them). A ``prompt_len`` or ``output_len`` the
+engine's ``max_model_len`` can never hold is refused before anything is drawn; a longer prompt given
+as ids or text is replayed as given, and the engine refuses it (``ignored``, counted in the summary).
 
 A ``.jsonl`` file holds one object per line (blank lines and lines starting with ``#`` are
 skipped); any other file is one JSON array of objects (or ``{"requests": [...]}``). Files are
@@ -154,10 +156,12 @@ def parse_entry(where: str, entry: Any, index: int, ctx: WorkloadContext,
     return WorkloadRequest(rid, [int(t) for t in ids], output_len, float(arrival), int(priority), text, sampling)
 
 
-def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0) -> list[WorkloadRequest]:
-    """Every request of a trace file, sorted by arrival time (ties keep file order)."""
+def load_trace(path: str | Path, ctx: WorkloadContext, seed: int = 0,
+               entries: list[tuple[str, Any]] | None = None) -> list[WorkloadRequest]:
+    """Every request of a trace file, sorted by arrival time (ties keep file order); ``entries``: the file's
+    ``read_entries``, when read already."""
     path = resolve_path(path)
-    entries = read_entries(path)
+    entries = read_entries(path) if entries is None else entries
     if not entries:
         raise TraceError(f"{path}: the trace holds no requests")
     if ctx.tokenizer is None and any(isinstance(e, dict) and "prompt" in e for _, e in entries):
@@ -204,9 +208,43 @@ class TraceWorkload(Workload):
         check_positive_int("max_requests", max_requests, optional=True)
         resolve_path(path)  # a missing file fails with the configuration, before an engine is built
         self.path, self.rate, self.max_requests, self.seed = path, rate, max_requests, seed
+        self._entries: list[tuple[str, Any]] | None = None  # read by check_lengths, for generate
+
+    def check_lengths(self, max_model_len: int) -> int | None:
+        """Refuses, naming its line, a ``prompt_len`` or ``output_len`` of a request sent beyond what ``max_model_len``
+        holds, before any prompt is drawn; a longer prompt given as ids or text is sent, and the engine refuses it.
+        Returns the longest prompt within the limit, or None when text prompts are sent (tokenised later)."""
+        self._entries = read_entries(resolve_path(self.path))
+        longest, text = 0, False
+        for where, entry in self._sent(self._entries):
+            prompt_len, output_len = entry.get("prompt_len"), entry.get("output_len")
+            if is_finite_number(prompt_len) and prompt_len > max_model_len:
+                raise TraceError(f"{where}: prompt_len {prompt_len!r} is beyond max_model_len={max_model_len}: "
+                                 f"lower it or raise engine.max_model_len")
+            if is_finite_number(output_len) and output_len > max_model_len - 1:
+                raise TraceError(f"{where}: output_len {output_len!r} is beyond {max_model_len - 1}, the most output "
+                                 f"max_model_len={max_model_len} leaves after a 1-token prompt: lower it or raise "
+                                 f"engine.max_model_len")
+            ids = entry.get("prompt_token_ids")
+            n = len(ids) if isinstance(ids, list) else prompt_len if is_int(prompt_len) else 0
+            if n <= max_model_len:
+                longest = max(longest, n)
+            text = text or "prompt" in entry
+        return None if text else longest
+
+    def _sent(self, entries: list[tuple[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+        """The entries (objects only; ``parse_entry`` reports others) that ``generate`` sends: the first
+        ``max_requests`` by arrival time, as it orders them."""
+        objects = [(where, e) for where, e in entries if isinstance(e, dict)]
+        if self.max_requests is None:
+            return objects
+        arrival = [e.get("arrival_time", 0.0) for _, e in objects]
+        order = sorted(range(len(objects)), key=lambda i: arrival[i] if is_finite_number(arrival[i]) else 0.0)
+        return [objects[i] for i in order[: self.max_requests]]
 
     def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:
-        requests = load_trace(self.path, ctx, self.seed)[: self.max_requests]
+        entries, self._entries = self._entries, None
+        requests = load_trace(self.path, ctx, self.seed, entries)[: self.max_requests]
         if self.rate is not None:
             rescale_to_rate(requests, self.rate, str(self.path))
         return requests

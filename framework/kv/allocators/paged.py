@@ -8,6 +8,8 @@ from framework.kv.block_allocator import ALLOCATORS, NULL_BLOCK, BlockAllocator,
 from framework.common.request import Request, RequestStatus
 
 _ROOT_HASH = -1
+#: ``promote_duplicate``'s values: the index in the copies list (oldest first) of the one promoted.
+PROMOTE_DUPLICATE = {"oldest": 0, "newest": -1}
 
 
 class _Block:
@@ -30,17 +32,25 @@ def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 class PagedBlockAllocator(BlockAllocator):
     """Free blocks wait in one LRU queue: never-cached blocks at the front (handed out first),
     cached ones appended as they are freed, so the least recently used cached block is evicted
-    first. A request's blocks are freed tail first, keeping shared prefix heads longest."""
+    first. A request's blocks are freed tail first, keeping shared prefix heads longest.
+
+    Several blocks may cache one hash (requests that computed the same prefix in one step); hits use the
+    one indexed, the first cached. When it is evicted, ``promote_duplicate`` picks which copy takes its
+    place: ``"oldest"`` (as vLLM 0.32's ``BlockHashToBlockMap``) or ``"newest"`` (this allocator before)."""
 
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, promote_duplicate: str = "oldest") -> None:
         super().__init__(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
+        if promote_duplicate not in PROMOTE_DUPLICATE:
+            raise ValueError(f"promote_duplicate must be one of {', '.join(map(repr, PROMOTE_DUPLICATE))}, "
+                             f"got {promote_duplicate!r}")
+        self._promote_index = PROMOTE_DUPLICATE[promote_duplicate]
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._hash_to_block: dict[int, int] = {}
         #: Further blocks caching a hash already indexed (requests that computed the same prefix
-        #: in one step, or a swapped-in one's): one of them takes the index when the indexed
-        #: block is evicted, or its hits would be lost while a copy still lives.
+        #: in one step, or a swapped-in one's), oldest first: one of them takes the index when the
+        #: indexed block is evicted, or its hits would be lost while a copy still lives.
         self._hash_copies: dict[int, list[int]] = {}
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self._copies: list[tuple[int, int]] = []
@@ -299,7 +309,7 @@ class PagedBlockAllocator(BlockAllocator):
         if copies is not None and bid in copies:
             copies.remove(bid)
         elif copies is not None:  # the indexed block goes: a copy takes its place
-            self._hash_to_block[h] = copies.pop()
+            self._hash_to_block[h] = copies.pop(self._promote_index)
         elif self._hash_to_block.get(h) == bid:
             del self._hash_to_block[h]
         if copies is not None and not copies:

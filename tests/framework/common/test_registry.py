@@ -174,14 +174,15 @@ def test_a_bad_option_is_answered_with_the_options_the_part_takes():
     """A typo in an option's name said only "unexpected keyword argument 'long_prefil'": the
     researcher had to read the constructor to find the spelling."""
     with pytest.raises(BadOptionsError, match=r"policy 'chunked': .*'long_prefil'; "
-                                              r"its options: preemption_mode, long_prefill_token_threshold$"):
+                                              r"its options: preemption_mode, long_prefill_token_threshold, "
+                                              r"reserve_full_prompt, long_prefill_cap_when_alone$"):
         POLICIES.create("chunked", long_prefil=64)
     # The engine's own arguments are no options of the allocator's.
-    with pytest.raises(BadOptionsError, match=r"allocator 'paged': .*'colour'; it takes no options$"):
+    with pytest.raises(BadOptionsError, match=r"allocator 'paged': .*'colour'; its options: promote_duplicate$"):
         ALLOCATORS.create_with("paged", {"colour": "red"}, num_blocks=8, block_size=16, num_cpu_blocks=0,
                                enable_prefix_caching=True)
     with pytest.raises(BadOptionsError, match=r"missing a required argument: 'block_size'; its options: "
-                                              r"block_size, num_cpu_blocks, enable_prefix_caching$"):
+                                              r"block_size, num_cpu_blocks, enable_prefix_caching, promote_duplicate$"):
         ALLOCATORS.create("paged", 8)
 
 

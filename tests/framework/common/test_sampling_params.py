@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from framework.common.sampling_params import RequestOutputKind, SamplingParams
@@ -29,3 +31,24 @@ def test_max_tokens_and_stop_token_ids_take_none_as_vllm():
     assert SamplingParams(stop_token_ids=None) == SamplingParams(stop_token_ids=[])
     with pytest.raises(ValueError, match=r"max_tokens must be None \(up to max_model_len\) or an integer >= 1, got 0"):
         SamplingParams(max_tokens=0)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    # 1e-300 was taken: 0 in the sampler's float32, it divided the logits into NaNs and yielded token 0.
+    ("repetition_penalty", 1e-300, r"a finite number > 0 \(about 1.4e-45 to 3.4e38 in float32, the sampler's type\)"),
+    ("repetition_penalty", 1e39, r"a finite number > 0 \(about 1.4e-45 to 3.4e38 in float32"),  # inf: 0 * inf = NaN
+    ("temperature", 1e39, r"a finite number >= 0 \(at most 3.4e38 in float32"),
+    ("top_p", 1e-300, r"in \(0, 1\] \(at least about 1.4e-45 in float32"),
+])
+def test_a_float_option_the_sampler_casts_out_of_its_range_is_refused(option, value, message):
+    with pytest.raises(ValueError, match=rf"^SamplingParams.{option} must be {message}.*, got {re.escape(repr(value))}$"):
+        SamplingParams(**{option: value})
+
+
+@pytest.mark.parametrize("option, value", [
+    ("repetition_penalty", 1e-40), ("repetition_penalty", 3e38), ("temperature", 1e-300), ("temperature", 3e38),
+    ("top_p", 1e-40), ("min_p", 1e-300), ("presence_penalty", -1e-300), ("frequency_penalty", 1e-300),
+])
+def test_values_that_float32_keeps_valid_are_taken(option, value):
+    # A tiny temperature rounds to 0 (greedy) and a tiny min-p or penalty to 0 (off): still in range.
+    assert getattr(SamplingParams(**{option: value}), option) == value

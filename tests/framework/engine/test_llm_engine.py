@@ -27,9 +27,27 @@ def test_prompt_longer_than_max_model_len_is_ignored_with_reason():
     assert len(outs[1].outputs[0].token_ids) == 6
 
 
+def test_fcfs_with_a_token_budget_below_max_model_len_is_refused_when_built():
+    # It used to be built, then to drop every prompt longer than the budget; vLLM refuses it too.
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens=32 is below max_model_len=256 and policy 'fcfs' "
+                                         r"prefills each prompt whole.*lower max_model_len to <= 32.*chunked\)$"):
+        small_llm(max_num_batched_tokens=32)
+    assert small_llm(max_num_batched_tokens=32, max_model_len=32).engine.config.max_num_batched_tokens == 32
+    assert small_llm(max_num_batched_tokens=32, policy="chunked").engine.config.max_model_len == 256
+    # Left out, the budget is vLLM v0's: 2048, or max_model_len for a policy that prefills whole prompts.
+    assert small_llm(max_num_batched_tokens=None, max_model_len=4096).engine.config.max_num_batched_tokens == 4096
+    assert small_llm(max_num_batched_tokens=None, policy="chunked").engine.config.max_num_batched_tokens == 2048
+    assert LLM(model="tiny-llama").engine.config.max_num_batched_tokens == 4096  # the preset's context
+
+
 def test_prompt_longer_than_token_budget_is_ignored_by_fcfs():
-    llm = small_llm(max_num_batched_tokens=32)
-    out = llm.generate({"prompt_token_ids": list(range(3, 50))}, GREEDY)[0]
+    # An engine told the longest prompt it will get (a run knows its workload's) may keep a smaller budget.
+    config = dict(model="tiny-llama", max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8)
+    engine = LLMEngine(EngineConfig(**config), max_prompt_len=32)
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens=32 is below the longest prompt sent \(33 tokens\)"):
+        LLMEngine(EngineConfig(**config), max_prompt_len=33)
+    engine.add_request("r", list(range(3, 50)), GREEDY)
+    (out,) = engine.step()
     assert "max_num_batched_tokens=32" in out.status_message and "does not chunk" in out.status_message
 
 
@@ -446,7 +464,7 @@ def test_generate_checks_priorities(priority, match):
 
 
 def test_scheduler_rejects_a_token_sampled_mid_prompt():
-    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8,
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8,
                                     policy="fcfs"))
     engine.add_request("r", list(range(3, 40)), GREEDY)
     out = engine.scheduler.schedule()

@@ -49,7 +49,8 @@ def check_entry(entry, token, ref, k):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_logprobs_match_transformers_through_preemption(llama_ckpt, preparer, mode):
     path, hf_model = llama_ckpt
-    llm = LLM(model=str(path), preparer=preparer, backend="naive", block_size=8, max_model_len=160,
+    # max_model_len holds every request (prompts < 90 tokens, 16 out) and, as fcfs needs, fits the budget.
+    llm = LLM(model=str(path), preparer=preparer, backend="naive", block_size=8, max_model_len=128,
               max_num_batched_tokens=128, num_gpu_blocks_override=26, max_num_seqs=8,
               policy_options={"preemption_mode": mode}, check_invariants=True)
     prompts = parity_prompts(n=10)
@@ -82,8 +83,9 @@ def test_parallel_samples_each_get_their_own_logprobs(llama_ckpt, preparer):
 def preempting_engine(path, option, value, **engine_options):
     """An engine with a KV pool small enough to preempt (by recompute), serving 10 greedy requests
     of 16 tokens, the odd ones with ``SamplingParams(option=value)``; and their prompts."""
-    engine = LLMEngine(model=str(path), backend="naive", block_size=8, max_model_len=160,
-                       num_gpu_blocks_override=26, max_num_seqs=8, check_invariants=True, **engine_options)
+    args = dict(model=str(path), backend="naive", block_size=8, max_model_len=160, num_gpu_blocks_override=26,
+                max_num_seqs=8, check_invariants=True)
+    engine = LLMEngine(**{**args, **engine_options})
     prompts = parity_prompts(n=10)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
@@ -95,7 +97,7 @@ def test_streamed_outputs_grow_without_repeats(llama_ckpt):
     """engine.step() outputs: every step's logprobs list one entry per token so far, and what a
     step returned is never changed after (a request preempted by recompute keeps its list)."""
     path, hf_model = llama_ckpt
-    engine, prompts = preempting_engine(path, "logprobs", 1, max_num_batched_tokens=128)
+    engine, prompts = preempting_engine(path, "logprobs", 1, max_num_batched_tokens=128, max_model_len=128)
     seen: dict[str, list] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -16,7 +16,9 @@ from framework.sim.router import ROUTERS, Router
 from framework.harness.workload import WorkloadRequest
 from tests.framework.sim.support import chat_requests
 
-CONFIG = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=32, max_num_batched_tokens=4096)
+# fcfs prefills each prompt whole: its budget holds any prompt max_model_len lets in.
+CONFIG = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=32, max_num_batched_tokens=4096,
+                      max_model_len=4096)
 STEP = 0.1  # seconds each step of a model engine takes on a virtual clock
 
 

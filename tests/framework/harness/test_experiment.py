@@ -20,6 +20,7 @@ from framework.harness.recorder import RunRecorder
 from framework.harness.workload import WorkloadContext
 from framework.harness.workloads.trace import load_trace
 from tests.hydra_support import compose_config, read_csv
+from tests.processes import children
 
 ROOT = Path(__file__).resolve().parents[3]
 STEP = 0.1
@@ -472,20 +473,6 @@ def test_a_sweep_its_config_makes_exits_with_the_failed_job_status_in_parallel_t
     assert "1 run(s) failed" in done.stderr
 
 
-def _children(pid, name):
-    """Process ids of ``pid``'s children whose command line holds ``name`` (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and name.encode() in cmdline:
-            found.append(int(stat.parent.name))
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds joblib's workers through /proc")
 def test_a_sweep_whose_worker_the_os_kills_leaves_no_job_running(tmp_path):
@@ -503,7 +490,7 @@ def test_a_sweep_whose_worker_the_os_kills_leaves_no_job_running(tmp_path):
     deadline = time.monotonic() + 240
     while proc.poll() is None and not all(p.is_file() for p in summaries) and time.monotonic() < deadline:
         time.sleep(0.1)
-    workers = _children(proc.pid, "LokyProcess")
+    workers = children(proc.pid, "LokyProcess")
     assert workers and proc.poll() is None
     os.kill(workers[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)

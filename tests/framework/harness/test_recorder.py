@@ -36,7 +36,7 @@ def test_step_rows_are_the_step_stats_with_the_time_since_the_run_start(tmp_path
 def serve_and_record(tmp_path, fast_forward, **engine):
     """A chat workload on two simulated replicas, recorded as a cluster run."""
     config = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=64, max_num_batched_tokens=4096,
-                          executor_options={"fast_forward": fast_forward}, **engine)
+                          executor_options={"fast_forward": fast_forward}, **{"max_model_len": 4096, **engine})
     cluster = Cluster.build(config, num_replicas=2, router="least_outstanding")
     recorder = RunRecorder(tmp_path, replica_column=True)
     logs = [recorder.step_log(i) for i in range(2)]

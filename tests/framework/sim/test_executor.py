@@ -26,7 +26,7 @@ def sim_engine(**kw):
 
 
 def test_kv_blocks_are_what_vllm_leaves_after_weights_and_activations():
-    engine = sim_engine(max_num_batched_tokens=4096, max_num_seqs=128)
+    engine = sim_engine(max_num_batched_tokens=4096, max_num_seqs=128, policy="chunked")
     # 0.9 of 80 GiB, less the CUDA runtime (0.75 GiB), bf16 weights and the largest step's
     # activations: 4096 tokens x (fused gate/up + qkv + 4 x hidden) bf16 values, twice, and float32
     # logits for 128 rows. A block is 16 tokens x 32 layers x K and V x 8 heads x 128 x 2 bytes.
@@ -34,7 +34,7 @@ def test_kv_blocks_are_what_vllm_leaves_after_weights_and_activations():
     budget = 80 * GiB * 0.9 - 0.75 * GiB - LLAMA3_8B_PARAMS * 2 - activations
     assert engine.allocator.num_blocks == int(budget // (16 * 32 * 2 * 8 * 128 * 2))
     assert engine.allocator.num_cpu_blocks == 4 * GiB // (16 * 32 * 2 * 8 * 128 * 2)  # swap_space=4 GiB
-    h200 = sim_engine(max_num_batched_tokens=4096, max_num_seqs=128, executor_options={"hardware": "h200"})
+    h200 = sim_engine(max_num_batched_tokens=4096, max_num_seqs=128, policy="chunked", executor_options={"hardware": "h200"})
     assert h200.allocator.num_blocks > 1.9 * engine.allocator.num_blocks  # 140 GiB, same weights
 
 

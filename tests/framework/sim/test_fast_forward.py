@@ -17,7 +17,7 @@ from tests.framework.sim.support import RunCounter, chat_requests
 
 def serve(fast, run_dir, num_requests=150, rate=6.0, n=1, **engine):
     config = EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=64, max_num_batched_tokens=4096,
-                          executor_options={"fast_forward": fast}, **engine)
+                          executor_options={"fast_forward": fast}, **{"max_model_len": 4096, **engine})
     cluster = Cluster.build(config)
     engine_ = cluster.engines[0]
     recorder, counter = RunRecorder(run_dir), RunCounter()

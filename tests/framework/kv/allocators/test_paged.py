@@ -269,3 +269,26 @@ def test_fits_after_answers_what_allocating_after_the_release_does(released):
         assert predicted == actual, f"{size} more tokens, released {released}"
         outcomes.add(actual)
     assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("options, heir", [({}, "b"), ({"promote_duplicate": "oldest"}, "b"),
+                                           ({"promote_duplicate": "newest"}, "c")])
+def test_the_copy_that_takes_an_evicted_blocks_place(options, heir):
+    # a, b and c computed the same prompt in one step, in that order: a's blocks are indexed, b's and
+    # c's are copies. Once a's are evicted, hits go to the oldest copy (b's), as in vLLM 0.32, or with
+    # promote_duplicate="newest" (this allocator before) to c's.
+    alloc = PagedBlockAllocator(num_blocks=12, block_size=2, **options)
+    prompt = [1, 2, 3, 4, 5]
+    reqs = {rid: req(rid, prompt) for rid in "abc"}
+    for r in reqs.values():
+        compute(alloc, r, 5)
+    alloc.free(reqs["a"])
+    filler = req("f", [9] * 10)  # takes every free block, a's cached ones last
+    compute(alloc, filler, 10)
+    alloc.check_invariants([reqs["b"], reqs["c"], filler])
+    assert alloc.find_prefix(req("d", prompt)).block_ids == reqs[heir].block_ids[:2]
+
+
+def test_an_unknown_promote_duplicate_is_refused():
+    with pytest.raises(ValueError, match="^promote_duplicate must be one of 'oldest', 'newest', got 'middle'$"):
+        PagedBlockAllocator(num_blocks=4, block_size=2, promote_duplicate="middle")
