@@ -20,7 +20,7 @@ the first divergence of each kind with its case's seed, and each side's preempti
 
 ``--earlier`` runs vLLM with ``scheduler_reserve_full_isl=False`` (before PR #37307) and with the long-prefill
 cap applied to a request alone (before PR #57951, which has no switch: the worker counts a lone request as
-two when the scheduler reads its queues), and this side with ``reserve_full_prompt=false`` and
+two where ``schedule`` reads its queues to lift the cap), and this side with ``reserve_full_prompt=false`` and
 ``long_prefill_cap_when_alone=true``. ``--policy-option`` and ``--allocator-option`` (``KEY=VALUE``, repeatable,
 VALUE read as JSON when it parses) set this side's ``chunked`` and ``paged`` options over those.
 """
@@ -178,11 +178,28 @@ def _vllm_scheduler(case: dict[str, Any], model_dir: str, earlier: bool):
     sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=bs,
                       structured_output_manager=StructuredOutputManager(vllm_config), log_stats=False)
     if earlier:
-        # Before PR #57951 the cap applied whatever the queues held; the scheduler reads them only here
-        # (and for data-parallel prefill balancing, off): a lone request counts as two.
-        counts = sched.get_request_counts
-        sched.get_request_counts = lambda: (lambda r, w: (r, max(w, 2 - r)))(*counts())
+        _cap_when_alone(sched)
     return sched
+
+
+def _cap_when_alone(sched) -> None:
+    """Before PR #57951 the long-prefill cap applied whatever the queues held. ``schedule`` reads the queue
+    counts first to lift it (later reads, and those outside ``schedule``, must stay true): that read counts a
+    lone request as two."""
+    counts, schedule = sched.get_request_counts, sched.schedule
+
+    def first_read_padded(*args, **kwargs):
+        reads = iter(range(1))
+
+        def padded():
+            r, w = counts()
+            return (r, max(w, 2 - r)) if next(reads, None) is not None else (r, w)
+        sched.get_request_counts = padded
+        try:
+            return schedule(*args, **kwargs)
+        finally:
+            sched.get_request_counts = counts
+    sched.schedule = first_read_padded
 
 
 def _vllm_trace(case: dict[str, Any], model_dir: str, earlier: bool) -> list[dict[str, Any]]:
