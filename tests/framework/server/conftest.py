@@ -1,0 +1,26 @@
+"""One in-process server for the package's tests: a tiny Llama with a chat template, behind an API key."""
+from __future__ import annotations
+
+import pytest
+
+from tests.framework.server.support import API_KEY, ThreadServer, chat_checkpoint
+
+
+@pytest.fixture(scope="session")
+def chat_ckpt(tmp_path_factory):
+    return chat_checkpoint(tmp_path_factory.mktemp("tiny-llama-chat"))
+
+
+@pytest.fixture(scope="session")
+def server(chat_ckpt, tmp_path_factory):
+    running = ThreadServer(chat_ckpt, tmp_path_factory.mktemp("served"), f"server.api_key={API_KEY}")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server, chat_ckpt):
+    import openai
+
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c

@@ -1,0 +1,81 @@
+"""Bad requests get OpenAI's error body with a 4xx status, never a 500; ``/metrics`` speaks vLLM's names."""
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.framework.server.support import API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def post(server, path: str, body: dict | str) -> httpx.Response:
+    if isinstance(body, str):
+        return httpx.post(f"{server.url}{path}", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    return httpx.post(f"{server.url}{path}", json=body, headers=AUTH)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, match: str = "") -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
+    assert re.search(match, error["message"]), error["message"]
+    assert "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize("body, param, match", [
+    ({"temperature": -1}, "temperature", "temperature"),
+    ({"top_p": 1.5}, "top_p", "top_p"),
+    ({"n": 0}, "n", "n must be"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"logprobs": 50}, "logprobs", "max_logprobs"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
+    ({"prompt": [100000]}, "prompt", "vocab"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": " ".join(["w4"] * 300)}, "prompt", "maximum context length is 256"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"n": "many"}, "n", "integer"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+])
+def test_bad_completion_requests_are_400s(server, chat_ckpt, body, param, match):
+    assert_error(post(server, "/v1/completions", {"model": str(chat_ckpt), "prompt": "w5 w6", **body}), 400, param,
+                 match)
+
+
+def test_an_unknown_model_is_a_404_as_in_vllm(server, client):
+    assert_error(post(server, "/v1/completions", {"model": "gpt-nothing", "prompt": "w5"}), 404, "model", "does not exist")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-nothing", messages=[{"role": "user", "content": "w5"}])
+
+
+def test_malformed_bodies_are_400s(server, chat_ckpt):
+    assert_error(post(server, "/v1/completions", "{not json"), 400)
+    assert_error(post(server, "/v1/completions", {"model": str(chat_ckpt)}), 400, "prompt", "prompt")
+    assert_error(post(server, "/v1/chat/completions", {"model": str(chat_ckpt), "messages": []}), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "tools": [{}]}),
+                 400, "tools")
+
+
+def test_a_bad_request_changes_nothing(server, chat_ckpt):
+    before = server.server.engine.num_steps
+    post(server, "/v1/completions", {"model": str(chat_ckpt), "prompt": "w5", "top_p": 9})
+    assert server.server.engine.num_steps == before and server.server.loop.num_in_flight() == 0
+
+
+def test_metrics_use_vllms_names(server, client, chat_ckpt):
+    client.completions.create(model=str(chat_ckpt), prompt="w5 w6 w7", max_tokens=3, extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics").text  # open, as vLLM's
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:request_time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"):
+        assert f"\n{name}{{" in text, name
+    count = re.search(r'vllm:e2e_request_latency_seconds_count\{[^}]*\} (\S+)', text)
+    assert count and float(count.group(1)) >= 1
+    assert 'finished_reason="length"' in text and "_created" not in text
