@@ -34,8 +34,9 @@ class PagedGroup:
     and results are slices there; otherwise ``token_rows[j]`` is the flat token row of padded
     query ``j`` (padded queries repeat a real row of their request), ``out_rows`` picks the real
     padded queries and ``out_index`` says which flat rows they go to.
-    ``mask`` is ``[num_reqs, 1, q_len, num_blocks * block_size]``: 0 where a query may attend,
-    -inf elsewhere (past the request's ``seq_len``, in the causal future, null-block padding);
+    ``mask`` is ``[num_reqs, 1, rows, num_blocks * block_size]``, rows ``q_len`` (with
+    ``fold_masked_gqa`` and ``q_len > 1``: ``q_len`` x query heads per K/V head): 0 where a query may
+    attend, -inf elsewhere (past the request's ``seq_len``, in the causal future, null-block padding);
     None for a lone full prefill of two or more tokens, which SDPA runs as ``is_causal``.
     """
 
@@ -97,6 +98,10 @@ class TorchPagedBackend(AttentionBackend):
         if decode_kernel == "cpp" and self.device.type != "cpu":
             raise ValueError(f"backend.decode_kernel=cpp runs on a CPU, not {self.device}; use auto or sdpa")
         self.decode_kernel = decode_kernel
+        # Whether a masked prefill group's query heads go in as rows of their K/V head (see _attend):
+        # on CUDA SDPA has no fused kernel for a mask with GQA; a CPU's flash kernel takes both, and
+        # ran 1.2-2x faster than the folded rows (2 cores, head_dim 32-128).
+        self.fold_masked_gqa = self.device.type != "cpu"
         self._paged_decode = None
         if self.device.type == "cpu" and decode_kernel != "sdpa":
             from backends.cpu_kernels import paged_decode
@@ -134,13 +139,10 @@ class TorchPagedBackend(AttentionBackend):
         j_clamped = np.minimum(j[None, :], q_lens[:, None] - 1)
         token_rows = starts[:, None] + j_clamped
         q_pos = (seq_lens - q_lens)[:, None] + j_clamped
-        mask = None
         # Only a lone full prefill of two or more tokens goes without one (SDPA's is_causal hides
         # its block's tail); the decode call has no is_causal, so a lone one-token prompt needs it.
         kernel = q_pad == 1 and self._paged_decode is not None  # it bounds each request by its seq_len
-        if not kernel and (len(reqs) > 1 or seq_lens[0] != q_lens[0] or q_pad == 1):
-            k_pos = np.arange(num_blocks * bs)
-            mask = np.where(k_pos[None, None, :] <= q_pos[:, :, None], np.float32(0), np.float32(-np.inf))[:, None]
+        needs_mask = not kernel and (len(reqs) > 1 or seq_lens[0] != q_lens[0] or q_pad == 1)
         block_ids = meta.block_table_cpu[reqs, :num_blocks]
         out_start = out_rows = out_index = None
         first = int(starts[0])
@@ -153,13 +155,42 @@ class TorchPagedBackend(AttentionBackend):
         def dev(a: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
+        mask = None
+        if needs_mask:
+            # Folded, SDPA's rows are (token, query head) of each K/V head (see _attend); a decode's
+            # one row per request broadcasts over its K/V head's query heads.
+            fold = q_pad > 1 and self.fold_masked_gqa
+            rows = np.repeat(q_pos, self.num_heads // self.num_kv_heads, axis=1) if fold else q_pos
+            mask = self._mask(dev(rows), num_blocks * bs)
+
         return PagedGroup(
             num_reqs=len(reqs), q_len=q_pad, num_blocks=num_blocks,
             token_rows=None if out_start is not None else dev(token_rows.ravel()),
-            block_ids=dev(block_ids.ravel()), mask=None if mask is None else dev(mask, self.dtype), out_start=out_start,
+            block_ids=dev(block_ids.ravel()), mask=mask, out_start=out_start,
             out_rows=None if out_rows is None else dev(out_rows),
             out_index=None if out_index is None else dev(out_index),
             seq_lens=dev(seq_lens) if kernel else None)
+
+    def _mask(self, row_pos: torch.Tensor, length: int) -> torch.Tensor:
+        """``[reqs, 1, rows, length]`` in the backend's dtype: 0 where key position <= the row's
+        position, -inf elsewhere; built on the device from the rows' positions."""
+        hidden = torch.arange(length, device=row_pos.device) > row_pos[:, :, None]
+        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=row_pos.device).masked_fill_(hidden, float("-inf"))
+        return mask[:, None]
+
+    def workspace_bytes(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The gather buffer at its largest group (decodes are one group unless the C++ kernel reads
+        them in place; other groups hold requests of >= 2 tokens) and one step's masks."""
+        length = -(-max_model_len // self.block_size) * self.block_size
+        itemsize = self.dtype.itemsize
+        group_reqs = min(max_num_seqs, max_num_batched_tokens // 2) if self._paged_decode is not None else max_num_seqs
+        gather = 2 * group_reqs * length * self.num_kv_heads * self.head_dim * itemsize
+        # The planner pads at most the real (query, key) pairs plus its cost of a group per request
+        # but one (or it would run them alone); a folded prefill's mask row repeats per query head.
+        cost = GROUP_COST_PAIRS.get(self.device.type, GROUP_COST_PAIRS["cuda"])
+        pairs = max_num_batched_tokens * length + cost * (max_num_seqs - 1)
+        rows_per_token = self.num_heads // self.num_kv_heads if self.fold_masked_gqa else 1
+        return gather + rows_per_token * pairs * itemsize
 
     _workspace: torch.Tensor | None = None
 
@@ -198,21 +229,24 @@ class TorchPagedBackend(AttentionBackend):
             queries = q[g.out_start:g.out_start + n * q_len]
         else:
             queries = q.index_select(0, g.token_rows)
-        if q_len == 1:
-            # Decodes: the query heads sharing a K/V head see the same keys under the same mask,
-            # so they go in as that head's query rows and each K/V head is read once (measured
-            # 1.1-2x faster than enable_gqa on a CPU at head_dim 32).
-            group = self.num_heads // self.num_kv_heads
-            queries = queries.view(n, self.num_kv_heads, group, self.head_dim)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=self.scale)
-        else:
-            queries = queries.view(n, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-            # Without a mask the group is one full prefill: top-left causal alignment is right,
-            # and it hides the tail of the last block too.
+        kv_heads, group, head_dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        if g.mask is None or (q_len > 1 and not self.fold_masked_gqa):
+            # Without a mask the group is one full prefill: top-left causal alignment is right, and it
+            # hides the tail of the last block too (CUDA's flash kernel takes enable_gqa).
+            queries = queries.view(n, q_len, self.num_heads, head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None,
-                                               scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+                                               scale=self.scale, enable_gqa=group > 1)
             o = o.transpose(1, 2)
-        o = o.reshape(n * q_len, self.num_heads, self.head_dim)
+        else:
+            # The query heads sharing a K/V head go in as (token, query head) rows of that head, so
+            # each K/V head is read once and SDPA sees no GQA: with a mask, CUDA's fused kernel (the
+            # memory-efficient one) takes no enable_gqa and SDPA would fall back to its math kernel.
+            # (Decodes: measured 1.1-2x faster than enable_gqa on a CPU at head_dim 32.)
+            queries = queries.view(n, q_len, kv_heads, group, head_dim).transpose(1, 2)
+            queries = queries.reshape(n, kv_heads, q_len * group, head_dim)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=self.scale)
+            o = o.view(n, kv_heads, q_len, group, head_dim).transpose(1, 2)
+        o = o.reshape(n * q_len, self.num_heads, head_dim)
         if g.out_start is not None:
             out[g.out_start:g.out_start + n * q_len] = o
         else:

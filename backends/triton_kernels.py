@@ -1,12 +1,14 @@
 """Triton kernels of the ``triton`` attention backend: a K/V store through ``slot_mapping`` and one
 paged-attention kernel over a mixed flat batch.
 
-Imported only by ``TritonBackend`` (``backends/triton_paged.py`` first decides on the CPU interpreter,
-which Triton reads when the kernels are decorated). Any power-of-two block size and head sizes up to
-256; K/V tiles are gathered position by position through the block table, so a tile may span blocks.
+Imported only through ``backends/triton_paged.py: load_kernels``, which also executes this source a
+second time, as another module, with Triton's interpreter on (read when the kernels are decorated).
+Any power-of-two block size and head sizes up to 256; K/V tiles are gathered position by position
+through the block table, so a tile may span blocks.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -211,6 +213,12 @@ def _combine_splits_kernel(
              mask=(heads < num_heads)[:, None] & (dims < HEAD_DIM)[None, :])
 
 
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes ``device`` current for a launch: Triton launches on the current CUDA device, not on
+    the tensors' (``cuda:1`` while ``cuda:0`` is current would run on the wrong GPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, triton.next_power_of_2(max(int(n), 1)))
 
@@ -226,12 +234,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     heads_pad, head_dim_pad = _pow2(num_kv_heads), _pow2(head_dim, 16)
     block_t = store_block_t(num_tokens, heads_pad, head_dim_pad)
-    _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
-        k, v, k_cache, v_cache, slot_mapping, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
+    with device_guard(k_cache.device):
+        _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+            k, v, k_cache, v_cache, slot_mapping, num_tokens,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
 
 
 def store_block_t(num_tokens: int, heads_pad: int, head_dim_pad: int) -> int:
@@ -341,6 +350,15 @@ def num_splits(num_programs: int, longest: int, block_n: int, device: torch.devi
     return max(1, min(wanted, longest // (8 * block_n), 16))
 
 
+def split_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, max_tokens: int, num_sms: int) -> int:
+    """The most bytes ``plan`` allocates for key splits (``LaunchPlan.part`` and ``lse``) in a step of up
+    to ``max_tokens`` tokens on a GPU with ``num_sms`` multiprocessors."""
+    # num_splits <= 2 * num_sms / programs + 1, programs >= tokens * num_kv_heads / BLOCK_Q (<= 64 rows),
+    # so splits * tokens <= 128 * num_sms / num_kv_heads + tokens; and at most 16 splits.
+    rows = min(16 * max_tokens, -(-128 * num_sms // num_kv_heads) + max_tokens)
+    return rows * num_heads * (head_dim + 1) * 4
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -359,20 +377,21 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     else:
         part, lse = launch.part, launch.lse
     grid = (launch.tiles.shape[1], triton.cdiv(num_kv_heads, launch.kv_heads), splits)
-    _paged_attention_kernel[grid](
-        part, lse, q, k_cache, v_cache, block_table, *launch.tile_rows,
-        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
-        q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group), KV_HEADS=launch.kv_heads,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=splits,
-        DOT_PRECISION=dot_precision(q.dtype),
-        # The interpreter multiplies bfloat16 as raw integers, and float16 without BLAS.
-        DOT_FP32=INTERPRETED and q.dtype != torch.float32)
-    if splits > 1:
-        _combine_splits_kernel[(q.shape[0],)](
-            out, part, lse, num_heads, out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1), NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEADS_PAD=_pow2(num_heads),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16))
+    with device_guard(q.device):
+        _paged_attention_kernel[grid](
+            part, lse, q, k_cache, v_cache, block_table, *launch.tile_rows,
+            scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+            q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group), KV_HEADS=launch.kv_heads,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16), BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=splits,
+            DOT_PRECISION=dot_precision(q.dtype),
+            # The interpreter multiplies bfloat16 as raw integers, and float16 without BLAS.
+            DOT_FP32=INTERPRETED and q.dtype != torch.float32)
+        if splits > 1:
+            _combine_splits_kernel[(q.shape[0],)](
+                out, part, lse, num_heads, out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
+                lse.stride(0), lse.stride(1), NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEADS_PAD=_pow2(num_heads),
+                HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16))
     return out

@@ -1,14 +1,18 @@
 """Paged attention in Triton: one store-K/V launch and one attention launch per layer, for any
 mix of decodes, full prefills, chunked prefills and prefix-cache hits (``triton_kernels.py``).
 
-Without a CUDA device the kernels run through Triton's CPU interpreter (slow but exact): the backend
-sets ``TRITON_INTERPRET=1`` itself, with a notice on stderr, before the kernels are decorated.
+On a CUDA device the kernels are compiled; on any other they run through Triton's CPU interpreter
+(slow but exact) from a second copy of the kernel module, decorated with the interpreter switched on
+for that import only, so the two coexist in one process and nothing else in it runs interpreted.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -19,45 +23,67 @@ from framework.execution.attention import BACKENDS, AttentionBackend, AttentionM
 from framework.common.registry import UnavailableError
 
 _KERNELS = "backends.triton_kernels"
-INTERPRETER_NOTICE = ("servelab: no CUDA device for the triton attention backend; running its kernels "
-                      "through Triton's CPU interpreter (TRITON_INTERPRET=1, numpy's BLAS on one thread). "
-                      "Correct but slow.")
+#: The interpreted copy of ``_KERNELS`` (same source, its own module object and ``INTERPRETED``).
+_INTERPRETED_KERNELS = "backends.triton_kernels_interpreted"
+INTERPRETER_NOTICE = ("servelab: the triton attention backend on a CPU runs its kernels through Triton's "
+                      "interpreter (numpy's BLAS on one thread). Correct but slow.")
 
 
 def load_kernels(device: torch.device) -> ModuleType:
-    """Import the kernel module, first switching Triton to its interpreter when ``device`` is
-    not a CUDA device. Raises UnavailableError without triton, or when the kernels were already
-    compiled for CUDA in this process and ``device`` is not a CUDA device."""
-    interpret = device.type != "cuda"
-    module = sys.modules.get(_KERNELS)
-    if module is None and interpret and not _interpreter_requested():
-        os.environ["TRITON_INTERPRET"] = "1"
-        print(INTERPRETER_NOTICE, file=sys.stderr, flush=True)
-    if interpret:
-        _single_threaded_numpy_blas()
+    """The kernel module for ``device``: compiled for a CUDA device (interpreted only if the user's
+    ``TRITON_INTERPRET`` says so), interpreted for any other. UnavailableError without triton."""
     try:
-        module = importlib.import_module(_KERNELS)
+        importlib.import_module("triton")
     except ImportError as exc:
         raise UnavailableError(f"the triton attention backend needs the triton package ({exc}); "
                                f"install it with `pip install triton`") from exc
-    if interpret and not module.INTERPRETED:
-        raise UnavailableError(
-            f"the triton kernels were already compiled for CUDA in this process, so they cannot run on "
-            f"device {device}; use a CUDA device, or start a new process with TRITON_INTERPRET=1")
+    if device.type == "cuda":
+        return importlib.import_module(_KERNELS)
+    module = sys.modules.get(_INTERPRETED_KERNELS)
+    if module is None:
+        module = _import_interpreted()
+        print(INTERPRETER_NOTICE, file=sys.stderr, flush=True)
+    _single_threaded_numpy_blas()
     return module
 
 
-def _interpreter_requested() -> bool:
-    """Whether ``TRITON_INTERPRET`` already turns the interpreter on, read as the installed Triton reads
-    it (3.3 and later: 1/true/on/yes in any case; earlier: only "1"). False without triton: importing
-    the kernels then reports it."""
+def _import_interpreted() -> ModuleType:
+    """Execute the kernel source as ``_INTERPRETED_KERNELS`` with the interpreter on: ``triton.jit``
+    picks the interpreter when a kernel is decorated, so the switch need not outlive the import."""
+    origin = importlib.util.find_spec(_KERNELS).origin
+    spec = importlib.util.spec_from_file_location(_INTERPRETED_KERNELS, origin)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_INTERPRETED_KERNELS] = module  # dataclasses look their module up while it executes
     try:
-        import triton
-    except ImportError:
-        return False
+        with _interpreter_switched_on():
+            spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[_INTERPRETED_KERNELS]
+        raise
+    assert module.INTERPRETED, "the kernels were not decorated for the interpreter"
+    return module
+
+
+@contextlib.contextmanager
+def _interpreter_switched_on() -> Iterator[None]:
+    """Triton's interpreter on inside, and ``TRITON_INTERPRET`` and Triton's runtime knobs as they
+    were after (Triton before 3.3 has no knobs and reads the variable)."""
+    import triton
+
     if hasattr(triton, "knobs"):
-        return bool(triton.knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = True
+            yield
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 def _single_threaded_numpy_blas() -> None:
@@ -82,6 +108,14 @@ class TritonBackend(AttentionBackend):
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
         self.kernels = load_kernels(self.device)
+
+    def workspace_bytes(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The key splits' partial results (GPU only: the interpreter never splits)."""
+        if self.kernels.INTERPRETED or self.device.type != "cuda":
+            return 0
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return self.kernels.split_workspace_bytes(self.num_heads, self.num_kv_heads, self.head_dim,
+                                                  max_num_batched_tokens, self.kernels._num_sms(index))
 
     def build_metadata(self, meta: AttentionMetadata) -> TritonMetadata:
         if not meta.num_reqs:  # an empty step: nothing to tile or launch

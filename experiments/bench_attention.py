@@ -17,6 +17,11 @@ taking turns) and prints:
 On a CPU ``triton`` runs through Triton's interpreter, which is for correctness, not speed: it
 is left out unless named. ``flash_attn`` runs with 256-token blocks (its paged-KV requirement);
 the others with ``--block-size``.
+
+Memory: a case's inputs are made on the device in the run's dtype, and one cache serves every backend
+(``flash_attn`` views it in 256-token blocks), freed before the next case. The largest default GPU
+case (decode, 256 requests x 16,384 tokens, bfloat16, 8 K/V heads of 128) peaks at about 35 GB: the
+17.4 GB cache and torch_paged's 17.2 GB gather buffer.
 """
 from __future__ import annotations
 
@@ -54,26 +59,33 @@ class Case:
 
 
 def make_inputs(case: Case, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                device: torch.device, seed: int = 0):
-    """Random q/k/v for the new tokens, a cache with every request's blocks scattered at random,
-    and the step's metadata (as the v1 preparer builds it)."""
-    gen = torch.Generator().manual_seed(seed)
+                device: torch.device, block_sizes: list[int], seed: int = 0):
+    """Random q/k/v and one cache, made on ``device`` in ``dtype``; per size in ``block_sizes`` (multiples
+    of ``block_size`` dividing the largest) a view of the cache and the step's metadata, each request's
+    blocks scattered at random in runs of the largest size, so every view holds the same K/V."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     rng = np.random.default_rng(seed)
     n, seq = case.batch, case.context + case.q_len
-    blocks_per_req = -(-seq // block_size)
-    num_blocks = 1 + n * blocks_per_req
-    table = rng.permutation(np.arange(1, num_blocks)).reshape(n, blocks_per_req).astype(np.int64)
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    largest = max(block_sizes)
+    runs_per_req = -(-seq // largest)
+    runs = rng.permutation(np.arange(1, 1 + n * runs_per_req)).reshape(n, runs_per_req)  # run 0: the null block
+    cache = torch.randn(2, (1 + n * runs_per_req) * largest // block_size, block_size, kv_heads, head_dim,
+                        generator=gen, device=device, dtype=dtype)
     tokens = n * case.q_len
-    q = torch.randn(tokens, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q, k, v = (torch.randn(tokens, h, head_dim, generator=gen, device=device, dtype=dtype)
+               for h in (heads, kv_heads, kv_heads))
     pos = case.context + np.arange(case.q_len)
-    slots = (table[:, pos // block_size] * block_size + pos % block_size).ravel()
     qsl = np.arange(n + 1, dtype=np.int64) * case.q_len
     seq_lens = np.full(n, seq, dtype=np.int64)
-    meta = AttentionMetadata.from_host(qsl, seq_lens, table, slots.astype(np.int64), block_size, device)
-    return q, k, v, cache, meta
+    views = {}
+    for size in block_sizes:
+        per_run = largest // size
+        table = (runs[:, :, None] * per_run + np.arange(per_run)).reshape(n, -1)[:, : -(-seq // size)]
+        slots = (table[:, pos // size] * size + pos % size).ravel()
+        meta = AttentionMetadata.from_host(qsl, seq_lens, table.astype(np.int64), slots.astype(np.int64), size,
+                                           device)
+        views[size] = (cache.view(2, -1, size, kv_heads, head_dim), meta)
+    return q, k, v, views
 
 
 def timer(device: torch.device, flush_mb: int = 0):
@@ -169,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     head_dim = args.head_dim or (128 if gpu else 32)
     if heads % kv_heads:
         p.error(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    if args.block_size & (args.block_size - 1) or args.block_size > 256:
+        p.error(f"--block-size must be a power of two up to 256 (flash_attn's 256-token blocks view the same "
+                f"cache), got {args.block_size}")
     args.decode_batches = args.decode_batches or ([1, 16, 64, 256] if gpu else [8, 64])
     args.decode_contexts = args.decode_contexts or ([1024, 4096, 16384] if gpu else [128, 512, 2048])
     args.prefill_batches = args.prefill_batches or ([1, 8] if gpu else [1, 8])
@@ -202,8 +217,12 @@ def main(argv: list[str] | None = None) -> None:
         kv_bytes = 2 * case.batch * seq * kv_heads * head_dim * esize
         pairs = case.batch * (case.q_len * case.context + case.q_len * (case.q_len + 1) // 2)
         flops = 4 * heads * head_dim * pairs
+        # One cache per case, shared by the backends (flash_attn reads it in 256-token blocks).
+        q, k, v, views = make_inputs(case, heads, kv_heads, head_dim, args.block_size, dtype, device,
+                                     sorted({block_size_of(name, args.block_size) for name in names}))
         try:
-            calls = [make_call(name, case, heads, kv_heads, head_dim, args.block_size, dtype, device) for name in names]
+            calls = [make_call(name, q, k, v, *views[block_size_of(name, args.block_size)], heads, kv_heads,
+                               head_dim, dtype, device) for name in names]
         except UnavailableError as exc:  # triton without its package; flash_attn was checked above
             sys.exit(f"error: {exc}")
         with torch.inference_mode():
@@ -216,15 +235,20 @@ def main(argv: list[str] | None = None) -> None:
             tflops = f"{flops / seconds / 1e12:8.3f}" if case.kind == "prefill" else f"{'':8s}"
             print(f"{case.label:32s} {backend_name:12s} {seconds * 1e3:9.3f} {speedup} "
                   f"{kv_bytes / seconds / 1e9:8.2f} {100 * kv_bytes / seconds / bandwidth:6.1f}% {tflops}", flush=True)
+        del calls, call, q, k, v, views  # before the next case's cache is made
 
 
-def make_call(name: str, case: Case, heads: int, kv_heads: int, head_dim: int, block_size: int,
-              dtype: torch.dtype, device: torch.device):
-    """One layer's forward of backend ``name`` on its own copy of the case's inputs."""
-    block_size = 256 if name == "flash_attn" else block_size
-    q, k, v, cache, meta = make_inputs(case, heads, kv_heads, head_dim, block_size, dtype, device)
+def block_size_of(name: str, block_size: int) -> int:
+    return 256 if name == "flash_attn" else block_size  # flash-attn 2's paged KV cache needs 256
+
+
+def make_call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+              meta: AttentionMetadata, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              device: torch.device):
+    """One layer's forward of backend ``name`` on the case's inputs (each call writes the same K/V to
+    the same slots, so the backends can share them)."""
     backend = BACKENDS.create(name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                              scale=head_dim ** -0.5, block_size=block_size, dtype=dtype, device=device)
+                              scale=head_dim ** -0.5, block_size=meta.block_size, dtype=dtype, device=device)
     with torch.inference_mode():
         step_meta = backend.build_metadata(meta)
 
@@ -232,6 +256,7 @@ def make_call(name: str, case: Case, heads: int, kv_heads: int, head_dim: int, b
         backend.forward(q, k, v, cache, step_meta)
 
     return call
+
 
 if __name__ == "__main__":
     main()

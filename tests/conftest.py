@@ -6,6 +6,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Engines built with device="auto" run on the CPU in float32, as the references they are checked
+# against do, also on a machine with a GPU (and in the subprocesses tests start); `gpu`-marked
+# tests get the real "auto" back (`unpinned_device_for_gpu_tests`).
+os.environ["SERVELAB_DEVICE"] = "cpu"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -115,6 +119,12 @@ def runnable_backends(num_heads: int, num_kv_heads: int, head_dim: int, block_si
             continue
         names.append(name)
     return names
+
+
+@pytest.fixture(autouse=True)
+def unpinned_device_for_gpu_tests(request, monkeypatch):
+    if request.node.get_closest_marker("gpu") is not None:
+        monkeypatch.delenv("SERVELAB_DEVICE", raising=False)
 
 
 @pytest.fixture(autouse=True)

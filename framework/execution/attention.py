@@ -118,6 +118,11 @@ class AttentionBackend(ABC):
         if problems:
             raise ValueError(f"attention backend {self.name!r} cannot run with these settings: " + "; ".join(problems))
 
+    def workspace_bytes(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Device bytes this backend may hold besides the KV cache and its inputs and outputs during a
+        step within these limits (buffers it keeps, per-step plans): KV sizing leaves them free."""
+        return 0
+
     def build_metadata(self, meta: AttentionMetadata) -> Any:
         """Per-step preparation shared by all layers (default: use the common metadata as is)."""
         return meta

@@ -45,16 +45,8 @@ def batch_specs(kind: str, rng: np.random.Generator, block_size: int) -> list[tu
     return [(0, int(n)) for n in rng.integers(2, 60, size=3)] + [(2 * block_size, 9), (block_size - 2, 5)]
 
 
-def skip_interpreter_on_cuda_machines(name: str, device: str) -> None:
-    """On a machine with CUDA the triton kernels are compiled for it (once per process), so the
-    CPU-interpreter cases give way to the ``cuda`` ones."""
-    if name == "triton" and device == "cpu" and torch.cuda.is_available():
-        pytest.skip("CUDA is present: the triton kernels are compiled for it and checked by the cuda cases")
-
-
 def run(name: str, batch: Batch, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
         dtype: torch.dtype, device: str, use_out: bool = True) -> torch.Tensor:
-    skip_interpreter_on_cuda_machines(name, device)
     backend = BACKENDS.create(name, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                               scale=batch.scale, block_size=block_size, dtype=dtype, device=device)
     meta = backend.build_metadata(batch.meta)
@@ -145,7 +137,6 @@ def test_a_request_alone_in_its_group(name, specs):
 def test_an_empty_step(name):
     """A step of no requests (from_host of empty arrays) computes nothing and writes nothing, on
     every backend."""
-    skip_interpreter_on_cuda_machines(name, "cpu")
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
     none = np.zeros(0, dtype=np.int64)
     meta = AttentionMetadata.from_host(np.zeros(1, dtype=np.int64), none, np.zeros((0, 1), dtype=np.int64), none,

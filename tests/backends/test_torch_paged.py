@@ -1,10 +1,13 @@
 """torch_paged: how its step planner groups the requests, and its two decode kernels (the numerics of
 its default path are checked against the float64 reference in test_agreement.py)."""
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backends.torch_paged import prefill_groups
 from framework import BACKENDS
@@ -132,3 +135,68 @@ def test_without_a_built_kernel_auto_falls_back_to_sdpa_and_cpp_says_why(monkeyp
     assert all(g.seq_lens is None for g in meta.groups)
     before = batch.kv_cache.clone()
     check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
+
+
+FUSED_ONLY = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
+@pytest.mark.parametrize("device, dtype, fold", [
+    ("cpu", torch.float32, True),
+    ("cpu", torch.float32, False),
+    pytest.param("cuda", torch.bfloat16, None, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 2), (8, 1), (4, 4)])
+def test_masked_gqa_groups_run_on_a_fused_sdpa_kernel(monkeypatch, device, dtype, fold, num_heads, num_kv_heads):
+    """With a mask and GQA, CUDA's SDPA has no fused kernel (it would materialise the scores), so there
+    a masked group's query heads go in as rows of their K/V head: SDPA sees equal head counts, no
+    enable_gqa. A CPU's flash kernel takes both, so a CPU keeps enable_gqa (``fold=False``, its
+    default); ``fold=True`` runs the CUDA layout on a CPU. SDPA's math kernel is off throughout."""
+    import backends.torch_paged as module
+
+    calls = []
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.shape[1], k.shape[1], attn_mask is not None, kwargs.get("enable_gqa", False)))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(module, "F", SimpleNamespace(scaled_dot_product_attention=spy))
+    specs = [(0, 9), (0, 30), (32, 5), (17, 6), (40, 1), (3, 1), (0, 1)]
+    batch = random_batch(specs, num_heads, num_kv_heads, 32, 16, dtype, seed=num_heads * 10 + num_kv_heads,
+                         device=device)
+    backend = make("sdpa", dtype, device, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32)
+    assert backend.fold_masked_gqa == (device == "cuda")
+    if fold is not None:
+        monkeypatch.setattr(backend, "fold_masked_gqa", fold)
+    before = batch.kv_cache.clone()
+    with sdpa_kernel(FUSED_ONLY):
+        out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
+    check(out, batch, before, dtype)
+    masked = [c for c in calls if c[2]]
+    assert len(masked) >= 2, "the batch plans a decode group and a masked prefill group"
+    if backend.fold_masked_gqa:
+        assert all(q_heads == kv_heads == num_kv_heads and not gqa for q_heads, kv_heads, _, gqa in masked), calls
+
+
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("decode_kernel", ["cpp", "sdpa"])
+@pytest.mark.parametrize("kind", ["decodes", "prefills"])
+def test_the_declared_workspace_covers_what_a_step_holds(monkeypatch, decode_kernel, kind, fold):
+    """``workspace_bytes`` (what KV sizing leaves free) bounds the gather buffer plus the step's masks
+    at the limits: every request as long as max_model_len, the token budget spent."""
+    max_num_seqs, max_model_len, block_size = 6, 70, 16
+    if kind == "decodes":
+        specs = [(max_model_len - 1, 1)] * max_num_seqs
+    else:
+        specs = [(0, 9), (max_model_len - 12, 12), (max_model_len - 2, 2), (0, max_model_len)]
+    tokens = sum(n for _, n in specs)
+    batch = random_batch(specs, 8, 2, 16, block_size, torch.float32, seed=3)
+    backend = make(decode_kernel, num_heads=8, num_kv_heads=2, head_dim=16, block_size=block_size)
+    monkeypatch.setattr(backend, "fold_masked_gqa", fold)
+    meta = backend.build_metadata(batch.meta)
+    before = batch.kv_cache.clone()
+    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
+    held = sum(g.mask.nbytes for g in meta.groups if g.mask is not None)
+    if backend._workspace is not None:
+        held += backend._workspace.nbytes
+    assert held <= backend.workspace_bytes(max_num_seqs, max_model_len, tokens)
+    assert held > 0 or (kind, decode_kernel) == ("decodes", "cpp"), "the C++ kernel reads decodes in place"

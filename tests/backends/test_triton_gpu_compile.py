@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def has_nvidia_backend() -> bool:
-    """Looked up on disk: importing triton here, before a backend sets TRITON_INTERPRET, would
-    make this test process unlike a real one."""
+    """Looked up on disk, without importing triton into the test process."""
     spec = importlib.util.find_spec("triton")
     return spec is not None and (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 

@@ -6,10 +6,12 @@ the ``gpu`` cases compile the same kernels for a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import torch
 from backends.triton_paged import INTERPRETER_NOTICE, load_kernels
 from framework import BACKENDS
 from tests.backends.batches import mixed_specs, random_batch
-from tests.backends.test_agreement import check, run, seed_of, skip_interpreter_on_cuda_machines
+from tests.backends.test_agreement import check, run, seed_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -60,7 +62,6 @@ def test_groups_and_head_counts_that_are_not_powers_of_two(num_heads, num_kv_hea
 def test_tiles_smaller_than_the_requests(monkeypatch, block_q, block_n):
     """Long prefills split over several query tiles and long contexts over several key tiles
     (and key tiles that end mid-block) give the same answer."""
-    skip_interpreter_on_cuda_machines("triton", "cpu")
     monkeypatch.setattr(load_kernels(torch.device("cpu")), "tile_sizes", lambda *args: (block_q, block_n))
     batch = mixed_batch("tiles", 4, 2, 32, 8, torch.float32, "cpu", num_reqs=6, max_len=5)
     before = batch.kv_cache.clone()
@@ -73,7 +74,6 @@ def test_split_key_ranges_merge_to_the_same_answer(monkeypatch, splits, dtype):
     """Flash-decoding (chosen on GPUs for few long requests) forced on. With 4-token query
     tiles and 16-key tiles, the tile of positions 30..33 of request (30, 6) has a split starting
     at key 32, where rows 30 and 31 see no key at all; short requests get empty splits."""
-    skip_interpreter_on_cuda_machines("triton", "cpu")
     kernels = load_kernels(torch.device("cpu"))
     monkeypatch.setattr(kernels, "tile_sizes", lambda *args: (4, 16))
     monkeypatch.setattr(kernels, "num_splits", lambda *args: splits)
@@ -87,7 +87,6 @@ def test_split_key_ranges_merge_to_the_same_answer(monkeypatch, splits, dtype):
 def test_a_long_step_with_many_kv_heads_is_stored():
     """1025 new tokens of 8 K/V heads of size 128 (a Llama-3-8B prompt): one interpreter program
     for the whole step would be a 2048 x 1024 tile, twice the largest Triton accepts."""
-    skip_interpreter_on_cuda_machines("triton", "cpu")
     kernels = load_kernels(torch.device("cpu"))
     num_tokens, kv_heads, head_dim, block_size = 1025, 8, 128, 16
     gen = torch.Generator().manual_seed(0)
@@ -118,10 +117,9 @@ def test_head_size_above_256_is_refused():
                         dtype=torch.float32, device="cpu")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_without_a_gpu_it_switches_to_the_interpreter_once_with_a_notice():
+def test_on_a_cpu_it_runs_interpreted_with_one_notice():
     """And keeps numpy's BLAS (which runs the interpreter's dots) on one thread."""
-    code = ("import os, torch, triton\n"  # triton already imported: the switch must still work
+    code = ("import torch, triton\n"  # triton already imported: the switch must still work
             "from framework import BACKENDS\n"
             "from tests.backends.batches import random_batch, relative_error\n"
             "kw = dict(num_heads=2, num_kv_heads=1, head_dim=16, scale=0.25, block_size=16, dtype=torch.float32)\n"
@@ -131,28 +129,138 @@ def test_without_a_gpu_it_switches_to_the_interpreter_once_with_a_notice():
             "assert relative_error(b.forward(x.q, x.k, x.v, x.kv_cache, b.build_metadata(x.meta)), x.expected) < 1e-4\n"
             "from threadpoolctl import threadpool_info\n"
             "blas = {i['num_threads'] for i in threadpool_info() if i['internal_api'] == 'openblas'}\n"
-            "print(os.environ['TRITON_INTERPRET'], a.kernels.INTERPRETED, blas <= {1})\n")
+            "print(a.kernels is b.kernels, a.kernels.INTERPRETED, blas <= {1})\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
-    assert out.stdout.split() == ["1", "True", "True"]
+    assert out.stdout.split() == ["True", "True", "True"]
     assert out.stderr.count(INTERPRETER_NOTICE) == 1
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-@pytest.mark.parametrize("value", ["false", "Off"])
-def test_without_a_gpu_an_interpreter_switched_off_by_any_spelling_is_switched_on(value):
-    """Triton reads TRITON_INTERPRET=false or off as off, as it reads 0: the backend must switch
-    the interpreter on for those too, not refuse as if the kernels had been compiled for CUDA."""
-    code = ("import os, torch\n"
+@pytest.mark.parametrize("value", [None, "0", "false", "Off", "1"])
+def test_the_interpreter_does_not_leak_out_of_a_cpu_backend(value):
+    """Building a CPU backend leaves TRITON_INTERPRET and Triton's knob as they were, whatever they
+    were (false and off are Triton's spellings of off), so the kernels loaded for a CUDA device
+    afterwards are compiled, not interpreted (unless the user's TRITON_INTERPRET asks for that)."""
+    code = ("import os, torch, triton\n"
             "from framework import BACKENDS\n"
+            "from backends.triton_paged import load_kernels\n"
             "from tests.backends.batches import random_batch, relative_error\n"
             "b = BACKENDS.create('triton', num_heads=2, num_kv_heads=1, head_dim=16, scale=0.25, block_size=16,\n"
             "                    dtype=torch.float32, device='cpu')\n"
             "x = random_batch([(20, 1), (0, 5)], 2, 1, 16, 16, torch.float32, seed=0)\n"
             "assert relative_error(b.forward(x.q, x.k, x.v, x.kv_cache, b.build_metadata(x.meta)), x.expected) < 1e-4\n"
-            "print(os.environ['TRITON_INTERPRET'], b.kernels.INTERPRETED)\n")
-    env = {**os.environ, "TRITON_INTERPRET": value}
+            "cuda = load_kernels(torch.device('cuda'))\n"
+            "print(os.environ.get('TRITON_INTERPRET'), triton.knobs.runtime.interpret, b.kernels.INTERPRETED,\n"
+            "      cuda.INTERPRETED, type(cuda._paged_attention_kernel).__name__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if value is not None:
+        env["TRITON_INTERPRET"] = value
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "True"]
+    user_wants_it = value == "1"
+    assert out.stdout.split() == [str(value), str(user_wants_it), "True", str(user_wants_it),
+                                  "InterpretedFunction" if user_wants_it else "JITFunction"]
     assert out.stderr.count(INTERPRETER_NOTICE) == 1
+
+
+def test_every_launch_runs_on_the_device_of_its_tensors(monkeypatch):
+    """Triton launches on the current CUDA device: each launch is made under a guard for its
+    tensors' device (a backend on cuda:1 would otherwise run on cuda:0). Checked with stand-in
+    kernels that record the guard they run under."""
+    kernels = load_kernels(torch.device("cpu"))
+    guards, launches = [], []
+
+    @contextlib.contextmanager
+    def guard(device):
+        guards.append(device)
+        yield
+        guards.pop()
+
+    class Launcher:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, list(guards)))
+
+    monkeypatch.setattr(kernels, "device_guard", guard)
+    monkeypatch.setattr(kernels, "num_splits", lambda *args: 2)
+    for name in ("_store_kv_kernel", "_paged_attention_kernel", "_combine_splits_kernel"):
+        monkeypatch.setattr(kernels, name, Launcher(name))
+    batch = random_batch([(40, 1), (0, 9)], 4, 2, 16, 16, torch.float32, seed=0)
+    backend = BACKENDS.create("triton", num_heads=4, num_kv_heads=2, head_dim=16, scale=batch.scale, block_size=16,
+                              dtype=torch.float32, device="cpu")
+    backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
+    assert launches == [(name, [batch.q.device]) for name in
+                        ("_store_kv_kernel", "_paged_attention_kernel", "_combine_splits_kernel")]
+
+
+def test_the_guard_selects_the_tensors_cuda_device():
+    """``device_guard`` is torch's CUDA device context for a CUDA device (built here without a GPU:
+    it only touches the device when entered), and does nothing for a CPU."""
+    kernels = load_kernels(torch.device("cpu"))
+    guard = kernels.device_guard(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    with kernels.device_guard(torch.device("cpu")):
+        pass
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(32, 8, 128), (8, 1, 64), (40, 40, 256)])
+def test_the_declared_workspace_covers_the_key_splits_a_gpu_step_allocates(monkeypatch, num_heads, num_kv_heads,
+                                                                           head_dim):
+    """``split_workspace_bytes`` bounds ``plan``'s partial outputs and log-sum-exps for any step of up
+    to the token budget, with the GPU's tiling and split rule (a stand-in device with 132 SMs)."""
+    kernels = load_kernels(torch.device("cpu"))
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    monkeypatch.setattr(kernels, "_num_sms", lambda index: 132)
+    gpu = SimpleNamespace(type="cuda", index=0)
+    group_pad = kernels._pow2(num_heads // num_kv_heads)
+    rng = np.random.default_rng(head_dim)
+    budget = 2048
+    declared = kernels.split_workspace_bytes(num_heads, num_kv_heads, head_dim, budget, 132)
+    steps = [np.ones(n, dtype=np.int64) for n in (1, 2, 7, 64, 256)] + [np.array([budget])]
+    steps += [rng.integers(1, 300, size=rng.integers(1, 12)) for _ in range(30)]
+    for q_lens in steps:
+        tokens = int(q_lens.sum())
+        if tokens > budget:
+            continue
+        block_q, block_n = kernels.tile_sizes(group_pad, 1, head_dim, q_lens, q_lens + 100_000)
+        programs = int((-(-q_lens // block_q)).sum()) * num_kv_heads
+        splits = kernels.num_splits(programs, 100_000, block_n, gpu)
+        allocated = 0 if splits == 1 else splits * tokens * num_heads * (head_dim + 1) * 4
+        assert allocated <= declared, (q_lens, splits)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("specs", [[(4000, 1), (2500, 1), (1, 1)], [(3000, 1), (2048, 16), (0, 1)]],
+                         ids=["decodes", "chunk-and-decodes"])
+def test_on_a_gpu_long_contexts_take_the_split_key_path(specs, dtype):
+    """Few programs on long keys: ``num_splits`` splits them (flash-decoding) and the combine kernel
+    merges the ranges; the shorter contexts of the other cases never reach that path."""
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    batch = random_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed_of("gpu-splits", specs),
+                         device="cuda")
+    backend = BACKENDS.create("triton", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              scale=batch.scale, block_size=block_size, dtype=dtype, device="cuda")
+    meta = backend.build_metadata(batch.meta)
+    assert meta.launch.num_splits > 1
+    before = batch.kv_cache.clone()
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, out=torch.full_like(batch.q, float("nan")))
+    check(out, batch, before, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("name", ["triton", "torch_paged", "naive"])
+def test_on_the_second_gpu(name):
+    """A backend on cuda:1 while cuda:0 is current computes there (Triton launches on the current
+    device unless told otherwise)."""
+    assert torch.cuda.current_device() == 0
+    batch = mixed_batch("second-gpu", 8, 2, 128, 16, torch.bfloat16, "cuda:1", num_reqs=6, max_len=6)
+    before = batch.kv_cache.clone()
+    check(run(name, batch, 8, 2, 128, 16, torch.bfloat16, "cuda:1"), batch, before, torch.bfloat16)

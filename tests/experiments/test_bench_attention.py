@@ -29,3 +29,43 @@ def test_a_small_run_prints_every_case_and_backend(capsys):
                           "--decode-contexts", "0,16", "--prefill-batches", "1", "--prefill-lens", "8"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("decode", "prefill"))]
     assert len(rows) == 3 * 2  # three cases, naive and torch_paged
+
+
+def test_one_cache_serves_every_block_size_with_the_same_kv():
+    """flash_attn's 256-token blocks and the others' small blocks are views of one cache, with each
+    request's K/V at the same slots: the reference backend gives the same output through either."""
+    import torch
+
+    from framework import BACKENDS
+
+    case = bench_attention.Case("prefill", batch=3, context=300, q_len=5)
+    q, k, v, views = bench_attention.make_inputs(case, 4, 2, 16, 16, torch.float32, torch.device("cpu"), [16, 256])
+    assert views[16][0].data_ptr() == views[256][0].data_ptr()
+    outs = []
+    for size in (16, 256):
+        cache, meta = views[size]
+        backend = BACKENDS.create("naive", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=size,
+                                  dtype=torch.float32, device="cpu")
+        outs.append(backend.forward(q, k, v, cache, backend.build_metadata(meta)))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_each_case_frees_its_cache_before_the_next_is_made(monkeypatch, capsys):
+    import gc
+    import weakref
+
+    caches = []
+    make_inputs = bench_attention.make_inputs
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        assert all(ref() is None for ref in caches), "an earlier case's cache is still alive"
+        q, k, v, views = make_inputs(*args, **kwargs)
+        view = next(iter(views.values()))[0]
+        caches.append(weakref.ref(view._base if view._base is not None else view))
+        return q, k, v, views
+
+    monkeypatch.setattr(bench_attention, "make_inputs", tracked)
+    bench_attention.main(["--device", "cpu", "--iters", "1", "--flush-mb", "0", "--decode-batches", "2",
+                          "--decode-contexts", "0,16", "--prefill-batches", "1", "--prefill-lens", "8"])
+    assert len(caches) == 3

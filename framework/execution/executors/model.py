@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -21,9 +22,15 @@ from models.presets import SHAPE_ONLY_PRESETS
 
 logger = logging.getLogger(__name__)
 
+#: Environment variable naming the device ``device="auto"`` means (the test suite pins it to ``cpu``).
+DEVICE_ENV = "SERVELAB_DEVICE"
+
+
 def resolve_device(name: str) -> torch.device:
+    """``name`` as a device; ``auto`` is ``$SERVELAB_DEVICE`` when set, else CUDA when available, else
+    the CPU. ValueError for a CUDA device without CUDA."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available; use device=cpu or auto")
@@ -104,9 +111,13 @@ class ModelExecutor(Executor):
         if self._device.type != "cuda":
             return self.config.cpu_kv_cache_gb * GiB
         free, total = torch.cuda.mem_get_info(self._device)
-        activations = activation_peak_bytes(self.source.config, self.config, self.dtype.itemsize)
+        config = self.config
+        activations = activation_peak_bytes(self.source.config, config, self.dtype.itemsize)
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        workspace = self.backend.workspace_bytes(config.max_num_seqs, config.max_model_len,
+                                                 config.max_num_batched_tokens)
         used = total - free
-        return max(0.0, total * self.config.gpu_memory_utilization - used - activations)
+        return max(0.0, total * config.gpu_memory_utilization - used - activations - workspace)
 
     def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
         cfg, config = self.source.config, self.config

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# What a CPU cannot check, in one pass on a CUDA machine (about 10 minutes on one H100):
+#   1. the gpu-marked tests: every backend against the float64 reference on CUDA, Triton's split-key
+#      path on long contexts, torch_paged's masked GQA groups with SDPA's math kernel off, flash_attn
+#      when installed, and every backend on cuda:1 when there are two GPUs;
+#   2. the Triton kernels compiled for this GPU's architecture;
+#   3. an engine run per backend on the GPU (the triton one must run compiled: no interpreter notice),
+#      and on cuda:1 when there are two GPUs;
+#   4. the attention benchmark on a reduced grid (the full default grid: python experiments/bench_attention.py).
+# Usage: bash experiments/gpu_check.sh [LOG_DIR]   (default: $OUT if set, else ./gpu_check_logs)
+# Each step is time-limited, logs to LOG_DIR/<step>.log, and a failed step does not stop the others;
+# the exit status is the number of failed steps.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python
+LOG_DIR=${1:-${OUT:-gpu_check_logs}}
+mkdir -p "$LOG_DIR"
+failed=0
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name: $*"
+    if timeout "$seconds" "$@" >"$LOG_DIR/$name.log" 2>&1; then
+        echo "   ok ($(tail -n 1 "$LOG_DIR/$name.log"))"
+    else
+        echo "   FAILED (status $?); last lines of $LOG_DIR/$name.log:"
+        tail -n 25 "$LOG_DIR/$name.log" | sed 's/^/   | /'
+        failed=$((failed + 1))
+    fi
+}
+
+"$PY" - <<'EOF' | tee "$LOG_DIR/device.log"
+import torch
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "devices", torch.cuda.device_count())
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"cuda:{i} {p.name} sm_{p.major}{p.minor} {p.total_memory / 2**30:.0f} GiB {p.multi_processor_count} SMs")
+EOF
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+ARCH=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(); print(10 * m + n)")
+if [ "$GPUS" -lt 1 ]; then
+    echo "no CUDA device: nothing to check here"
+    exit 1
+fi
+
+step gpu_tests 300 "$PY" -m pytest -q -p no:randomly -m gpu tests/backends tests/models
+step compile_sm"$ARCH" 300 env -u TRITON_INTERPRET "$PY" -m tests.backends.gpu_compile "$ARCH"
+
+for backend in torch_paged triton naive; do
+    step "run_$backend" 240 "$PY" -m framework.run backend="$backend" engine.device=cuda engine.dtype=bfloat16 \
+        workload.num_requests=16
+    if grep -q "Triton's interpreter" "$LOG_DIR/run_$backend.log"; then
+        echo "   FAILED: $backend ran through Triton's interpreter on a GPU"
+        failed=$((failed + 1))
+    fi
+done
+if [ "$GPUS" -ge 2 ]; then
+    step run_triton_cuda1 240 "$PY" -m framework.run backend=triton engine.device=cuda:1 engine.dtype=bfloat16 \
+        workload.num_requests=16
+fi
+
+step bench_attention 300 "$PY" experiments/bench_attention.py --iters 10 --decode-batches 1,64,256 \
+    --decode-contexts 1024,16384 --prefill-batches 1,8 --prefill-lens 1024
+
+echo "== $failed step(s) failed; logs in $LOG_DIR"
+exit "$failed"
