@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH_INDEX ?=
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-fast bench clean
 
 # The project's own modules are byte-compiled here (unchanged ones are skipped): an editable
 # install leaves that to the first import, which PYTHONDONTWRITEBYTECODE (set on these machines)
@@ -29,6 +29,16 @@ run: setup
 
 test: setup
 	$(PY) -m pytest $(ARGS)
+
+# A quick check (under 2 minutes) of the core: the layers, the common types, the allocator, the scheduler and the
+# policies (their property tests left out); no model parity, config composition, subprocess runs, benchmarks or slow tests.
+FAST_TESTS := tests/framework/test_layers.py tests/framework/common tests/framework/kv tests/framework/scheduling \
+	tests/policies
+FAST_SKIP  := --ignore=tests/policies/test_plugin.py --ignore=tests/policies/test_parity_hf.py \
+	--ignore=tests/policies/test_properties.py
+
+test-fast: setup
+	$(PY) -m pytest -m 'not slow and not gpu' $(FAST_TESTS) $(FAST_SKIP) $(ARGS)
 
 bench: setup
 	$(PY) -m pytest tests/benchmarks --benchmark-enable --benchmark-only -p no:randomly $(ARGS)

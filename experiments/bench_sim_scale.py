@@ -1,11 +1,11 @@
 """Scale benchmark of the simulated executor through the standard run path: the same Hydra
 config, ``run_experiment``, recorder and metrics as ``python -m framework.run``, every output
-written (config.yaml, workload.jsonl, requests.csv, steps.csv, summary.json; the PNG plots with
+written (config.yaml, workload.jsonl, requests.csv, steps.csv, summary.json; the figures with
 --plots; --no-workload leaves out workload.jsonl, the replayable copy of the requests).
 
     python experiments/bench_sim_scale.py                      # 10,000 chat requests, 4 req/s, llama-3-8b, 1 A100
     python experiments/bench_sim_scale.py --requests 100000 --replicas 16 --rate 64
-    python experiments/bench_sim_scale.py --plots              # the PNGs too
+    python experiments/bench_sim_scale.py --plots              # the figures too (PNG and PDF)
     python experiments/bench_sim_scale.py --no-workload        # without workload.jsonl
     python experiments/bench_sim_scale.py -- executor.fast_forward=false   # any further override
 
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--router", default="round_robin")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plots", action="store_true", help="write the PNG plots too")
+    ap.add_argument("--plots", action="store_true", help="write the figures too (PNG and PDF)")
     ap.add_argument("--no-workload", action="store_true", help="do not write workload.jsonl")
     ap.add_argument("--out", default="outputs/bench_sim_scale")
     ap.add_argument("overrides", nargs="*", help="further Hydra overrides (after --)")

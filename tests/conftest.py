@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import framework  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch spins up threads)
-from framework.engine.llm_engine import LLMEngine  # noqa: E402
+from framework.testing.leaks import kv_leaks_checked  # noqa: E402
 
 # The property tests' example counts: "ci" (the default) keeps the suite to a few minutes;
 # `pytest --hypothesis-profile=long` runs them at length (3,000 examples per property test,
@@ -128,28 +128,12 @@ def unpinned_device_for_gpu_tests(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def no_kv_block_leaks(monkeypatch):
+def no_kv_block_leaks():
     """Every engine a test builds must end with all KV blocks free (cached prefix blocks count as
     free: they are reclaimable) and consistent books, once its requests are done; an engine left
     with requests in flight must get every block back by aborting them."""
-    engines: list[LLMEngine] = []  # strong refs: the test's locals are gone by teardown
-    original = LLMEngine.__init__
-
-    def tracking_init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        engines.append(self)
-
-    monkeypatch.setattr(LLMEngine, "__init__", tracking_init)
-    yield
-    for engine in engines:
-        if not hasattr(engine, "allocator"):
-            continue
-        engine.abort_request(list(engine.output_processor.requests))
-        alloc = engine.allocator
-        assert alloc.num_free_blocks == alloc.num_usable_blocks, (
-            f"KV blocks leaked: {alloc.num_usable_blocks - alloc.num_free_blocks} of {alloc.num_usable_blocks} still held")
-        assert alloc.num_free_cpu_blocks == alloc.num_cpu_blocks, "swap blocks leaked"
-        alloc.check_invariants([])
+    with kv_leaks_checked():
+        yield
 
 
 def step_through_interrupts(engine) -> tuple[dict, int]:

@@ -4,14 +4,19 @@ Reads every run under the given directories (a run is a folder holding ``summary
 single run, a multirun tree or a folder of several) and writes to ``OUT`` (default: the only
 DIR given, else ``./comparison``):
 
-- ``comparison.md`` and ``comparison.csv``: one row per run;
-- ``throughput_vs_rate.png`` and ``p99_latency_vs_rate.png``: the metrics against ``--x``
-  (default ``workload.rate``), one line per configuration.
+- ``comparison.csv``: one row per configuration and ``--x`` value, with ``n_repeats`` and, for each
+  metric, the mean over the repeats and its 95% interval (``<metric>_ci95_low``/``_high``, ``stats.py``);
+- ``comparison.md``: the same table (mean +- half the interval), which differences between
+  configurations are significant, the machine's timing noise, and each run;
+- ``runs.csv``: one row per run;
+- figures, each as PNG and PDF: ``throughput_vs_<x>``, ``latency_vs_<x>`` (p50 and p99) and
+  ``latency_cdfs`` (TTFT, TPOT and E2EL of every configuration overlaid), one colour per configuration.
 
 A configuration is labelled by the config keys whose values differ between the runs (other than
-``--x``), e.g. ``policy=chunked``; by the file where only a group's file differs (``workload=chat``);
-a run that left a group out counts as the part it ran, with its defaults (``policy=fcfs``).
-``--label`` picks the keys instead. A multirun writes its own comparison (``CompareCallback``).
+``--x`` and the ``REPEAT_KEYS``), e.g. ``policy=chunked``; by the file where only a group's file
+differs (``workload=chat``); a run that left a group out counts as the part it ran, with its
+defaults (``policy=fcfs``). ``--label`` picks the keys instead. Runs with the same label and ``x``
+are repeats of one configuration. A multirun writes its own comparison (``CompareCallback``).
 
 A run whose summary holds no metrics (killed, SIGKILL or out of memory, before writing them) gets those its
 ``requests.csv`` and ``steps.csv`` give (no ITL statistics or prefix-cache hit rate: only a run keeps what they
@@ -34,17 +39,27 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from framework.common.config import PART_NAMES, EngineConfig
+from framework.harness.overrides import REPEAT_KEYS
+from framework.harness.stats import mean_ci95, overlap
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ["label", "x", "status", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
-           "total_token_throughput", "request_goodput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
-           "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "mean_queueing_delay_ms", "prefix_cache_hit_rate",
-           "num_preemptions", "num_swaps", "total_prefill_tokens", "blocks_swapped_out"]
+#: The metrics of a run that a comparison shows (and averages over a configuration's repeats).
+METRICS = ["completed", "failed", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
+           "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+           "p99_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "mean_queueing_delay_ms",
+           "prefix_cache_hit_rate", "num_preemptions", "num_swaps", "total_prefill_tokens", "blocks_swapped_out",
+           "step_time_noise_cv"]
+#: A run's row: its configuration, which repeat it is (``repeat``, ``workload.seed``), its status and metrics.
+COLUMNS = ["label", "x", "repeat", "seed", "status", *METRICS]
 #: Config keys that never tell configurations apart.
 IGNORED_PREFIXES = ("hydra.", "logger.", "progress", "plots", "save_workload", "clock")
-THROUGHPUT = [("output_throughput", "output tokens/s"), ("request_throughput", "requests/s")]
-P99 = [("p99_ttft_ms", "p99 TTFT (ms)"), ("p99_tpot_ms", "p99 TPOT (ms)"), ("p99_e2el_ms", "p99 E2EL (ms)")]
+#: What the figures and the significance table show of each configuration.
+THROUGHPUT = [("output_throughput", "output throughput (tokens/s)"), ("request_throughput", "request throughput (req/s)")]
+GOODPUT = ("request_goodput", "goodput (req/s meeting every SLO)")
+LATENCY = [(f"{stat}_{name}_ms", f"{word} {what}") for stat, word in (("median", "p50"), ("p99", "p99"))
+           for name, what in (("ttft", "time to first token (ms)"), ("tpot", "time per output token (ms)"),
+                              ("e2el", "end-to-end latency (ms)"))]
 
 
 def find_runs(dirs: Sequence[str | Path]) -> list[Path]:
@@ -239,8 +254,9 @@ def varying_keys(flats: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def label_keys(flats: Sequence[dict[str, Any]], x: str) -> list[str]:
-    """Config keys whose values differ between runs, other than ``x`` and bookkeeping keys."""
-    varying = [k for k in varying_keys(flats) if k != x]
+    """Config keys whose values differ between runs, other than ``x``, bookkeeping keys and the ``REPEAT_KEYS``
+    (runs that differ only in those are repeats of one configuration)."""
+    varying = [k for k in varying_keys(flats) if k != x and k not in REPEAT_KEYS]
     # A part's options follow its name; the name alone tells the parts apart. Where the name is
     # the same but the group's config file differs (workload=chat against workload=poisson, both
     # synthetic), the file's name stands for the options it set.
@@ -298,7 +314,8 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
             text = f"{flat.get('policy.name')}/{flat.get('backend.name')}"
         row = {c: summary.get(c) for c in COLUMNS}
         row.update({k: v for k, v in summary.items() if k.startswith("prio")})
-        row.update(label=text, x=flat.get(x, summary.get(x.split(".")[-1])), run_dir=str(run_dir))
+        row.update(label=text, x=flat.get(x, summary.get(x.split(".")[-1])), repeat=flat.get("repeat"),
+                   seed=flat.get("workload.seed"), run_dir=str(run_dir), summary=summary)
         rows.append(row)
     rows.sort(key=lambda r: (r["label"], r["x"] is None, r["x"] if isinstance(r["x"], (int, float)) else 0))
     return rows
@@ -334,43 +351,207 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def markdown(rows: Sequence[dict[str, Any]], x: str) -> str:
-    columns = _columns(rows)
-    header = [x if c == "x" else c for c in columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+def _extra_metrics(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The per-priority metrics (``prio0_p99_ttft_ms``) some row has."""
+    return sorted({k for r in rows for k in r if k.startswith("prio")})
 
 
-def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    extra = sorted({k for r in rows for k in r if k.startswith("prio")})
-    return COLUMNS + extra + ["run_dir"]
+def _run_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    return COLUMNS + _extra_metrics(rows) + ["run_dir"]
+
+
+def aggregate(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per configuration and ``x`` of the runs' ``rows`` (``comparison_rows``), in their order: ``n_repeats``,
+    the status (``2 completed, 1 failed`` where they differ) and per metric the mean and 95% interval
+    (``<metric>_ci95_low``/``_high``) over the completed repeats (over all where none completed)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], json.dumps(r["x"], default=str)), []).append(r)
+    metrics = METRICS + _extra_metrics(rows)
+    out = []
+    for group in groups.values():
+        used = [r for r in group if r["status"] == "completed"] or group
+        statuses = {s: sum(r["status"] == s for r in group) for s in dict.fromkeys(r["status"] for r in group)}
+        row: dict[str, Any] = {"label": group[0]["label"], "x": group[0]["x"], "n_repeats": len(group),
+                               "status": next(iter(statuses)) if len(statuses) == 1 else
+                               ", ".join(f"{n} {s}" for s, n in statuses.items())}
+        for m in metrics:
+            values = [r.get(m) for r in used if _number(r.get(m))]
+            mean, low, high = mean_ci95(values)
+            if mean is not None and all(isinstance(v, int) for v in values) and mean == int(mean):
+                mean = int(mean)  # counts stay counts where every repeat agrees
+            row.update({m: mean, f"{m}_ci95_low": low, f"{m}_ci95_high": high})
+        row["run_dir"] = " ".join(r["run_dir"] for r in group)
+        row["runs"] = group
+        out.append(row)
+    return out
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fmt_ci(row: dict[str, Any], metric: str) -> str:
+    """``mean +- half-width`` of ``metric`` in ``row`` (the mean alone without an interval, or a zero-width one)."""
+    mean, low, high = row.get(metric), row.get(f"{metric}_ci95_low"), row.get(f"{metric}_ci95_high")
+    if mean is None or low is None or high is None or high == low:
+        return _fmt(mean)
+    return f"{_fmt(mean)} ± {_fmt(high - mean)}"
+
+
+def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+            *("| " + " | ".join(line) + " |" for line in lines)]
+
+
+def markdown(configs: Sequence[dict[str, Any]], x: str, caption: str = "") -> str:
+    """``comparison.md`` of the ``aggregate`` rows ``configs``: the configurations, their significant
+    differences, the machine's timing noise and, where a configuration ran more than once, every run."""
+    runs = [r for c in configs for r in c["runs"]]
+    metrics = METRICS + _extra_metrics(runs)
+    repeated = any(c["n_repeats"] > 1 for c in configs)
+    table = _table(["label", x, "n_repeats", "status", *metrics, "run_dir"],
+                   [[c["label"], _fmt(c["x"]), str(c["n_repeats"]), c["status"], *(_fmt_ci(c, m) for m in metrics),
+                     c["run_dir"]] for c in configs])
+    blocks = ["\n".join(table)] + ([caption + "."] if caption else [])
+    if repeated:
+        blocks.append("Cells: the mean over a configuration's repeats ± half its 95% confidence interval (Student's "
+                      "t; bounds in comparison.csv as `<metric>_ci95_low` / `_high`; each run in runs.csv).")
+        blocks += _differences(configs, x)
+    else:
+        blocks.append("One run per configuration: no confidence intervals. Run each several times (`repeat=0,1,2`; "
+                      "simulated runs: `workload.seed=0,1,2`) to see which differences are noise.")
+    blocks += _noise(runs)
+    if repeated:
+        columns = _run_columns(runs)
+        blocks += ["## Runs", "\n".join(_table([x if c == "x" else c for c in columns],
+                                                [[_fmt(r.get(c)) for c in columns] for r in runs]))]
+    return "\n\n".join(blocks) + "\n"
+
+
+#: What the significance table compares (the figures' metrics).
+DIFFERENCES = ["output_throughput", "request_goodput", *(key for key, _ in LATENCY)]
+
+
+def _differences(configs: Sequence[dict[str, Any]], x: str) -> list[str]:
+    """Markdown blocks: the ratio of every two configurations' means at one ``x``, marked ``n.s.`` where their
+    intervals overlap; a note where repeats came out identical."""
+    metrics = [m for m in DIFFERENCES if any(c.get(m) is not None for c in configs)]
+    by_x: dict[str, list[dict[str, Any]]] = {}
+    for c in configs:
+        if c["n_repeats"] > 1:
+            by_x.setdefault(json.dumps(c["x"], default=str), []).append(c)
+    lines = [[_fmt(a["x"]), f"{a['label']} / {b['label']}", *(_ratio(a, b, m) for m in metrics)]
+             for group in by_x.values() for i, a in enumerate(group) for b in group[i + 1:]]
+    blocks = ["## Differences",
+              f"Each cell: the first configuration's mean over the second's, at the same `{x}`; **n.s.** (not "
+              "significant): their 95% intervals overlap, so noise may explain the difference (a conservative test). "
+              "Configurations that ran once are left out."]
+    identical = [c["label"] for c in configs if c["n_repeats"] > 1 and _identical(c)]
+    if identical:
+        blocks.append(f"The repeats of {len(identical)} configuration(s) gave identical results: a simulated run is "
+                      "deterministic, so its repeats must differ by seed (`workload.seed=0,1,2`).")
+    if lines:
+        blocks.append("\n".join(_table([x, "configurations", *metrics], lines)))
+    return blocks
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], metric: str) -> str:
+    """``a``'s mean of ``metric`` over ``b``'s, marked **n.s.** where their intervals overlap."""
+    if not a.get(metric) or not b.get(metric):
+        return "-"
+    same = overlap((a[f"{metric}_ci95_low"], a[f"{metric}_ci95_high"]),
+                   (b[f"{metric}_ci95_low"], b[f"{metric}_ci95_high"]))
+    # No interval where only one repeat had the metric: unknown, not significant.
+    return f"{a[metric] / b[metric]:.2f}x" + {True: " **n.s.**", False: "", None: " (no interval)"}[same]
+
+
+def _identical(config: dict[str, Any]) -> bool:
+    """Whether every timed metric of ``config``'s repeats came out the same."""
+    timed = [m for m in DIFFERENCES + ["duration_s"] if config.get(f"{m}_ci95_low") is not None]
+    return bool(timed) and all(config[f"{m}_ci95_low"] == config[f"{m}_ci95_high"] for m in timed)
+
+
+def _noise(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown blocks on the machine's timing noise during the runs (``summary.json``'s ``step_time_noise_cv``):
+    the floor under which a difference between two runs means nothing."""
+    measured = sorted(((r["step_time_noise_cv"], (r.get("summary") or {}).get("step_time_noise_steps"))
+                       for r in runs if r.get("step_time_noise_cv") is not None), key=lambda m: m[0])
+    head = "## Timing noise"
+    if not measured:
+        if runs and all((r.get("summary") or {}).get("hardware") for r in runs):
+            return [head, "None: simulated runs are deterministic (their repeats differ only by seed)."]
+        return [head, "Not measured (no step shape came 5 times, or the runs predate the measure)."]
+    cv, steps = measured[len(measured) // 2]
+    spread = f"; {measured[0][0]:.1%} to {measured[-1][0]:.1%} over {len(measured)} runs" if len(measured) > 1 else ""
+    return [head, f"Steps of one shape (the same number of requests, prefill and decode tokens) varied in duration by "
+                  f"a coefficient of variation of {cv:.1%} (the median run, from {steps} steps{spread}). A difference "
+                  f"between two single runs smaller than this is within the machine's noise."]
 
 
 def write_comparison(dirs: Sequence[str | Path], out: str | Path | None = None, x: str = "workload.rate",
                      label: Sequence[str] | None = None, rows: list[dict[str, Any]] | None = None) -> dict[str, Path]:
-    """Write the table and plots of the runs under ``dirs`` to ``out`` (``rows``: their
-    ``comparison_rows``, when the caller has them); return the paths."""
-    from framework.harness.plots import metric_vs_x
+    """Write the tables and figures of the runs under ``dirs`` to ``out`` (``rows``: their
+    ``comparison_rows``, when the caller has them); return the paths (a figure's PNG; its PDF is beside it)."""
+    from framework.harness import plots
 
     rows = comparison_rows(dirs, x, label) if rows is None else rows
     out = Path(out) if out is not None else (Path(dirs[0]) if len(dirs) == 1 else Path("comparison"))
     if out.exists() and not out.is_dir():  # mkdir's FileExistsError would not say what is wrong
         raise ValueError(f"{out} is not a directory (the table and plots are written into one)")
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": out / "comparison.md", "csv": out / "comparison.csv"}
-    paths["markdown"].write_text(markdown(rows, x))
-    columns = _columns(rows)
-    with open(paths["csv"], "w", newline="") as f:
+    configs = aggregate(rows)
+    repeats = sorted({c["n_repeats"] for c in configs})
+    counted = f"{repeats[0]}" if len(repeats) == 1 else f"{repeats[0]}-{repeats[-1]}"
+    summaries = [r["summary"] for r in rows if r.get("summary")]
+    caption = plots.caption_line(summaries, None if repeats == [1] else f"mean and 95% CI over {counted} repeats")
+    paths = {"markdown": out / "comparison.md", "csv": out / "comparison.csv", "runs": out / "runs.csv"}
+    paths["markdown"].write_text(markdown(configs, x, caption))
+    metrics = METRICS + _extra_metrics(rows)
+    _write_csv(paths["csv"], ["label", "x", "n_repeats", "status",
+                              *(k for m in metrics for k in (m, f"{m}_ci95_low", f"{m}_ci95_high")), "run_dir"],
+               configs, x)
+    _write_csv(paths["runs"], _run_columns(rows), rows, x)
+    xname, xlabel = x.split(".")[-1], plots.axis_label(x)
+    colour_of = plots.colours(c["label"] for c in configs)
+    throughput = THROUGHPUT + ([GOODPUT] if any(c.get("request_goodput") is not None for c in configs) else [])
+    paths["throughput"] = plots.metric_vs_x(configs, "x", throughput, out / f"throughput_vs_{xname}.png",
+                                            "Throughput", xlabel=xlabel, colour_of=colour_of, caption=caption)
+    paths["latency"] = plots.metric_vs_x(configs, "x", LATENCY, out / f"latency_vs_{xname}.png", "Latency",
+                                         xlabel=xlabel, colour_of=colour_of, caption=caption, ncols=3)
+    samples = {(c["label"], c["x"]): _pooled_latencies(c["runs"]) for c in configs}
+    if any(len(v) for s in samples.values() for v in s.values()):
+        pooled = plots.caption_line(summaries, None if repeats == [1] else f"{counted} repeats pooled")
+        paths["latency_cdf"] = plots.latency_cdf_overlay(samples, out / "latency_cdfs.png", xlabel, colour_of, pooled)
+    return paths
+
+
+def _write_csv(path: Path, columns: list[str], rows: Sequence[dict[str, Any]], x: str) -> None:
+    """``rows``' ``columns`` as CSV, the column ``x`` headed by the config key it is."""
+    with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([x if c == "x" else c for c in columns])
         writer.writerows([r.get(c) for c in columns] for r in rows)
-    xname = x.split(".")[-1]
-    paths["throughput"] = metric_vs_x(rows, "x", THROUGHPUT, out / f"throughput_vs_{xname}.png",
-                                      "Throughput", xlabel=x)
-    paths["p99_latency"] = metric_vs_x(rows, "x", P99, out / f"p99_latency_vs_{xname}.png",
-                                       "p99 latency", xlabel=x)
-    return paths
+
+
+def _pooled_latencies(runs: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """TTFT, TPOT and E2EL (ms) of the completed requests of ``runs`` (their ``requests.csv``), pooled."""
+    from framework.harness.plots import CDF_METRICS
+
+    pooled: dict[str, list[float]] = {name: [] for name, _ in CDF_METRICS}
+    for run in runs:
+        path = Path(run["run_dir"]) / "requests.csv"
+        if not path.is_file():
+            continue
+        try:
+            for r in _complete_rows(path):
+                if r["status"] in ("length", "stop") and int(r["output_len"]) > 0:
+                    for name, column in CDF_METRICS:
+                        if r[column]:
+                            pooled[name].append(float(r[column]))
+        except (OSError, ValueError, KeyError, csv.Error) as exc:  # not a run's CSV: the figure goes without it
+            log.warning("%s: its latencies left out of the CDFs: %s", path, exc)
+    return pooled
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -389,8 +570,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.filename or args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(paths["markdown"].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print("wrote " + ", ".join(str(p) for p in _files(paths)))
     return 0
+
+
+def _files(paths: dict[str, Path]) -> list[Path]:
+    """Every file ``write_comparison`` wrote: its ``paths``, and each figure's PDF beside its PNG."""
+    return [q for p in paths.values() for q in ((p, p.with_suffix(".pdf")) if p.suffix == ".png" else (p,))]
 
 
 class CompareCallback(Callback):
@@ -418,7 +604,7 @@ class CompareCallback(Callback):
             log.warning("could not compare the runs in %s: %s", sweep_dir, exc)
         else:
             print(paths["markdown"].read_text())
-            print(f"comparison: {paths['markdown']} (and .csv, plots) in {sweep_dir}")
+            print(f"comparison: {paths['markdown']} (and comparison.csv, runs.csv, figures) in {sweep_dir}")
         failed = [r["run_dir"] for r in rows if r["status"] == "failed"]
         if failed:
             print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their summary.json and logs)", file=sys.stderr)

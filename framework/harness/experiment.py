@@ -5,13 +5,15 @@ notebooks call it with a config from Hydra's compose API.
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
 import logging
+import platform
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from framework.common.config import PART_NAMES, EngineConfig, check_bool, is_int
 from framework.engine.llm_engine import (LLMEngine, StepStats, check_token_budget, resolve_max_model_len,
                                          resolve_token_budget)
 from framework.execution.executor import EXECUTORS, simulates_time
-from framework.harness.metrics import SLO, RequestRecord, summarize
+from framework.harness.metrics import SLO, RequestRecord, step_time_noise, summarize
 from framework.common.outputs import RequestOutput
 from framework.harness.recorder import RunRecorder, clear_run_files
 from framework.harness.report import format_summary
@@ -161,15 +163,44 @@ def describe(cfg: DictConfig, cluster: Cluster) -> dict[str, Any]:
     executor = cluster.engines[0].executor
     config = cluster.engines[0].config
     identity = {**{part: getattr(config, part) for part in PART_NAMES}, "model": config.model,
-                "workload": workload.get("name"), "rate": workload.get("rate"),
+                "workload": workload.get("name"), "workload_file": _workload_choice(), "rate": workload.get("rate"),
                 # The policy's own: a run that left the policy group out (or its option) ran its default.
                 "preemption_mode": getattr(cluster.engines[0].policy, "preemption_mode", None),
                 "enable_prefix_caching": config.enable_prefix_caching}
     if hasattr(executor, "hardware"):
         identity.update(hardware=executor.hardware.name, tensor_parallel_size=executor.tp)
+    else:
+        identity["device"] = device_name(getattr(executor, "device", None))
     if cfg.get("cluster") is not None:
         identity.update(num_replicas=len(cluster.engines), router=cluster.router.name)
     return identity
+
+
+def _workload_choice() -> str | None:
+    """The ``conf/workload`` file Hydra composed the run from (``poisson``); None outside Hydra's CLI."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    choice = HydraConfig.get().runtime.choices.get("workload")
+    return None if choice is None else str(choice)
+
+
+def device_name(device: str | None) -> str | None:
+    """What a real run ran on, for captions: the GPU's name, or the CPU's model and torch's thread count."""
+    if device is None:
+        return None
+    import torch  # a real run has loaded it already
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    if device == "cpu":
+        model = None
+        with suppress(OSError):
+            model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                          if line.startswith("model name")), None)
+        return f"CPU ({model or platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return device
 
 
 def cluster_spec(cfg: DictConfig) -> tuple[int, str, dict[str, Any]] | None:
@@ -408,13 +439,15 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
                        "interrupted": result.interrupted, **meta, "num_sent": result.num_sent,
                        "num_unfinished": len(result.unfinished), "wall_time_s": wall_time,
                        **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
-                                   _hit_rate([e.allocator.stats for e in engines], hits0))}
+                                   _hit_rate([e.allocator.stats for e in engines], hits0)),
+                       **timing_noise(run_dir / "steps.csv", simulated=any(isinstance(e.clock, VirtualClock)
+                                                                           for e in engines))}
             recorder.write_summary(summary)
     # The logger gets the metrics before the plots are drawn (seconds for a big run), so a Ctrl-C
     # there leaves them in the tracker as in summary.json.
     run_logger.log_summary(summary)
     try:
-        plots = _plots(records, recorder.timeline(), run_dir) if plots_wanted else {}
+        plots = _plots(records, recorder.timeline(), run_dir, caption(summary)) if plots_wanted else {}
         if run_logger.implements("log_requests"):
             columns = recorder.request_columns
             run_logger.log_requests(columns, [dict(zip(columns, recorder.request_values(r, i)))
@@ -477,14 +510,33 @@ def _hit_rate(stats: list[AllocatorStats], since: list[tuple[int, int]]) -> floa
     return hits / queries if queries else None
 
 
-def _plots(records: list[RequestRecord], steps: dict[str, Any], run_dir: Path) -> dict[str, Path]:
+def timing_noise(steps_csv: Path, simulated: bool) -> dict[str, Any]:
+    """``metrics.step_time_noise`` of the steps in ``steps_csv``; for a simulated run, whose step times are a
+    function of their shape, none (None, 0 steps): its repeats differ only by their seed."""
+    if simulated or not steps_csv.is_file():
+        return {"step_time_noise_cv": None, "step_time_noise_steps": 0, "step_time_noise_shapes": 0}
+    with open(steps_csv, newline="") as f:
+        return step_time_noise((int(r["num_scheduled_reqs"]), int(r["num_prefill_tokens"]),
+                                int(r["num_decode_tokens"]), float(r["duration"])) for r in csv.DictReader(f))
+
+
+def caption(summary: dict[str, Any]) -> str:
+    """A figure's caption line: the run's model, device and workload (from its summary)."""
+    from framework.harness.plots import caption_line
+
+    return caption_line([summary])
+
+
+def _plots(records: list[RequestRecord], steps: dict[str, Any], run_dir: Path, text: str | None = None
+           ) -> dict[str, Path]:
+    """The run's figures (each as PNG and PDF; the PNGs' paths returned), captioned ``text``."""
     from framework.harness import plots
 
     out = {}
     if any(r.completed for r in records):
-        out["latency_cdf"] = plots.latency_cdfs(records, run_dir / "latency_cdf.png")
+        out["latency_cdf"] = plots.latency_cdfs(records, run_dir / "latency_cdf.png", caption=text)
     if len(steps.get("time_s", ())):
-        out["timeline"] = plots.timeline(steps, run_dir / "timeline.png")
+        out["timeline"] = plots.timeline(steps, run_dir / "timeline.png", caption=text)
     return out
 
 

@@ -7,7 +7,8 @@ token throughput over the run's duration; mean / median / std / p90 / p99 of eac
 definitions: population std, linearly interpolated percentiles; ITL pools every gap of every
 request); goodput (completed requests per second meeting every SLO given); prefix-cache hit
 rate; preemption and swap counts; and a per-priority breakdown when priorities differ.
-Latencies are reported in milliseconds, like vLLM; records keep seconds.
+Latencies are reported in milliseconds, like vLLM; records keep seconds. ``step_time_noise`` measures
+the machine's timing noise from the steps themselves: how much steps of one shape vary.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import operator
 import re
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from typing import Any
@@ -190,6 +191,30 @@ def itl_gaps(records: Sequence[RequestRecord]) -> np.ndarray:
     keep = np.ones(len(gaps), dtype=bool)
     keep[np.cumsum(lengths)[:-1] - 1] = False  # the gaps between one request's last token and the next's first
     return gaps[keep]
+
+
+#: Steps of one shape it takes for their spread to count toward a run's timing noise.
+NOISE_MIN_STEPS = 5
+
+
+def step_time_noise(steps: Iterable[tuple[int, int, int, float]], min_steps: int = NOISE_MIN_STEPS) -> dict[str, Any]:
+    """The machine's timing noise as a run saw it, from ``(requests, prefill tokens, decode tokens, duration)`` per
+    step: the pooled coefficient of variation of the durations of steps of one shape (groups of ``min_steps`` or
+    more), ``sqrt(sum (t / group mean - 1)^2 / sum (group size - 1))``; None when no group is that large."""
+    groups: dict[tuple[int, int, int], list[float]] = {}
+    for reqs, prefill, decode, duration in steps:
+        groups.setdefault((reqs, prefill, decode), []).append(duration)
+    squares, dof, counted, shapes = 0.0, 0, 0, 0
+    for durations in groups.values():
+        mean = math.fsum(durations) / len(durations)
+        if len(durations) < min_steps or mean <= 0:
+            continue
+        squares += math.fsum((t / mean - 1) ** 2 for t in durations)
+        dof += len(durations) - 1
+        counted += len(durations)
+        shapes += 1
+    return {"step_time_noise_cv": math.sqrt(squares / dof) if dof else None, "step_time_noise_steps": counted,
+            "step_time_noise_shapes": shapes}
 
 
 _SIZES = re.compile(r"\b(prompt of|needs) \d+ (tokens|KV blocks)\b")

@@ -1,8 +1,11 @@
-"""Command-line overrides checked against ``conf/`` before Hydra sees them (it would fail with a traceback)."""
+"""Command-line overrides checked against ``conf/`` before Hydra sees them (it would fail with a traceback), and
+the order in which a sweep runs its jobs (``interleave_repeats``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -83,3 +86,45 @@ def group_options(group: str) -> list[str]:
     """The options of conf/ group ``group``: its files' and those installed plugins add."""
     return sorted({p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")}
                   | {o.partition("/")[2] for o in PLUGIN_OPTIONS if o.partition("/")[0] == group})
+
+
+#: Config keys whose sweep repeats each configuration rather than making new ones: ``repeat`` (the same run
+#: again) and ``workload.seed`` (the same configuration on other requests; a simulated run's only way to differ).
+#: ``framework.compare`` averages over them; a sweep runs them slowest-varying.
+REPEAT_KEYS = ("repeat", "workload.seed")
+
+
+def repeats_first(overrides: Sequence[Any]) -> list[Any]:
+    """Hydra ``Override``s with those of the ``REPEAT_KEYS`` first (in their order, the others in theirs): the basic
+    sweeper varies the last key fastest, so every configuration runs once before any runs again, and a machine's
+    drift over the sweep hits every configuration alike instead of one configuration's repeats."""
+    def rank(override: Any) -> int:
+        key = override.key_or_group
+        return REPEAT_KEYS.index(key) if key in REPEAT_KEYS else len(REPEAT_KEYS)
+
+    return sorted(overrides, key=rank)
+
+
+#: The sweeper ``interleave_repeats`` orders: Hydra's default, whichever launcher runs the jobs.
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def interleave_repeats() -> None:
+    """Make Hydra's basic sweeper order its jobs by ``repeats_first``, the sweep's own ``hydra.sweeper.params`` (a
+    named experiment's) included. Idempotent."""
+    from hydra.core.plugins import Plugins
+
+    # The class Hydra instantiates is the one its plugin scan made (the scan executes the module again, replacing
+    # the class an import gives): patched before the scan, the patch would be lost.
+    sweeper = Plugins.instance().class_name_to_class.get(BASIC_SWEEPER)
+    if sweeper is None:  # another Hydra that names it otherwise: its own order
+        return
+    split = sweeper.split_arguments
+    if getattr(split, "repeats_first", False):
+        return
+
+    def split_arguments(overrides: list[Any], max_batch_size: int | None) -> list[list[list[str]]]:
+        return split(repeats_first(overrides), max_batch_size)
+
+    split_arguments.repeats_first = True  # type: ignore[attr-defined]
+    sweeper.split_arguments = staticmethod(split_arguments)

@@ -1,8 +1,8 @@
-"""Hydra options for parts installed as plugins, named by the packages' metadata (nothing is imported).
+"""Hydra options for parts with no config file: installed plugins, named by the packages' metadata (nothing of
+theirs is imported), and the policies registered in ``POLICIES`` (an in-tree file in ``policies/``).
 
-A plugin policy (an entry point in ``framework.policies``) has no file in ``conf/policy/``, yet gets
-``+policy=NAME`` as ``{name: NAME}``, with its constructor's defaults; ``+policy.KEY=VALUE`` sets an
-option (the ``+`` because no file lists its keys).
+Such a policy has no file in ``conf/policy/``, yet gets ``+policy=NAME`` as ``{name: NAME}``, with its
+constructor's defaults; ``+policy.KEY=VALUE`` sets an option (the ``+`` because no file lists its keys).
 """
 from __future__ import annotations
 
@@ -22,12 +22,22 @@ PLUGIN_GROUPS = {
 
 def store_plugin_options(conf_dir: str | Path) -> list[str]:
     """Adds an option ``{name: NAME}`` to each group of ``PLUGIN_GROUPS`` for every plugin of
-    that kind that has no file ``conf_dir/GROUP/NAME.yaml`` (a file, shipped or the user's own,
-    wins). Returns the options added, as ``GROUP/NAME``. Call before Hydra composes."""
+    that kind (and every registered policy) that has no file ``conf_dir/GROUP/NAME.yaml`` (a file,
+    shipped or the user's own, wins). Returns the options added, as ``GROUP/NAME``. Call before Hydra composes."""
     store, added = ConfigStore.instance(), []
     for group, ep_group in PLUGIN_GROUPS.items():
-        for name in sorted({ep.name for ep in entry_points(group=ep_group)}):
+        names = {ep.name for ep in entry_points(group=ep_group)} | set(_registered(group))
+        for name in sorted(names):
             if not (Path(conf_dir) / group / f"{name}.yaml").exists():
                 store.store(group=group, name=name, node={"name": name})
                 added.append(f"{group}/{name}")
     return added
+
+
+def _registered(group: str) -> list[str]:
+    """The names registered in the group's registry: only policies, whose built-ins import no torch."""
+    if group != "policy":
+        return []
+    from framework.scheduling.policy import POLICIES
+
+    return POLICIES.list()

@@ -55,7 +55,7 @@ StepListener = Callable[[dict[str, Any]], None]
 #: The files a run writes in its directory, plots included (``experiment._plots``'s): a run starting in a
 #: folder used before removes them, so it mixes nothing of an earlier run's. Hydra's ``.hydra/`` and log are Hydra's.
 RUN_FILES = ("config.yaml", "workload.jsonl", "summary.json", "summary.json.tmp", "requests.csv", "steps.csv",
-             "latency_cdf.png", "timeline.png")
+             "latency_cdf.png", "latency_cdf.pdf", "timeline.png", "timeline.pdf")
 
 
 def clear_run_files(run_dir: str | Path, keep: Iterable[str] = ()) -> None:

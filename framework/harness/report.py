@@ -38,6 +38,7 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     row("Preemptions:", "num_preemptions", "{}")
     row("Swaps:", "num_swaps", "{}")
     row("Max KV cache usage:", "max_kv_usage", "{:.3f}")
+    row("Step-time noise (CV, same shape):", "step_time_noise_cv", "{:.1%}")
     for name in LATENCIES:
         if summary.get(f"mean_{name}_ms") is None:
             continue

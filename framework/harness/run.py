@@ -3,7 +3,9 @@
 Composes ``conf/config.yaml`` with Hydra and runs one experiment per composed config (several with
 ``-m``) in Hydra's run directory (``outputs/DATE/TIME`` or ``multirun/DATE/TIME/N``): ``config.yaml``,
 ``workload.jsonl``, ``summary.json``, ``requests.csv``, ``steps.csv`` and plots. A multirun also writes
-the comparison of its runs (``comparison.md``/``.csv`` and plots) at its root. A folder used again
+the comparison of its runs (``comparison.md``/``.csv``, ``runs.csv`` and figures) at its root; ``repeat=0,1,2`` (or a
+swept ``workload.seed``) runs each configuration again, every configuration once before any a second time
+(``overrides.interleave_repeats``), and the comparison averages its repeats. A folder used again
 (``hydra.run.dir=DIR`` twice) is cleared of the earlier run's files and log when the job starts.
 
 Exit statuses: 2 for a configuration error (Hydra's own included, in a sweep too) or a part this
@@ -34,8 +36,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.common.registry import UnavailableError
 from framework.harness.compare import CompareCallback
+from framework.harness.console import finished_lines
 from framework.harness.experiment import clear_run_dir, run_experiment
-from framework.harness.overrides import CONF_DIR, legacy_overrides, non_string_group_overrides, null_group_overrides
+from framework.harness.help import help_overrides
+from framework.harness.overrides import (CONF_DIR, interleave_repeats, legacy_overrides, non_string_group_overrides,
+                                        null_group_overrides)
 from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, parent_watched,
                                            stop, stopped_status, terminate)
 
@@ -128,6 +133,7 @@ def _job(cfg: DictConfig) -> None:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    print("\n".join(finished_lines(run_dir, summary)))  # where the files are; simulated times; wandb sync
     if summary.get("interrupted"):
         _job_interrupted = True
         print(f"interrupted: what was measured is in {run_dir}", file=sys.stderr)
@@ -147,7 +153,7 @@ def _hydra_config_error(exc: SystemExit) -> bool:
 def cli() -> None:
     """``python -m framework.run`` and the ``servelab-run`` script."""
     argv, error = null_group_overrides(legacy_overrides(sys.argv)[1:])
-    sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *argv, *help_overrides(argv)]  # --help: this project's page
     error = error or non_string_group_overrides(argv)
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
@@ -157,6 +163,7 @@ def cli() -> None:
     # either signal to those workers.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    interleave_repeats()  # repeat=0,1,2: every configuration once, then each again, not back to back
     try:
         main()
     except KeyboardInterrupt:  # outside a run (composing the config, between sweep jobs, comparing)

@@ -8,9 +8,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import NamedTuple
 
 from framework.harness.compare import CompareCallback, compare_stopped_sweep
 from framework.harness.recorder import write_summary
@@ -43,11 +44,46 @@ WORKERS_GRACE_S = 30.0
 _waiting = False
 
 
-def _workers() -> list[multiprocessing.process.BaseProcess]:
-    """The worker processes of a parallel sweep (joblib's loky workers) this process started."""
+class _Worker(NamedTuple):
+    """A process running this process's sweep jobs, and the signal that stops its jobs as ``signum`` would."""
+
+    pid: int
+    is_alive: Callable[[], bool]
+    signal_for: Callable[[int], int]
+
+
+def _workers() -> list[_Worker]:
+    """The processes running a sweep's jobs this process started: a parallel sweep's loky workers, and Submitit's
+    local job controllers (``hydra/launcher=submitit_local``), which pass SIGTERM on to their job (a SIGINT they
+    answer by killing it a second later)."""
     if CompareCallback.sweep_dir is None:
         return []
-    return [p for p in multiprocessing.active_children() if type(p).__name__ == "LokyProcess"]
+    loky = [_Worker(p.pid, p.is_alive, lambda signum: signum)
+            for p in multiprocessing.active_children() if type(p).__name__ == "LokyProcess"]
+    return loky + [_Worker(pid, lambda pid=pid: _alive(pid), lambda signum: signal.SIGTERM)
+                   for pid in _children("submitit.local._local")]
+
+
+def _children(module: str) -> list[int]:
+    """This process's child processes running ``python -m module`` (Linux: read from /proc; elsewhere none)."""
+    pids: list[int] = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        with suppress(OSError):
+            pids += [int(pid) for pid in children.read_text().split()]
+    found = []
+    for pid in pids:
+        with suppress(OSError):
+            if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                found.append(pid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (it is not gone, nor a zombie); read from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def started_jobs(sweep_dir: Path) -> list[Path]:
@@ -72,7 +108,7 @@ def _running(sweep_dir: Path) -> bool:
 
 def stop(signum: int, frame: object) -> None:
     """The command's SIGINT and SIGTERM handler: raises KeyboardInterrupt (SIGTERM also sets status
-    143). A parallel sweep's parent first forwards the signal to its workers and waits, up to
+    143). A parallel (or submitit_local) sweep's parent first forwards the signal to its workers and waits, up to
     ``WORKERS_GRACE_S`` or the next signal, for their summaries: joblib SIGKILLs them once this raises."""
     global _terminated, _waiting
     if signum == signal.SIGTERM:
@@ -87,7 +123,7 @@ def stop(signum: int, frame: object) -> None:
         # A worker that got a terminal's Ctrl-C too drops this repeat (experiment._repeats_dropped).
         for worker in workers:
             try:
-                os.kill(worker.pid, signum)
+                os.kill(worker.pid, worker.signal_for(signum))
             except (OSError, TypeError):  # gone already, or never started (no pid)
                 pass
         print(f"interrupted: waiting up to {WORKERS_GRACE_S:.0f} s for the sweep's jobs to write their summaries "

@@ -4,8 +4,8 @@ import re
 from pathlib import Path
 
 from framework import POLICIES, SamplingParams
-from tests.policies.harness import Arrival
-from tests.policies.test_properties import run_workload
+from framework.testing import Arrival
+from framework.testing.properties import run_workload
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-policy.md"
 
@@ -20,7 +20,7 @@ def fixed_workload(n=16, seed=0):
 def test_the_walkthrough_code_runs(monkeypatch):
     monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))  # its registrations stay here
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     namespace = {}
     for code in blocks:
         exec(compile(code, str(DOC), "exec"), namespace)  # defines, registers, generates

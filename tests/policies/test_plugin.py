@@ -4,6 +4,7 @@ installed (offline, into a temporary folder) and then used by name."""
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -117,7 +118,7 @@ def test_other_kinds_of_plugin_are_options_of_their_groups_too(installed_plugin)
 
 
 def test_a_config_file_of_the_plugins_name_wins_over_the_generated_option(installed_plugin, tmp_path):
-    (tmp_path / "policy").mkdir()
+    shutil.copytree(CONF / "policy", tmp_path / "policy")  # the shipped files: only srpt's is new
     (tmp_path / "policy" / "srpt.yaml").write_text("name: srpt\nlong_prefill_token_threshold: 32\n")
     assert "policy/srpt" not in store_plugin_options(tmp_path)
     assert "policy/srpt" in store_plugin_options(CONF)
@@ -157,6 +158,39 @@ def test_the_package_is_the_one_the_walkthrough_shows():
     assert shown.strip() in POLICY
     assert PYPROJECT.split("[project.entry-points.\"framework.policies\"]\n")[1].startswith(
         doc.split("[project.entry-points.\"framework.policies\"]\n")[1].split("```")[0])
+
+
+def doc_file(name: str) -> str:
+    """The code block of docs/writing-a-policy.md that starts with the comment ``# NAME``."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "writing-a-policy.md").read_text()
+    return doc.split(f"# {name}\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_plugins_property_test_passes_outside_the_repository(installed_plugin, tmp_path):
+    """The walkthrough's test files, in the plugin's own folder, import framework.testing (no tests.policies)."""
+    tests = tmp_path / "my-policies" / "tests"
+    tests.mkdir()
+    (tests / "test_srpt.py").write_text(doc_file("my-policies/tests/test_srpt.py"))
+    quick = 'from hypothesis import settings\nsettings.register_profile("quick", max_examples=8, deadline=None)\n'
+    (tests / "conftest.py").write_text(doc_file("my-policies/tests/conftest.py") + quick)
+    site = next(p for p in sys.path if p.endswith("site"))
+    env = {**os.environ, "PYTHONPATH": site}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                             "--hypothesis-profile=quick", "tests"], cwd=tests.parent, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "1 passed" in result.stdout
+
+
+def test_a_registered_policy_without_a_config_file_is_an_option(monkeypatch):
+    """In tree (a file in policies/) or in a notebook: registered, it needs no conf/policy/NAME.yaml."""
+    from policies.fcfs import FCFSPolicy
+
+    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))
+    POLICIES.register("fcfs_without_file")(type("FcfsWithoutFile", (FCFSPolicy,), {}))
+    assert "policy/fcfs_without_file" in store_plugin_options(CONF)
+    config = engine_config(compose_with(["+policy=fcfs_without_file", "+policy.preemption_mode=swap"]))
+    assert config.policy == "fcfs_without_file" and config.policy_options == {"preemption_mode": "swap"}
 
 
 def test_without_the_package_the_name_is_unknown():

@@ -76,13 +76,15 @@ def test_options_and_engine_keys_label_runs_of_one_policy(tmp_path):
 def test_writes_table_and_plots(sweep, tmp_path):
     paths = write_comparison([sweep], tmp_path / "out")
     md = paths["markdown"].read_text().splitlines()
-    assert md[0].startswith("| label | workload.rate | status |") and len(md) == 2 + 4
-    assert "| policy=b | 4 | completed | 8 |" in md[-1]
+    assert md[0].startswith("| label | workload.rate | n_repeats | status |") and md[2 + 4] == ""
+    assert "| policy=b | 4 | 1 | completed | 8 |" in md[2 + 3]
     with open(paths["csv"]) as f:
         rows = list(csv.DictReader(f))
-    assert [(r["label"], r["workload.rate"], r["p99_ttft_ms"]) for r in rows][-1] == ("policy=b", "4", "12.0")
-    for key in ("throughput", "p99_latency"):
+    assert [(r["label"], r["workload.rate"], r["n_repeats"], r["p99_ttft_ms"]) for r in rows][-1] == \
+        ("policy=b", "4", "1", "12.0")
+    for key in ("throughput", "latency"):
         assert paths[key].name.endswith("_vs_rate.png") and paths[key].read_bytes()[:8] == PNG
+        assert paths[key].with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
 
 
 def test_single_runs_without_rates_get_bar_charts(tmp_path):
@@ -150,7 +152,8 @@ def test_tiny_multirun_end_to_end(tmp_path):
     assert table.count("| preemption_mode=") == 4
     paths = write_comparison([sweep_dir], tmp_path / "cmp")
     assert [r["label"] for r in comparison_rows([sweep_dir])] == ["preemption_mode=recompute"] * 2 + ["preemption_mode=swap"] * 2
-    assert paths["throughput"].read_bytes()[:8] == PNG and paths["p99_latency"].read_bytes()[:8] == PNG
+    assert paths["throughput"].read_bytes()[:8] == PNG and paths["latency"].read_bytes()[:8] == PNG
+    assert paths["latency_cdf"].read_bytes()[:8] == PNG  # from the runs' requests.csv
 
 
 def test_multirun_callback_compares_and_fails_the_sweep_if_a_run_failed(sweep, capsys):

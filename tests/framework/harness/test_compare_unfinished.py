@@ -47,7 +47,7 @@ def test_the_cli_shows_an_unfinished_run_with_its_metrics(killed_run, tmp_path, 
     assert main([str(run), "--out", str(tmp_path / "cmp")]) == 0
     [line] = [line for line in capsys.readouterr().out.splitlines() if str(run) in line]
     cells = [cell.strip() for cell in line.split("|")]
-    assert cells[3:5] == ["running (killed?)", str(finished["completed"])]
+    assert cells[3:6] == ["1", "running (killed?)", str(finished["completed"])]  # n_repeats, status, completed
 
 
 def test_an_interrupted_summary_without_metrics_takes_them_from_the_csvs(killed_run):

@@ -65,6 +65,10 @@ def test_a_run_writes_every_file(tmp_path, capsys):
     assert {r.request_id: r.output_len for r in replay} == {r["request_id"]: int(r["output_len"]) for r in rows}
     for png in ("latency_cdf.png", "timeline.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / png).with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
+    # Steps on a virtual clock time nothing of the machine's; the device is named for captions.
+    assert summary["step_time_noise_cv"] is None and summary["step_time_noise_steps"] == 0
+    assert summary["device"].startswith("CPU (")
     out = capsys.readouterr().out
     assert "Successful requests:" in out and "Mean TTFT (ms):" in out
 

@@ -194,3 +194,32 @@ def test_ignored_requests_finish_when_ignored_and_stay_out_of_the_latencies():
     for stat in ("mean", "median", "p90", "p99"):
         assert s[f"{stat}_e2el_ms"] == 750.0 and s[f"{stat}_queueing_delay_ms"] == 250.0
     assert s["total_input_tokens"] == 3 and s["request_throughput"] == 1.0
+
+
+def test_step_time_noise_is_the_pooled_spread_of_steps_of_one_shape():
+    from framework.harness.metrics import step_time_noise
+
+    # Shape (1, 0, 1): 1.0, 1.2, 0.8, 1.0, 1.0 (mean 1.0); shape (2, 0, 2): 2.0 x4 and 2.5 x1 (mean 2.1);
+    # shape (1, 64, 0) only twice, too few to count; a decode of another batch size once.
+    steps = [(1, 0, 1, t) for t in (1.0, 1.2, 0.8, 1.0, 1.0)] + [(2, 0, 2, t) for t in (2.0, 2.0, 2.5, 2.0, 2.0)]
+    steps += [(1, 64, 0, 5.0), (1, 64, 0, 50.0), (3, 0, 3, 9.0)]
+    noise = step_time_noise(steps)
+    squares = (0.2 ** 2 + 0.2 ** 2) + 4 * (2.0 / 2.1 - 1) ** 2 + (2.5 / 2.1 - 1) ** 2
+    assert noise["step_time_noise_cv"] == pytest.approx(math.sqrt(squares / (4 + 4)))
+    assert (noise["step_time_noise_steps"], noise["step_time_noise_shapes"]) == (10, 2)
+    # Identical steps: no noise; no shape repeated often enough: unknown.
+    assert step_time_noise([(1, 0, 1, 0.5)] * 6)["step_time_noise_cv"] == 0.0
+    assert step_time_noise(steps[10:]) == {"step_time_noise_cv": None, "step_time_noise_steps": 0,
+                                           "step_time_noise_shapes": 0}
+
+
+def test_a_real_runs_noise_comes_from_its_steps_csv_and_a_simulated_run_has_none(tmp_path):
+    from framework.harness.experiment import timing_noise
+
+    path = tmp_path / "steps.csv"
+    rows = ["num_scheduled_reqs,num_prefill_tokens,num_decode_tokens,duration"]
+    rows += [f"4,0,4,{t}" for t in (0.01, 0.01, 0.01, 0.01, 0.03)]
+    path.write_text("\n".join(rows) + "\n")
+    measured = timing_noise(path, simulated=False)
+    assert measured["step_time_noise_cv"] == pytest.approx(math.sqrt((4 * (1 / 1.4 - 1) ** 2 + (3 / 1.4 - 1) ** 2) / 4))
+    assert timing_noise(path, simulated=True)["step_time_noise_cv"] is None

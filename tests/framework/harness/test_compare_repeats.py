@@ -1,0 +1,129 @@
+"""``framework.compare`` over repeats: one row per configuration with its mean and 95% interval, the runs kept,
+differences whose intervals overlap marked not significant, and the machine's timing noise reported."""
+import csv
+import json
+import math
+
+import pytest
+import yaml
+
+from framework.harness.compare import aggregate, comparison_rows, main, markdown, write_comparison
+
+HALF_3 = 4.3027 / math.sqrt(3)  # t(0.975, 2) / sqrt(3): the half-width of 3 repeats per unit of their std
+
+
+def table(root):
+    """``comparison.md`` of the runs under ``root``, as ``write_comparison`` writes it (without the figures)."""
+    return markdown(aggregate(comparison_rows([root])), "workload.rate")
+
+
+def fake_run(path, policy, repeat, throughput, p99_ttft, seed=0, rate=4, status="completed", noise=None,
+             hardware=None):
+    path.mkdir(parents=True)
+    config = {"policy": {"name": policy}, "workload": {"name": "synthetic", "rate": rate, "seed": seed},
+              "repeat": repeat}
+    summary = {"status": status, "policy": policy, "backend": "naive", "model": "tiny-llama", "workload": "synthetic",
+               "num_requests": 8, "rate": rate, "completed": 8, "output_throughput": throughput,
+               "request_throughput": throughput / 10, "p99_ttft_ms": p99_ttft, "median_ttft_ms": p99_ttft / 2,
+               "step_time_noise_cv": noise, "step_time_noise_steps": 0 if noise is None else 40,
+               **({"hardware": hardware} if hardware else {"device": "CPU (test, 2 threads)"})}
+    (path / "config.yaml").write_text(yaml.safe_dump(config))
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture
+def repeats(tmp_path):
+    """Policies a and b, three repeats each, interleaved as a sweep numbers them: a's throughput 100/110/120
+    against b's 200/210/220 (apart), their p99 TTFT 10/20/30 against 15/25/35 (overlapping)."""
+    root = tmp_path / "sweep"
+    for repeat in range(3):
+        fake_run(root / str(2 * repeat), "a", repeat, 100.0 + 10 * repeat, 10.0 + 10 * repeat, noise=0.05 * (repeat + 1))
+        fake_run(root / str(2 * repeat + 1), "b", repeat, 200.0 + 10 * repeat, 15.0 + 10 * repeat, noise=0.1)
+    return root
+
+
+def test_repeats_are_one_configuration_with_its_mean_and_interval(repeats):
+    rows = comparison_rows([repeats])
+    assert [(r["label"], r["repeat"]) for r in rows] == [("policy=a", 0), ("policy=a", 1), ("policy=a", 2),
+                                                         ("policy=b", 0), ("policy=b", 1), ("policy=b", 2)]
+    a, b = aggregate(rows)
+    assert (a["label"], a["x"], a["n_repeats"], a["status"]) == ("policy=a", 4, 3, "completed")
+    # 100, 110, 120: mean 110, std 10.
+    assert a["output_throughput"] == pytest.approx(110.0)
+    assert (a["output_throughput_ci95_low"], a["output_throughput_ci95_high"]) == \
+        pytest.approx((110 - 10 * HALF_3, 110 + 10 * HALF_3))
+    assert b["p99_ttft_ms"] == pytest.approx(25.0) and b["completed"] == 8 and isinstance(b["completed"], int)
+    assert a["run_dir"].split() == [str(repeats / str(i)) for i in (0, 2, 4)]
+
+
+def test_the_tables_hold_a_row_per_configuration_and_per_run(repeats, tmp_path):
+    paths = write_comparison([repeats], tmp_path / "out")
+    with open(paths["csv"]) as f:
+        configs = list(csv.DictReader(f))
+    assert [(c["label"], c["workload.rate"], c["n_repeats"]) for c in configs] == [("policy=a", "4", "3"),
+                                                                                 ("policy=b", "4", "3")]
+    assert float(configs[0]["output_throughput_ci95_high"]) == pytest.approx(110 + 10 * HALF_3)
+    assert {"p99_ttft_ms_ci95_low", "p99_ttft_ms_ci95_high"} <= set(configs[0])
+    with open(paths["runs"]) as f:
+        runs = list(csv.DictReader(f))
+    assert [(r["label"], r["repeat"], r["output_throughput"]) for r in runs][:2] == [("policy=a", "0", "100.0"),
+                                                                                    ("policy=a", "1", "110.0")]
+    md = paths["markdown"].read_text()
+    assert f"| policy=a | 4 | 3 | completed | 8 | - | - | 11.0 ± {HALF_3:.3f} | 110.0 ± {10 * HALF_3:.1f} |" in md
+    assert "## Runs" in md and md.count(f"| {repeats / '5'} |") == 1  # every run, once
+
+
+def test_differences_whose_intervals_overlap_are_marked_not_significant(repeats):
+    md = table(repeats).splitlines()
+    header = next(line for line in md if line.startswith("| workload.rate | configurations |"))
+    row = next(line for line in md if line.startswith("| 4 | policy=a / policy=b |"))
+    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in row.split("|"))))
+    assert cells["output_throughput"] == "0.52x"  # 110 / 210, intervals apart
+    assert cells["p99_ttft_ms"] == "0.80x **n.s.**"  # 20 / 25, intervals overlap
+    assert cells["median_ttft_ms"] == "0.80x **n.s.**"
+
+
+def test_the_noise_floor_is_reported(repeats):
+    md = table(repeats)
+    # Noise 0.05, 0.1, 0.15 (a) and 0.1 x3 (b): the median run's 10.0%.
+    assert "coefficient of variation of 10.0% (the median run, from 40 steps; 5.0% to 15.0% over 6 runs)" in md
+
+
+def test_a_seed_sweep_gives_repeats_unless_the_seed_is_asked_for(tmp_path):
+    for i, seed in enumerate((0, 1, 2)):
+        fake_run(tmp_path / str(i), "a", 0, 100.0 + seed, 10.0, seed=seed)
+    [config] = aggregate(comparison_rows([tmp_path]))
+    assert (config["label"], config["n_repeats"]) == ("a/naive", 3)
+    assert [r["label"] for r in comparison_rows([tmp_path], label=["workload.seed"])] == ["seed=0", "seed=1", "seed=2"]
+
+
+def test_failed_repeats_show_in_the_status_and_stay_out_of_the_mean(tmp_path):
+    fake_run(tmp_path / "0", "a", 0, 100.0, 10.0)
+    fake_run(tmp_path / "1", "a", 1, 120.0, 10.0)
+    fake_run(tmp_path / "2", "a", 2, 1.0, 10.0, status="failed")
+    [config] = aggregate(comparison_rows([tmp_path]))
+    assert config["status"] == "2 completed, 1 failed" and config["n_repeats"] == 3
+    assert config["output_throughput"] == pytest.approx(110.0)
+
+
+def test_identical_simulated_repeats_are_pointed_out(tmp_path):
+    for repeat in range(2):
+        fake_run(tmp_path / str(repeat), "a", repeat, 100.0, 10.0, hardware="a100-80gb")
+        fake_run(tmp_path / f"b{repeat}", "b", repeat, 90.0, 10.0, hardware="a100-80gb")
+    md = table(tmp_path)
+    assert "The repeats of 2 configuration(s) gave identical results" in md and "`workload.seed=0,1,2`" in md
+    assert "None: simulated runs are deterministic" in md
+    from framework.harness.plots import caption_line
+
+    assert caption_line([r["summary"] for r in comparison_rows([tmp_path])]).startswith(
+        "model tiny-llama · device a100-80gb (simulated) · workload synthetic")
+
+
+def test_single_runs_say_there_is_no_interval(tmp_path, capsys):
+    fake_run(tmp_path / "0", "a", 0, 100.0, 10.0)
+    fake_run(tmp_path / "1", "b", 0, 90.0, 10.0)
+    assert main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "One run per configuration: no confidence intervals" in out and "## Differences" not in out
+    assert "model tiny-llama · device CPU (test, 2 threads) · workload synthetic, 8 requests at 4 req/s." in out
+    assert "throughput_vs_rate.pdf" in out and "latency_vs_rate.pdf" in out

@@ -1,0 +1,16 @@
+"""What a finished run prints after its summary: simulated times said so, the `wandb sync` line of an offline W&B
+run, and where its files are."""
+from framework.harness.console import finished_lines
+
+
+def test_a_real_run_says_where_its_files_are(tmp_path):
+    assert finished_lines(tmp_path, {"status": "completed", "device": "cpu"}) == [f"results: {tmp_path}"]
+
+
+def test_a_simulated_offline_wandb_run_says_its_times_are_simulated_and_how_to_upload_it(tmp_path):
+    offline = tmp_path / "wandb" / "offline-run-20261127_120000-abc"
+    offline.mkdir(parents=True)
+    lines = finished_lines(tmp_path, {"status": "completed", "hardware": "h100-sxm"})
+    assert lines[0].startswith("simulated run (h100-sxm): its durations, latencies and throughputs are simulated")
+    assert "wall-clock" in lines[0]
+    assert lines[1:] == [f"upload to W&B with: wandb sync {offline}", f"results: {tmp_path}"]
