@@ -200,7 +200,7 @@ def _as_list(value: Any) -> Any:
 class TraceWorkload(Workload):
     """Replay ``path``. ``rate`` null keeps the recorded times; a rate rescales them so the
     trace's mean rate (requests / last arrival) is ``rate``. ``max_requests`` keeps the first
-    ones; ``seed`` draws the ids of ``prompt_len`` entries."""
+    ones by arrival (only they are drawn); ``seed`` draws the ids of ``prompt_len`` entries."""
 
     def __init__(self, path: str, rate: float | None = None, max_requests: int | None = None, seed: int = 0) -> None:
         check_rate(rate)
@@ -244,6 +244,12 @@ class TraceWorkload(Workload):
 
     def generate(self, ctx: WorkloadContext) -> list[WorkloadRequest]:
         entries, self._entries = self._entries, None
+        if entries is None:
+            entries = read_entries(resolve_path(self.path))
+        if self.max_requests is not None:
+            # Only the requests sent are drawn: prompts past max_requests would cost memory and time for nothing.
+            sent = {id(e) for _, e in self._sent(entries)}
+            entries = [(where, e) for where, e in entries if not isinstance(e, dict) or id(e) in sent]
         requests = load_trace(self.path, ctx, self.seed, entries)[: self.max_requests]
         if self.rate is not None:
             rescale_to_rate(requests, self.rate, str(self.path))

@@ -140,7 +140,7 @@ def test_tiny_multirun_end_to_end(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "framework.run", "-m", "+policy=fcfs", "policy.preemption_mode=recompute,swap",
          "workload.rate=20,40", "workload.num_requests=3", "workload.prompt_len=[8,16]", "workload.output_len=[2,4]",
-         "engine.max_model_len=64", "engine.num_gpu_blocks_override=16", "progress=false",
+         "engine.max_model_len=64", "engine.num_gpu_blocks_override=16", "progress=false", "plots=false",
          f"hydra.sweep.dir={sweep_dir}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
