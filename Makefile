@@ -27,8 +27,12 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(PY) -m framework.run $(ARGS)
 
+# Two workers (pytest-xdist) nearly halve the suite's time on 2 cores (much of it waits on subprocesses); a file's
+# tests stay on one worker, in their order. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(ARGS)
 
 # A quick check (under 2 minutes) of the core: the layers, the common types, the allocator, the scheduler and the
 # policies (their property tests left out); no model parity, config composition, subprocess runs, benchmarks or slow tests.

@@ -41,7 +41,8 @@ def check_stopped_run(run_dir, got: list[str]) -> None:
 def test_sigterm_stops_the_command_with_its_files(chat_ckpt, tmp_path):
     port = free_port()
     proc = start_subprocess(chat_ckpt, tmp_path / "run", port)
-    bad = subprocess.Popen([sys.executable, "-m", "framework.serve", "+server.prot=1"], cwd=ROOT,
+    bad = subprocess.Popen([sys.executable, "-m", "framework.serve", "+server.prot=1",
+                            f"hydra.run.dir={tmp_path / 'bad'}"], cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
