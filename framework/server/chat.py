@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from framework.common.outputs import CompletionOutput, Logprob
 from framework.server.completions import _check_ran, _Choice
-from framework.server.engine_loop import EngineDeadError
-from framework.server.errors import APIError, error_body
+from framework.server.errors import APIError
 from framework.server.protocol import ChatCompletionRequest
-from framework.server.serving import Serving, clamp_logprob, sse, token_text, usage
+from framework.server.serving import Serving, clamp_logprob, sse_events, token_text, usage
 
 
 def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int]:
@@ -80,38 +79,34 @@ class ChatJob:
                             for k, c in sorted(choices.items())],
                 "usage": usage(len(self.prompt), sum(c.num_tokens for c in choices.values()))}
 
-    async def events(self) -> AsyncIterator[str]:
+    def events(self) -> AsyncIterator[str]:
         """Per choice: a first chunk with the role, then one with each step's text; then the usage (when asked)
         and ``[DONE]``."""
         choices: dict[int, _Choice] = {}
+
+        def final() -> dict[str, Any] | None:
+            if not self.body.include_usage:
+                return None
+            return {**self._chunk(None), "usage": usage(len(self.prompt), sum(c.num_tokens for c in choices.values()))}
+        return sse_events(self._chunks(choices), final)
+
+    async def _chunks(self, choices: dict[int, _Choice]) -> AsyncGenerator[dict[str, Any], None]:
         body = self.body
-        try:
-            async with aclosing(self._outputs()) as outputs:
-                async for _, out in outputs:
-                    _check_ran(out)
-                    for delta in out.outputs:
-                        if delta.index not in choices:
-                            choices[delta.index] = _Choice()
-                            yield sse(self._chunk({"index": delta.index, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}))
-                        choice = choices[delta.index]
-                        part = self._update(choice, delta)
-                        chunk = self._chunk({"index": delta.index, "delta": {"content": delta.text},
-                                             "logprobs": None if part is None else {"content": part},
-                                             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason})
-                        if body.include_usage and body.continuous_usage:
-                            chunk["usage"] = usage(len(self.prompt), sum(c.num_tokens for c in choices.values()))
-                        yield sse(chunk)
-        except APIError as exc:
-            yield sse(exc.body())
-        except EngineDeadError as exc:
-            yield sse(error_body(str(exc), 503))
-        else:
-            if body.include_usage:
-                final = self._chunk(None)
-                final["usage"] = usage(len(self.prompt), sum(c.num_tokens for c in choices.values()))
-                yield sse(final)
-        yield sse("[DONE]")
+        async with aclosing(self._outputs()) as outputs:
+            async for _, out in outputs:
+                _check_ran(out)
+                for delta in out.outputs:
+                    if delta.index not in choices:
+                        choices[delta.index] = _Choice()
+                        yield self._chunk({"index": delta.index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None})
+                    part = self._update(choices[delta.index], delta)
+                    chunk = self._chunk({"index": delta.index, "delta": {"content": delta.text},
+                                         "logprobs": None if part is None else {"content": part},
+                                         "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason})
+                    if body.include_usage and body.continuous_usage:
+                        chunk["usage"] = usage(len(self.prompt), sum(c.num_tokens for c in choices.values()))
+                    yield chunk
 
     def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,

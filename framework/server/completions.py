@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from framework.common.outputs import CompletionOutput, Logprob, RequestOutput
-from framework.server.engine_loop import EngineDeadError
-from framework.server.errors import APIError, error_body
+from framework.server.errors import APIError
 from framework.server.protocol import CompletionRequest
-from framework.server.serving import Serving, clamp_logprob, sse, token_text, usage
+from framework.server.serving import Serving, clamp_logprob, sse_events, token_text, usage
 
 
 @dataclass
@@ -79,32 +78,30 @@ class CompletionJob:
                             for k, c in sorted(choices.items())],
                 "usage": usage(self.num_prompt_tokens, sum(c.num_tokens for c in choices.values()))}
 
-    async def events(self) -> AsyncIterator[str]:
+    def events(self) -> AsyncIterator[str]:
         """The answer as server-sent events: a chunk per choice per step, then the usage (when asked), ``[DONE]``."""
         choices: dict[int, _Choice] = {}
+
+        def final() -> dict[str, Any] | None:
+            if not self.body.include_usage:
+                return None
+            return {**self._chunk([]), "usage": usage(self.num_prompt_tokens, sum(c.num_tokens for c in choices.values()))}
+        return sse_events(self._chunks(choices), final)
+
+    async def _chunks(self, choices: dict[int, _Choice]) -> AsyncGenerator[dict[str, Any], None]:
         body = self.body
-        try:
-            async with aclosing(self._outputs()) as outputs:
-                async for i, out in outputs:
-                    _check_ran(out)
-                    for delta in out.outputs:
-                        k = i * self.n + delta.index
-                        choice = choices.setdefault(k, _Choice())
-                        logprobs = self._update(choice, delta)
-                        chunk = self._chunk([{"index": k, "text": delta.text, "logprobs": logprobs,
-                                              "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}])
-                        if body.include_usage and body.continuous_usage:
-                            chunk["usage"] = usage(self.num_prompt_tokens, sum(c.num_tokens for c in choices.values()))
-                        yield sse(chunk)
-        except APIError as exc:
-            yield sse(exc.body())
-        except EngineDeadError as exc:
-            yield sse(error_body(str(exc), 503))
-        else:
-            if body.include_usage:
-                yield sse({**self._chunk([]),
-                           "usage": usage(self.num_prompt_tokens, sum(c.num_tokens for c in choices.values()))})
-        yield sse("[DONE]")
+        async with aclosing(self._outputs()) as outputs:
+            async for i, out in outputs:
+                _check_ran(out)
+                for delta in out.outputs:
+                    k = i * self.n + delta.index
+                    choice = choices.setdefault(k, _Choice())
+                    logprobs = self._update(choice, delta)
+                    chunk = self._chunk([{"index": k, "text": delta.text, "logprobs": logprobs,
+                                          "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}])
+                    if body.include_usage and body.continuous_usage:
+                        chunk["usage"] = usage(self.num_prompt_tokens, sum(c.num_tokens for c in choices.values()))
+                    yield chunk
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.serving.model_name,
@@ -112,7 +109,7 @@ class CompletionJob:
 
 
 def _check_ran(out: RequestOutput) -> None:
-    """APIError (400) for a request the engine refused to run (its prompt could never fit), with the engine's reason."""
+    """Raise APIError (400) with the engine's reason when ``out`` finished without running (its prompt never fits)."""
     if out.finished and out.status_message and not out.metrics.num_generated_tokens:
         raise APIError(out.status_message, param="prompt")
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from http import HTTPStatus
 from typing import Any
 
 from framework.common.outputs import Logprob, RequestOutput
 from framework.common.sampling_params import SamplingParams
-from framework.server.engine_loop import EngineLoop
-from framework.server.errors import APIError
+from framework.server.engine_loop import EngineDeadError, EngineLoop
+from framework.server.errors import APIError, error_body
 
 #: What a logprob of -inf is sent as (JSON has no infinities), as vLLM does.
 MIN_LOGPROB = -9999.0
@@ -131,3 +131,23 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event: ``data: JSON`` (or the literal ``[DONE]``) and a blank line."""
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def sse_events(chunks: AsyncGenerator[dict[str, Any], None],
+                     last: Callable[[], dict[str, Any] | None]) -> AsyncIterator[str]:
+    """``chunks`` as server-sent events, then ``last()`` (None: nothing) and ``[DONE]``; a bad request or a dead
+    engine ends the chunks with its error event instead of ``last()``. Closed early, it closes ``chunks`` at once
+    (their request is aborted then, not when collected)."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield sse(chunk)
+    except APIError as exc:
+        yield sse(exc.body())
+    except EngineDeadError as exc:
+        yield sse(error_body(str(exc), 503))
+    else:
+        final = last()
+        if final is not None:
+            yield sse(final)
+    yield sse("[DONE]")

@@ -28,7 +28,7 @@ def test_prompt_longer_than_max_model_len_is_ignored_with_reason():
 
 
 def test_fcfs_with_a_token_budget_below_max_model_len_is_refused_when_built():
-    # It used to be built, then to drop every prompt longer than the budget; vLLM refuses it too.
+    # Built, it would drop every prompt longer than the budget; vLLM refuses it too.
     with pytest.raises(ValueError, match=r"^max_num_batched_tokens=32 is below max_model_len=256 and policy 'fcfs' "
                                          r"prefills each prompt whole.*lower max_model_len to <= 32.*chunked\)$"):
         small_llm(max_num_batched_tokens=32)

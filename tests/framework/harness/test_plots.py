@@ -161,8 +161,8 @@ def write_fake_runs(root, with_requests):
 
 
 def test_a_configuration_keeps_its_colour_in_every_figure_of_a_comparison(monkeypatch, tmp_path):
-    """Each figure used to colour its lines in the order it drew them: policy b, first of the latency figure (a
-    has no latencies), took a's colour there."""
+    """A colour follows the configuration, not the order a figure draws its lines in: policy b, first of the
+    latency figure (a has no latencies), keeps its own colour there."""
     from framework.harness.compare import write_comparison
 
     write_fake_runs(tmp_path / "runs", with_requests=True)

@@ -15,8 +15,8 @@ SIM = ["executor=sim", "progress=false", "workload.num_requests=6", "workload.pr
 
 
 def test_a_configuration_error_in_a_used_run_dir_carries_nothing_of_the_earlier_run(tmp_path):
-    # The failed summary used to be merged into the earlier run's: "failed", with its metrics; its
-    # CSVs, plots and config.yaml stayed beside it, and Hydra appended to its log.
+    # Neither the earlier run's metrics in the failed summary, nor its CSVs, plots, config.yaml or log
+    # lines beside it: a reader would take them for this run's.
     run_experiment(compose_config(*SIM), tmp_path)
     (tmp_path / "run.log").write_text("[the earlier run's log]\n")
     done = subprocess.run([sys.executable, "-m", "framework.run", *SIM, "engine.block_size=3",

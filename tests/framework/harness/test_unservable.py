@@ -1,6 +1,6 @@
 """A run refuses what its engine could never serve before anything is generated or written: a length past
 ``max_model_len`` (``workload.prompt_len=100000000`` grew to 23 GB and was killed), a prefill-first policy's
-token budget below the longest prompt (every longer one used to be dropped, exit 0). A request that still cannot
+token budget below the longest prompt (every longer one would be dropped, with exit 0). A request that still cannot
 be served is counted in the summary and printed, not only a row of requests.csv."""
 import json
 import os
@@ -66,7 +66,7 @@ def test_a_trace_length_the_engine_can_never_take_is_refused_before_anything_is_
 
 
 def test_the_cli_refuses_a_huge_length_in_one_line_with_status_2(tmp_path):
-    # Address space capped at 4 GiB: the run that used to build the workload fails fast instead of swapping.
+    # Address space capped at 4 GiB: a run that built the workload before checking it fails fast, not by swapping.
     done = subprocess.run([sys.executable, "-m", "framework.run", "executor=sim", "workload.prompt_len=100000000",
                            *BASE, f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
@@ -80,7 +80,7 @@ def test_the_cli_refuses_a_huge_length_in_one_line_with_status_2(tmp_path):
 @pytest.mark.parametrize("executor", [[], ["executor=sim", "engine.max_num_seqs=8"]], ids=["model", "sim"])
 def test_fcfs_whose_budget_is_below_the_longest_prompt_is_refused_before_anything_is_generated(tmp_path, executor,
                                                                                                nothing_generated):
-    # It used to run, drop every prompt over the budget, and report latencies of the short ones only.
+    # Run, it would drop every prompt over the budget and report latencies of the short ones only.
     cfg = compose_config(*BASE, *executor, "engine.max_num_batched_tokens=64", "workload.prompt_len=[40,200]")
     with pytest.raises(ValueError, match=r"^max_num_batched_tokens=64 is below the longest prompt sent \(200 tokens\) "
                                          r"and policy 'fcfs' prefills each prompt whole, so it could never run: raise "

@@ -1,5 +1,5 @@
 """``Workload.check_lengths``: a length no request within ``max_model_len`` can have is refused before anything
-is drawn (``workload.prompt_len=100000000`` used to build a 23 GB workload first), and the longest prompt a
+is drawn (``workload.prompt_len=100000000`` would build a 23 GB workload first), and the longest prompt a
 workload sends is known before it is generated (a prefill-first policy's budget is checked against it)."""
 import json
 
