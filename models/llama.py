@@ -1,11 +1,14 @@
 """Llama-family decoder (Llama, Qwen2, Mistral) over a flat token batch, no padding.
 
 Attention goes through the selected ``AttentionBackend``; q/k/v and gate/up projections are
-fused into one matrix each (fewer, larger matrix multiplies).
+fused into one matrix each (fewer, larger matrix multiplies). Given ``fused_ops``
+(``models.cpu_ops``), the residual add and norm, SiLU-and-multiply and the q/k/v split with RoPE
+each run as one C++ pass instead of several torch operators.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -18,12 +21,29 @@ from models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """``forward(x)`` is the norm of ``x``; ``forward(x, residual)`` adds ``x`` to the residual stream
+    first and returns ``(norm, residual)`` (the fused operator does both in place)."""
+
+    def __init__(self, size: int, eps: float, ops: ModuleType | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if self.ops is not None:
+            if residual is None:
+                out = torch.empty_like(x)
+                self.ops.rms_norm(x, self.weight, out, self.eps)
+                return out
+            self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -31,8 +51,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 ops: ModuleType | None) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -41,18 +63,26 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        o = self.backend.forward(q, k, v.contiguous(), kv_cache, meta)
+        qkv = self.qkv_proj(x)
+        if self.ops is not None:
+            q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
+            k = qkv.new_empty(qkv.shape[0], self.num_kv_heads, self.head_dim)
+            v = torch.empty_like(k)
+            self.ops.qkv_rotary(qkv, positions, self.rotary.cos, self.rotary.sin, q, k, v)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(positions, q, k)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType | None) -> None:
         super().__init__()
+        self.ops = ops
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
         self.intermediate_size = cfg.intermediate_size
@@ -60,46 +90,76 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            self.ops.silu_and_mul(gate_up, act)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+    """``forward(positions, x, residual, ...)`` returns ``(x, residual)``: the residual stream is
+    ``residual + x`` (``residual`` None: ``x`` alone), added in the next norm, as in vLLM."""
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 ops: ModuleType | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, backend, rotary, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], kv_cache [2, L, blocks, bs, kv_heads, head_dim],
     meta)`` returns the last hidden states ``[T, hidden]``; ``compute_logits`` maps the rows to
-    sample from to float32 logits."""
+    sample from to float32 logits. ``fused_ops``: ``models.cpu_ops.fused_ops()`` on a CPU, or None."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+                 fused_ops: ModuleType | None = None) -> None:
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  cfg.max_position_embeddings, dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, fused_ops) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(positions, x, kv_cache[:, i], meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache[:, i], meta)
+        return self.norm(x, residual)[0]
+
+    @classmethod
+    def empty_on(cls, device: torch.device, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 dtype: torch.dtype, fused_ops: ModuleType | None = None) -> LlamaForCausalLM:
+        """The model with its parameters allocated straight on ``device`` in ``dtype``, their contents
+        undefined until ``load_weights`` or ``init_random`` (no CPU copy, no default initialisation)."""
+        with torch.device("meta"):
+            model = cls(cfg, backend, max_positions, dtype, fused_ops)
+        model.to(dtype=dtype).to_empty(device=device)
+        if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rotary.reset_tables()
+        return model
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -73,10 +73,22 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  max_position_embeddings: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self._args = (head_dim, max_positions, theta, scaling, max_position_embeddings)
+        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2, dtype=dtype), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """Computes cos and sin (float32 on the CPU, as transformers does) into the buffers, wherever
+        and in whatever dtype they are now: after ``Module.to_empty``, their contents are undefined."""
+        if self.cos.is_meta:
+            return
+        head_dim, max_positions, theta, scaling, max_position_embeddings = self._args
         inv_freq, attn_scale = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
         freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", (freqs.cos() * attn_scale).to(dtype), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * attn_scale).to(dtype), persistent=False)
+        self.cos.copy_(freqs.cos() * attn_scale)
+        self.sin.copy_(freqs.sin() * attn_scale)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)

@@ -49,6 +49,15 @@ def test_the_wheel_ships_the_configs_and_hardware_presets(installed):
     assert {p.stem for p in (installed / "conf" / "policy").glob("*.yaml")} >= {"fcfs", "chunked"}
 
 
+def test_the_wheel_ships_the_cpu_kernels_sources(installed):
+    from backends.cpu_kernels import SOURCE as decode
+    from framework.execution.cpp_extension import INCLUDE
+    from models.cpu_ops import SOURCE as fused
+
+    for source in (decode, fused, INCLUDE / "fast_exp.h"):
+        assert (installed / source.relative_to(ROOT)).is_file(), source
+
+
 @pytest.mark.parametrize("how", ["module", "script"])
 def test_a_plain_install_runs_a_simulated_experiment_from_any_folder(installed, tmp_path, how):
     out = tmp_path / "out"

@@ -4,20 +4,26 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "fast_exp.h"
 
 namespace {
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// q, out: [n, H, D]; k_cache, v_cache: [blocks, block_size, KVH, D] (D contiguous);
-// block_table: [n, >= ceil(max seq_len / block_size)] int64; seq_lens: [n] int64, each >= 1.
-template <typename T>
+// The G query heads sharing a K/V head read each of its key and value rows once.
+// kD > 0 fixes head_dim at compile time so the row loops vectorise; 0 reads it at run time.
+template <typename T, int kD>
 void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t n = q.size(0), H = q.size(1);
+  const int64_t D = kD > 0 ? kD : q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t table_width = block_table.size(1);
   const int64_t k_blk = k_cache.stride(0), k_tok = k_cache.stride(1), k_head = k_cache.stride(2);
@@ -31,56 +37,80 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   int64_t max_len = 0;
   for (int64_t r = 0; r < n; ++r) max_len = std::max(max_len, lens[r]);
   const float sc = static_cast<float>(scale);
-  // One request per task: its token rows (all heads, contiguous in a block) are read in order.
+  // One request per task: its key and value rows (all heads, contiguous in a block) stream in order.
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), scores(H * max_len);
+    std::vector<float> qf(H * D), acc(H * D), row(D), scores(H * max_len);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t len = lens[r];
       const int64_t* blocks = table + r * table_width;
-      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[r * H * D + i]) * sc;
-      for (int64_t t = 0; t < len; ++t) {
-        const T* krow = kp + blocks[t / bs] * k_blk + (t % bs) * k_tok;
-        for (int64_t h = 0; h < KVH; ++h) {
-          const T* kh = krow + h * k_head;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qh = &qf[(h * G + g) * D];
-            float dot = 0.f;
-            for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
-            scores[(h * G + g) * max_len + t] = dot;
+      const T* qr = qp + r * H * D;
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qr[i]) * sc;
+      for (int64_t start = 0; start < len; start += bs) {
+        const T* kb = kp + blocks[start / bs] * k_blk;
+        const int64_t stop = std::min(bs, len - start);
+        for (int64_t i = 0; i < stop; ++i) {
+          for (int64_t h = 0; h < KVH; ++h) {
+            const T* kr = kb + i * k_tok + h * k_head;
+            for (int64_t d = 0; d < D; ++d) row[d] = to_float(kr[d]);
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = &qf[(h * G + g) * D];
+              float dot = 0.f;
+              for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+              scores[(h * G + g) * max_len + start + i] = dot;
+            }
           }
         }
       }
       for (int64_t head = 0; head < H; ++head) {
         float* s = &scores[head * max_len];
         float top = s[0];
-        for (int64_t t = 1; t < len; ++t) top = s[t] > top ? s[t] : top;
+        for (int64_t t = 1; t < len; ++t) top = std::max(top, s[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - top);
+          s[t] = servelab::fast_exp(s[t] - top);
           sum += s[t];
         }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* vrow = vp + blocks[t / bs] * v_blk + (t % bs) * v_tok;
-        for (int64_t h = 0; h < KVH; ++h) {
-          const T* vh = vrow + h * v_head;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[(h * G + g) * max_len + t];
-            float* a = &acc[(h * G + g) * D];
-            for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(vh[d]);
+      for (int64_t start = 0; start < len; start += bs) {
+        const T* vb = vp + blocks[start / bs] * v_blk;
+        const int64_t stop = std::min(bs, len - start);
+        for (int64_t i = 0; i < stop; ++i) {
+          for (int64_t h = 0; h < KVH; ++h) {
+            const T* vr = vb + i * v_tok + h * v_head;
+            for (int64_t d = 0; d < D; ++d) row[d] = to_float(vr[d]);
+            for (int64_t g = 0; g < G; ++g) {
+              const float p = scores[(h * G + g) * max_len + start + i];
+              float* a = &acc[(h * G + g) * D];
+              for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+            }
           }
         }
       }
-      for (int64_t i = 0; i < H * D; ++i) op[r * H * D + i] = static_cast<T>(acc[i]);
+      T* orow = op + r * H * D;
+      for (int64_t i = 0; i < H * D; ++i) orow[i] = static_cast<T>(acc[i]);
     }
   });
 }
 
+template <typename T>
+void decode_any_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                    const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale,
+                    torch::Tensor& out) {
+  switch (q.size(2)) {
+    case 32: decode<T, 32>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    case 64: decode<T, 64>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    case 128: decode<T, 128>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    default: decode<T, 0>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+  }
+}
+
 }  // namespace
 
+// q, out: [n, H, D]; k_cache, v_cache: [blocks, block_size, KVH, D] (D contiguous);
+// block_table: [n, >= ceil(max seq_len / block_size)] int64; seq_lens: [n] int64, each >= 1.
 void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor out) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
@@ -90,9 +120,9 @@ void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const to
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table and seq_lens must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   switch (q.scalar_type()) {
-    case torch::kFloat: decode<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
-    case torch::kBFloat16: decode<c10::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
-    case torch::kHalf: decode<c10::Half>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    case torch::kFloat: decode_any_dim<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    case torch::kBFloat16: decode_any_dim<c10::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    case torch::kHalf: decode_any_dim<c10::Half>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
     default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ", q.scalar_type());
   }
 }

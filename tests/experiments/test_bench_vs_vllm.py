@@ -20,8 +20,9 @@ spec.loader.exec_module(bench_vs_vllm)
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
     (["--num-requests", "-1"], "--num-requests must be at least 1"),
-    (["--policies", "fcfs,nope"], "--policies: nope not a policy; choose among"),
-    (["--policies", ","], "--policies: (none) not a policy"),
+    (["--policies", "fcfs,nope"], "--policies: nope not POLICY[+sdpa|+cpp][:spin]; policies:"),
+    (["--policies", "fcfs:fast"], "--policies: fcfs:fast not POLICY"),
+    (["--policies", ","], "--policies: (none) not POLICY"),
     (["--vllm-python", "/nonexistent/python"], "no vLLM venv at /nonexistent/python: run with --setup first"),
     (["--dtype", "float16"], "invalid choice: 'float16'"),
 ])
@@ -38,8 +39,8 @@ def test_a_servelab_worker_runs_the_workload_as_the_engine_does(llama_ckpt, tmp_
     path, _ = llama_ckpt
     work = [([5, 6, 7, 8], 6), ([9, 10], 3), (list(range(20, 60)), 5)]
     (tmp_path / "work.json").write_text(json.dumps(work))
-    args = argparse.Namespace(threads=1, dtype="float32")
-    worker = bench_vs_vllm.Worker(sys.executable, "chunked", str(path), str(tmp_path / "work.json"), args)
+    args = argparse.Namespace(threads=1, dtype="float32", spin_count=1000)
+    worker = bench_vs_vllm.Worker(sys.executable, "chunked:spin", str(path), str(tmp_path / "work.json"), args)
     try:
         first, second = worker.run(), worker.run()
     finally:

@@ -51,3 +51,28 @@ def test_num_params_counts_what_transformers_builds(tmp_path, arch, overrides):
     hf = make_hf_checkpoint(tmp_path / "ckpt", arch, **overrides)
     config = resolve_model(str(tmp_path / "ckpt")).config
     assert config.num_params() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_allocates_the_model_on_its_device_in_its_dtype_with_no_default_init(llama_ckpt, monkeypatch, dtype):
+    initialised = []
+    kaiming = torch.nn.init.kaiming_uniform_
+
+    def spy(tensor, *args, **kwargs):
+        initialised.append(tensor.device.type)
+        return kaiming(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", spy)
+    llm = LLM(model=str(llama_ckpt[0]), max_model_len=64, dtype=str(dtype).removeprefix("torch."))
+    model = llm.engine.executor.model
+    assert initialised and set(initialised) == {"meta"}, "nn.Linear's random init ran on real memory"
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert model.rotary.cos.dtype == dtype and not model.rotary.cos.is_meta
+
+
+def test_tied_embeddings_stay_one_tensor_and_match_transformers(tmp_path):
+    hf = make_hf_checkpoint(tmp_path / "ckpt", "llama", seed=7, tie_word_embeddings=True)
+    assert_greedy_matches(tmp_path / "ckpt", hf)
+    llm = LLM(model=str(tmp_path / "ckpt"), max_model_len=64)
+    model = llm.engine.executor.model
+    assert model.lm_head.weight is model.embed_tokens.weight

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -10,12 +11,14 @@ import torch
 from framework.execution.attention import BACKENDS
 from framework.common.clock import Clock
 from framework.common.config import EngineConfig, resolve_dtype_name
+from framework.common.registry import UnavailableError
 from framework.execution.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
 from framework.execution.host_memory import keep_freed_memory
 from framework.execution.input_preparer import PREPARERS
 from framework.execution.model_runner import ModelRunner
 from framework.execution.sampler import Sampler
 from framework.scheduling.output import SchedulerOutput
+from models.cpu_ops import fused_ops
 from models.llama import LlamaForCausalLM
 from models.loader import ModelSource, iter_checkpoint, load_tokenizer
 from models.presets import SHAPE_ONLY_PRESETS
@@ -60,13 +63,27 @@ def set_num_threads(num_threads: int | None) -> None:
         torch.set_num_threads(wanted)
 
 
+def _fused_ops() -> ModuleType | None:
+    try:
+        return fused_ops()
+    except UnavailableError as exc:
+        logger.warning("%s; the model runs torch's operators (executor.fused_cpu_ops=false silences this)", exc)
+        return None
+
+
 @EXECUTORS.register("model")
 class ModelExecutor(Executor):
+    """Options (``executor_options``): ``fused_cpu_ops`` (default true): on a CPU, the model's
+    elementwise steps run as fused C++ operators (``models.cpu_ops``), falling back to torch's with a
+    warning when they cannot be built; false: torch's always."""
+
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
 
-    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_cpu_ops: bool = True) -> None:
         super().__init__(config, source, clock)
+        if not isinstance(fused_cpu_ops, bool):
+            raise ValueError(f"executor.fused_cpu_ops must be true or false, got {fused_cpu_ops!r}")
         if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
             raise ValueError(
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
@@ -82,12 +99,13 @@ class ModelExecutor(Executor):
             config.backend, config.backend_options, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
             block_size=config.block_size, dtype=self.dtype, device=self._device)
-        self.model = LlamaForCausalLM(cfg, self.backend, config.max_model_len, self.dtype)
+        ops = _fused_ops() if fused_cpu_ops and self._device.type == "cpu" else None
+        self.model = LlamaForCausalLM.empty_on(self._device, cfg, self.backend, config.max_model_len, self.dtype, ops)
         if source.path is None:
             self.model.init_random(config.model_seed, cfg.initializer_range)
         else:
             self.model.load_weights(iter_checkpoint(source.path))
-        self.model.to(device=self._device, dtype=self.dtype).eval()
+        self.model.eval()
         self._tokenizer = load_tokenizer(source)
         self.runner: ModelRunner | None = None
 

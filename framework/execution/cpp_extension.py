@@ -1,0 +1,54 @@
+"""Builds a C++ source into a torch extension for this CPU, on first use, cached per user.
+
+A build takes about a minute and is kept under ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``), named by the source's hash and the instruction set.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from framework.common.registry import UnavailableError
+
+#: Vector flags per torch's CPU capability, instead of -march=native: a cached build must not use
+#: instructions that another machine sharing the cache lacks.
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+             "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
+#: Headers shared by the kernels (``fast_exp.h``).
+INCLUDE = Path(__file__).resolve().parent / "csrc"
+#: -fopenmp makes at::parallel_for parallel (it is serial without it); -fassociative-math lets the
+#: compiler vectorise float sums (it needs the two after it).
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+
+@functools.lru_cache(maxsize=None)
+def load_cpu_extension(name: str, source: Path, what: str, extra_flags: tuple[str, ...] = ()) -> ModuleType:
+    """The extension built from ``source`` (with ``extra_flags``); UnavailableError naming ``what`` and
+    the reason when it cannot be built here (no compiler, no ninja, a failed build)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = [*CFLAGS, *ISA_FLAGS.get(capability, []), *extra_flags]
+    headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
+    digest = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:12]
+    full_name = f"servelab_{name}_{capability.lower().replace(' ', '_')}_{digest}"
+    if shutil.which("ninja") is None:  # pip's ninja sits in the venv's bin, off PATH when it is not activated
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(full_name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    extra_include_paths=[str(INCLUDE)], verbose=False)
+    except Exception as exc:  # the reason is in the first lines
+        reason = " ".join(str(exc).split())[:300]
+        raise UnavailableError(f"{what} could not be built ({type(exc).__name__}: {reason}); it needs a C++ "
+                               f"compiler and ninja") from exc

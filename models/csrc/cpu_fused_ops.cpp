@@ -1,0 +1,191 @@
+// The model's elementwise steps fused into one pass each over a flat token batch, on a CPU: torch
+// runs each as several operators, each a pass over memory and, below its grain size, one thread.
+// Arithmetic in float32; each result is rounded to the tensor's dtype where transformers rounds it,
+// so float32 runs compute what transformers does up to the order of a sum. Loaded by models/cpu_ops.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fast_exp.h"
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+// Rows per parallel task: about 16k elements, so a decode step's few rows still split across threads
+// only when there is enough work to pay for the wake-up.
+inline int64_t grain(int64_t row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1)); }
+
+using servelab::fast_exp;
+
+template <typename T>
+void rms_norm_rows(const T* __restrict__ in, const T* __restrict__ w, T* __restrict__ out, int64_t rows,
+                   int64_t n, int64_t in_stride, int64_t out_stride, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = in + r * in_stride;
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += to_float(x[i]) * to_float(x[i]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    T* y = out + r * out_stride;
+    // transformers: weight * (x * rsqrt(...)).to(dtype)
+    for (int64_t i = 0; i < n; ++i) y[i] = round_to<T>(to_float(w[i]) * to_float(round_to<T>(to_float(x[i]) * inv)));
+  }
+}
+
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    rms_norm_rows(xp + begin * xs, wp, op + begin * os, end - begin, n, xs, os, static_cast<float>(eps));
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* res = rp + r * rs;
+      const T* xr = xp + r * xs;
+      for (int64_t i = 0; i < n; ++i) res[i] = round_to<T>(to_float(res[i]) + to_float(xr[i]));
+      rms_norm_rows(res, wp, xp + r * xs, 1, n, rs, xs, static_cast<float>(eps));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), n = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * xs;
+      const T* up = gate + n;
+      T* y = op + r * os;
+      // transformers: silu(gate) * up, each rounded to the dtype
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = to_float(gate[i]);
+        y[i] = round_to<T>(to_float(round_to<T>(g / (1.f + fast_exp(-g)))) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+// Rotates a row's heads in transformers' "rotate half" convention into out, rounding as it does
+// (x * cos and rotate_half(x) * sin each to the dtype, then their sum).
+template <typename T>
+inline void rotate_heads(const T* __restrict__ x, T* __restrict__ out, const T* __restrict__ cos,
+                         const T* __restrict__ sin, int64_t heads, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* x1 = x + h * 2 * half;
+    const T* x2 = x1 + half;
+    T* o1 = out + h * 2 * half;
+    T* o2 = o1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = to_float(cos[i]), s = to_float(sin[i]), a = to_float(x1[i]), b = to_float(x2[i]);
+      o1[i] = round_to<T>(to_float(round_to<T>(a * c)) + to_float(round_to<T>(-b * s)));
+      o2[i] = round_to<T>(to_float(round_to<T>(b * c)) + to_float(round_to<T>(a * s)));
+    }
+  }
+}
+
+template <typename T>
+void qkv_rotary_impl(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                     const torch::Tensor& sin, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v) {
+  const int64_t rows = qkv.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), half = D / 2;
+  const T* xp = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  T* vp = v.data_ptr<T>();
+  const int64_t xs = qkv.stride(0), cs = cos.stride(0);
+  at::parallel_for(0, rows, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * xs;
+      const T* c = cp + pos[r] * cs;
+      const T* s = sp + pos[r] * cs;
+      rotate_heads(row, qp + r * H * D, c, s, H, half);
+      rotate_heads(row + H * D, kp + r * KVH * D, c, s, KVH, half);
+      std::memcpy(vp + r * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(T));
+    }
+  });
+}
+
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case torch::kFloat: f(float{}); break;
+    case torch::kBFloat16: f(c10::BFloat16{}); break;
+    case torch::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, " supports float32, bfloat16 and float16, got ", dtype);
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+}  // namespace
+
+// out = rms_norm(x) * weight; x, out: [T, n] with contiguous rows; weight: [n].
+void rms_norm(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor out, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), "weight must be contiguous, x's dtype");
+  dispatch(x.scalar_type(), "rms_norm", [&](auto t) { rms_norm_impl<decltype(t)>(x, weight, out, eps); });
+}
+
+// In place: residual += x, then x = rms_norm(residual) * weight.
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, const torch::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), "weight must be contiguous, x's dtype");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual must have x's dtype");
+  dispatch(x.scalar_type(), "add_rms_norm", [&](auto t) { add_rms_norm_impl<decltype(t)>(x, residual, weight, eps); });
+}
+
+// out[:, :n] = silu(x[:, :n]) * x[:, n:]; x: [T, 2n], out: [T, n].
+void silu_and_mul(const torch::Tensor& x, torch::Tensor out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0), "x must be [T, 2n] for out [T, n]");
+  dispatch(x.scalar_type(), "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
+}
+
+// Splits qkv [T, (H + 2 KVH) D] into contiguous q [T, H, D], k, v [T, KVH, D], rotating q and k at
+// positions [T] (int64) with cos, sin [max_positions, D / 2].
+void qkv_rotary(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                const torch::Tensor& sin, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k and v must be contiguous");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous(), "positions must be contiguous int64");
+  TORCH_CHECK(cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0), "cos and sin rows must be contiguous");
+  TORCH_CHECK(qkv.size(1) == (q.size(1) + 2 * k.size(1)) * q.size(2), "qkv must hold q, k and v");
+  dispatch(qkv.scalar_type(), "qkv_rotary", [&](auto t) { qkv_rotary_impl<decltype(t)>(qkv, positions, cos, sin, q, k, v); });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :n]) * x[:, n:] (CPU)");
+  m.def("qkv_rotary", &qkv_rotary, "split qkv into q, k, v, rotating q and k (CPU)");
+}

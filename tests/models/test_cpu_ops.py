@@ -1,0 +1,118 @@
+"""The fused C++ operators compute what the torch operators they replace compute, and the model
+runs the same with them as without."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework import LLM, SamplingParams
+from framework.common.registry import UnavailableError
+from models.cpu_ops import fused_ops
+from models.rope import RotaryEmbedding
+
+ROWS = [1, 7, 300]  # one row, fewer rows than a task, several tasks
+
+
+def torch_norm(x, w, eps):
+    y = x.float()
+    return w * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def assert_close(actual, expected, dtype):
+    # float32: the order of a sum apart; half types: one rounding step of the dtype
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_norms_equal_transformers_rms_norm(rows, dtype):
+    ops = fused_ops()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    residual = torch.randn(rows, 96, generator=gen).to(dtype)
+    w = torch.randn(96, generator=gen).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(x, w, out, 1e-6)
+    assert_close(out, torch_norm(x, w, 1e-6), dtype)
+    summed = residual + x
+    x2, r2 = x.clone(), residual.clone()
+    ops.add_rms_norm(x2, r2, w, 1e-6)
+    assert torch.equal(r2, summed), "the residual is the sum rounded to the dtype, as transformers adds"
+    assert_close(x2, torch_norm(summed, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_equals_torch_over_the_whole_range(rows, dtype):
+    ops = fused_ops()
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * 80, generator=gen) * 30).to(dtype)  # past exp's clamp at both ends
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    out = torch.empty(rows, 80, dtype=dtype)
+    ops.silu_and_mul(x, out)
+    gate, up = x.chunk(2, dim=-1)
+    assert_close(out, F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_qkv_rotary_splits_and_rotates_exactly_as_the_torch_path(rows, dtype):
+    ops = fused_ops()
+    heads, kv_heads, head_dim = 6, 2, 32
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, 512, dtype)
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (rows,), generator=gen)
+    q = torch.empty(rows, heads, head_dim, dtype=dtype)
+    k, v = torch.empty(rows, kv_heads, head_dim, dtype=dtype), torch.empty(rows, kv_heads, head_dim, dtype=dtype)
+    ops.qkv_rotary(qkv, positions, rotary.cos, rotary.sin, q, k, v)
+    rq, rk, rv = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    eq, ek = rotary(positions, rq.reshape(rows, heads, head_dim), rk.reshape(rows, kv_heads, head_dim))
+    assert torch.equal(q, eq) and torch.equal(k, ek)
+    assert torch.equal(v, rv.reshape(rows, kv_heads, head_dim))
+
+
+def test_a_tensor_with_strided_rows_is_refused_not_misread():
+    x = torch.randn(8, 64)[:, ::2]
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        fused_ops().rms_norm(x, torch.ones(32), torch.empty(8, 32), 1e-6)
+
+
+def generate(path, **options):
+    llm = LLM(model=str(path), max_model_len=128, block_size=8, executor_options=options)
+    prompts = [[5, 9, 33, 2, 7, 120, 64] * 3, [300, 4, 17], list(range(3, 60))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3))
+    return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def test_the_model_samples_the_same_with_and_without_the_fused_operators(llama_ckpt):
+    path, _ = llama_ckpt
+    fused, fused_out = generate(path)
+    plain, plain_out = generate(path, fused_cpu_ops=False)
+    assert fused.engine.executor.model.norm.ops is not None and plain.engine.executor.model.norm.ops is None
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused_out, plain_out):
+        assert tokens == ref_tokens
+        for got, want in zip(logprobs, ref_logprobs):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
+
+
+def test_without_a_compiler_the_model_warns_and_runs_torchs_operators(llama_ckpt, monkeypatch, caplog):
+    import framework.execution.executors.model as model_executor
+
+    def no_compiler():
+        raise UnavailableError("the fused C++ operators for CPUs could not be built (no compiler)")
+
+    monkeypatch.setattr(model_executor, "fused_ops", no_compiler)
+    with caplog.at_level(logging.WARNING):
+        llm, _ = generate(llama_ckpt[0])
+    assert "no compiler" in caplog.text and "executor.fused_cpu_ops=false" in caplog.text
+    assert llm.engine.executor.model.norm.ops is None
+
+
+def test_a_fused_cpu_ops_value_that_is_not_a_bool_is_a_one_line_error(llama_ckpt):
+    with pytest.raises(ValueError, match="executor.fused_cpu_ops must be true or false, got 'yes'"):
+        LLM(model=str(llama_ckpt[0]), max_model_len=64, executor_options={"fused_cpu_ops": "yes"})
