@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from backends.naive import write_kv
 from framework.common.registry import UnavailableError
 from framework.execution.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from framework.execution.host_memory import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class TorchPagedBackend(AttentionBackend):
             out_index = token_rows.ravel()[out_rows]
 
         def dev(a: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+            return to_device(a, device, dtype)
 
         mask = None
         if needs_mask:

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from framework.execution.host_memory import to_device
+
 #: Whether these kernels were decorated for Triton's CPU interpreter (Triton before 3.3 has no
 #: ``knobs`` and reads the variable directly).
 INTERPRETED: bool = (bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs")
@@ -330,7 +332,7 @@ def plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_heads: int, num_
     first_pos = (seq_lens - q_lens)[req] + offset
     num_tokens = np.minimum(q_lens[req] - offset, block_q)
     kv_end = first_pos + num_tokens  # keys past the tile's last token are in every row's future
-    tiles = torch.from_numpy(np.stack([req, query_start_loc[req] + offset, num_tokens, first_pos, kv_end])).to(device)
+    tiles = to_device(np.stack([req, query_start_loc[req] + offset, num_tokens, first_pos, kv_end]), device)
     splits = num_splits(len(req) * num_kv_heads // kv_heads, int(kv_end.max()), block_n, device)
     part = lse = None
     if splits > 1:

@@ -1,10 +1,14 @@
-"""Keep freed host memory in the process, so CPU forward passes reuse their activation buffers."""
+"""Host memory: keep freed memory in the process, so CPU forward passes reuse their activation
+buffers; move host arrays to the device through pinned memory."""
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
 import sys
+
+import numpy as np
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -45,3 +49,13 @@ def keep_freed_memory() -> bool:
     if _kept:
         logger.debug("glibc malloc: trimming off, mmap threshold %d bytes", MAX_MMAP_THRESHOLD)
     return _kept
+
+
+def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``array`` as a tensor on ``device`` (in ``dtype``, if given): on the CPU without a copy when the
+    dtype is its own; elsewhere staged in pinned memory and copied without blocking the host, so the
+    copy overlaps the step's earlier kernels and ``array`` may change as soon as this returns."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return tensor if dtype is None else tensor.to(dtype)
+    return tensor.pin_memory().to(device, dtype, non_blocking=True)

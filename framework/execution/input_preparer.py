@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from framework.execution.attention import AttentionMetadata
+from framework.execution.host_memory import to_device
 from framework.common.registry import Registry
 from framework.common.request import Request
 from framework.scheduling.output import SchedulerOutput
@@ -204,8 +205,7 @@ class InputPreparer(ABC):
         return Penalties(*map(self._tensor, (rows, token_ids, num_prompt_tokens, presence, frequency, repetition)))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        return tensor if self.on_cpu else tensor.to(self.device)
+        return to_device(array, self.device)
 
 PREPARERS: Registry[InputPreparer] = Registry(
     "preparer", InputPreparer, entry_point_group="framework.preparers", builtin="framework.execution.preparers")

@@ -101,3 +101,28 @@ def test_a_cpu_model_engine_keeps_freed_memory(monkeypatch):
     monkeypatch.setattr("framework.execution.executors.model.keep_freed_memory", lambda: calls.append(1) or True)
     LLMEngine(model="tiny-llama", device="cpu", max_model_len=64, num_gpu_blocks_override=8)
     assert calls == [1]
+
+
+def test_to_device_on_the_cpu_shares_the_array_unless_a_dtype_is_asked():
+    import numpy as np
+    import torch
+
+    array = np.arange(6, dtype=np.int64)
+    shared = host_memory.to_device(array, torch.device("cpu"))
+    array[0] = 42
+    assert shared[0] == 42, "a CPU step reads the host array where it lies"
+    converted = host_memory.to_device(array[::-2], torch.device("cpu"), torch.float32)
+    assert converted.dtype == torch.float32 and converted.tolist() == [5.0, 3.0, 1.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_to_device_copies_through_pinned_memory_and_the_host_array_may_change_at_once():
+    import numpy as np
+    import torch
+
+    array = np.arange(1 << 20, dtype=np.int64)
+    on_device = host_memory.to_device(array, torch.device("cuda"), torch.int32)
+    array[:] = -1  # the staged pinned copy is what travels
+    assert on_device.device.type == "cuda" and on_device.dtype == torch.int32
+    assert torch.equal(on_device.cpu(), torch.arange(1 << 20, dtype=torch.int32))
