@@ -8,6 +8,7 @@ each run as one C++ pass instead of several torch operators.
 from __future__ import annotations
 
 from collections.abc import Iterable
+import types
 from types import ModuleType
 from typing import Any
 
@@ -74,7 +75,7 @@ class Attention(nn.Module):
             q = q.view(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
             q, k = self.rotary(positions, q, k)
-            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim).contiguous()
         o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -121,6 +122,22 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+def _float32_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+def compute_linears_in_float32(model: nn.Module) -> None:
+    """Gives every ``nn.Linear`` float32 weights and a forward that multiplies in float32 and rounds
+    its output to the input's dtype (tied weights get their own copy): on CPUs without bf16/fp16
+    matrix instructions torch's half-precision matmul runs 5-10x slower than float32's."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.dtype != torch.float32:
+            module.weight = nn.Parameter(module.weight.detach().float(), requires_grad=False)
+            if module.bias is not None:
+                module.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
+            module.forward = types.MethodType(_float32_linear, module)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -19,7 +20,7 @@ from framework.execution.model_runner import ModelRunner
 from framework.execution.sampler import Sampler
 from framework.scheduling.output import SchedulerOutput
 from models.cpu_ops import fused_ops
-from models.llama import LlamaForCausalLM
+from models.llama import LlamaForCausalLM, compute_linears_in_float32
 from models.loader import ModelSource, iter_checkpoint, load_tokenizer
 from models.presets import SHAPE_ONLY_PRESETS
 
@@ -63,6 +64,19 @@ def set_num_threads(num_threads: int | None) -> None:
         torch.set_num_threads(wanted)
 
 
+#: CPU flags (``/proc/cpuinfo``) of matrix or dot-product instructions per half-precision dtype.
+MATMUL_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+
+
+def cpu_has_matmul_instructions(dtype: torch.dtype, cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies ``dtype`` matrices natively; True where its flags cannot be read."""
+    try:
+        flags = next(line for line in Path(cpuinfo).read_text().splitlines() if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return True
+    return any(flag in flags for flag in MATMUL_FLAGS.get(dtype, ()))
+
+
 def _fused_ops() -> ModuleType | None:
     try:
         return fused_ops()
@@ -75,15 +89,20 @@ def _fused_ops() -> ModuleType | None:
 class ModelExecutor(Executor):
     """Options (``executor_options``): ``fused_cpu_ops`` (default true): on a CPU, the model's
     elementwise steps run as fused C++ operators (``models.cpu_ops``), falling back to torch's with a
-    warning when they cannot be built; false: torch's always."""
+    warning when they cannot be built; false: torch's always. ``float32_matmul`` (``auto``, ``true``,
+    ``false``): a bf16/fp16 model's linear layers multiply in float32 (``compute_linears_in_float32``);
+    ``auto``: on a CPU whose flags (``/proc/cpuinfo``) show no matrix instructions for that dtype."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
 
-    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_cpu_ops: bool = True) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_cpu_ops: bool = True,
+                 float32_matmul: bool | str = "auto") -> None:
         super().__init__(config, source, clock)
         if not isinstance(fused_cpu_ops, bool):
             raise ValueError(f"executor.fused_cpu_ops must be true or false, got {fused_cpu_ops!r}")
+        if float32_matmul not in (True, False, "auto"):
+            raise ValueError(f"executor.float32_matmul must be auto, true or false, got {float32_matmul!r}")
         if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
             raise ValueError(
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
@@ -105,6 +124,10 @@ class ModelExecutor(Executor):
             self.model.init_random(config.model_seed, cfg.initializer_range)
         else:
             self.model.load_weights(iter_checkpoint(source.path))
+        if float32_matmul == "auto":
+            float32_matmul = self._device.type == "cpu" and not cpu_has_matmul_instructions(self.dtype)
+        if float32_matmul and self.dtype != torch.float32:
+            compute_linears_in_float32(self.model)
         self.model.eval()
         self._tokenizer = load_tokenizer(source)
         self.runner: ModelRunner | None = None

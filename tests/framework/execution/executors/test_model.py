@@ -58,3 +58,43 @@ def test_kv_sizing_on_a_gpu_leaves_the_backends_workspace_free(monkeypatch):
     assert executor.kv_block_counts()[0] == 10
     monkeypatch.setattr(executor.backend, "workspace_bytes", lambda *args: 0)
     assert executor.kv_block_counts()[0] == 10 + workspace // per_block
+
+
+def test_cpu_matmul_flags_are_read_from_cpuinfo(tmp_path):
+    from framework.execution.executors.model import cpu_has_matmul_instructions
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    assert not cpu_has_matmul_instructions(torch.bfloat16, str(cpuinfo))
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
+    assert cpu_has_matmul_instructions(torch.bfloat16, str(cpuinfo))
+    assert not cpu_has_matmul_instructions(torch.float16, str(cpuinfo))
+    assert cpu_has_matmul_instructions(torch.bfloat16, str(tmp_path / "missing")), "unknown: trust torch's kernel"
+
+
+def bf16_engine(path, float32_matmul):
+    from framework import LLM
+
+    return LLM(model=str(path), dtype="bfloat16", max_model_len=64, block_size=8,
+               executor_options={"float32_matmul": float32_matmul})
+
+
+def test_float32_matmul_multiplies_bf16_activations_by_float32_weights_and_rounds_as_bf16(llama_ckpt):
+    path, _ = llama_ckpt
+    native, upcast = bf16_engine(path, False), bf16_engine(path, True)
+    linear, reference = upcast.engine.executor.model.layers[0].mlp.gate_up_proj, native.engine.executor.model.layers[0].mlp.gate_up_proj
+    assert linear.weight.dtype == torch.float32 and reference.weight.dtype == torch.bfloat16
+    assert torch.equal(linear.weight, reference.weight.float()), "the float32 weights are the bf16 ones, exactly"
+    x = torch.randn(5, linear.in_features).bfloat16()
+    out = linear(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.nn.functional.linear(x.float(), reference.weight.float()).bfloat16())
+    # torch's bf16 kernel also sums in float32: the two differ by at most a bf16 rounding step
+    torch.testing.assert_close(out, reference(x), atol=2e-2, rtol=2e-2)
+    model = upcast.engine.executor.model
+    assert model.embed_tokens.weight.dtype == torch.bfloat16, "only the linear layers change"
+
+
+def test_float32_matmul_is_auto_true_or_false(llama_ckpt):
+    with pytest.raises(ValueError, match="executor.float32_matmul must be auto, true or false, got 'always'"):
+        bf16_engine(llama_ckpt[0], "always")
