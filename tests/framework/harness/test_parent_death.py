@@ -87,8 +87,13 @@ def test_a_parallel_sweep_sigkilled_leaves_no_worker_and_keeps_what_its_jobs_mea
                                    "progress=false", "plots=false", "save_workload=false", f"hydra.sweep.dir={sweep}"],
                                   cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     summaries = [sweep / str(i) / "summary.json" for i in range(2)]
+    requests = [sweep / str(i) / "requests.csv" for i in range(2)]
+
+    def measured(path):  # a request row past the header (rows are flushed at least every second)
+        return path.is_file() and path.read_text().count("\n") > 1
+
     deadline = time.monotonic() + 240
-    while parent.poll() is None and not all(p.is_file() for p in summaries) and time.monotonic() < deadline:
+    while parent.poll() is None and not all(map(measured, requests)) and time.monotonic() < deadline:
         time.sleep(0.1)
     workers = children(parent.pid, "LokyProcess")
     assert len(workers) == 2 and parent.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
