@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "fast_exp.h"
@@ -16,6 +17,29 @@ namespace {
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
+
+// Calls f(t, h, row) for each of a request's first len tokens t and each K/V head h, in cache order,
+// row being that head's D values as float: float32 rows are read where they lie, others converted
+// into buf.
+template <typename T, typename F>
+inline void for_each_row(const T* cache, const int64_t* blocks, int64_t len, int64_t bs, int64_t blk_stride,
+                         int64_t tok_stride, int64_t head_stride, int64_t KVH, int64_t D, float* buf, F&& f) {
+  for (int64_t start = 0; start < len; start += bs) {
+    const T* block = cache + blocks[start / bs] * blk_stride;
+    const int64_t stop = std::min(bs, len - start);
+    for (int64_t i = 0; i < stop; ++i) {
+      for (int64_t h = 0; h < KVH; ++h) {
+        const T* src = block + i * tok_stride + h * head_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          f(start + i, h, src);
+        } else {
+          for (int64_t d = 0; d < D; ++d) buf[d] = to_float(src[d]);
+          f(start + i, h, static_cast<const float*>(buf));
+        }
+      }
+    }
+  }
+}
 
 // The G query heads sharing a K/V head read each of its key and value rows once.
 // kD > 0 fixes head_dim at compile time so the row loops vectorise; 0 reads it at run time.
@@ -45,22 +69,15 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
       const int64_t* blocks = table + r * table_width;
       const T* qr = qp + r * H * D;
       for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qr[i]) * sc;
-      for (int64_t start = 0; start < len; start += bs) {
-        const T* kb = kp + blocks[start / bs] * k_blk;
-        const int64_t stop = std::min(bs, len - start);
-        for (int64_t i = 0; i < stop; ++i) {
-          for (int64_t h = 0; h < KVH; ++h) {
-            const T* kr = kb + i * k_tok + h * k_head;
-            for (int64_t d = 0; d < D; ++d) row[d] = to_float(kr[d]);
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qg = &qf[(h * G + g) * D];
-              float dot = 0.f;
-              for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-              scores[(h * G + g) * max_len + start + i] = dot;
-            }
-          }
+      for_each_row(kp, blocks, len, bs, k_blk, k_tok, k_head, KVH, D, row.data(),
+                   [&](int64_t t, int64_t h, const float* k) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = &qf[(h * G + g) * D];
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+          scores[(h * G + g) * max_len + t] = dot;
         }
-      }
+      });
       for (int64_t head = 0; head < H; ++head) {
         float* s = &scores[head * max_len];
         float top = s[0];
@@ -74,21 +91,14 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += bs) {
-        const T* vb = vp + blocks[start / bs] * v_blk;
-        const int64_t stop = std::min(bs, len - start);
-        for (int64_t i = 0; i < stop; ++i) {
-          for (int64_t h = 0; h < KVH; ++h) {
-            const T* vr = vb + i * v_tok + h * v_head;
-            for (int64_t d = 0; d < D; ++d) row[d] = to_float(vr[d]);
-            for (int64_t g = 0; g < G; ++g) {
-              const float p = scores[(h * G + g) * max_len + start + i];
-              float* a = &acc[(h * G + g) * D];
-              for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
-            }
-          }
+      for_each_row(vp, blocks, len, bs, v_blk, v_tok, v_head, KVH, D, row.data(),
+                   [&](int64_t t, int64_t h, const float* v) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[(h * G + g) * max_len + t];
+          float* a = &acc[(h * G + g) * D];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
         }
-      }
+      });
       T* orow = op + r * H * D;
       for (int64_t i = 0; i < H * D; ++i) orow[i] = static_cast<T>(acc[i]);
     }

@@ -124,8 +124,9 @@ class ModelExecutor(Executor):
             self.model.init_random(config.model_seed, cfg.initializer_range)
         else:
             self.model.load_weights(iter_checkpoint(source.path))
-        if float32_matmul == "auto":
-            float32_matmul = self._device.type == "cpu" and not cpu_has_matmul_instructions(self.dtype)
+        if float32_matmul == "auto":  # only half-precision models are asked about
+            float32_matmul = (self.dtype != torch.float32 and self._device.type == "cpu"
+                              and not cpu_has_matmul_instructions(self.dtype))
         if float32_matmul and self.dtype != torch.float32:
             compute_linears_in_float32(self.model)
         self.model.eval()
