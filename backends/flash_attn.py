@@ -45,6 +45,7 @@ class FlashAttnBackend(AttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     max_head_size = 256
     block_size_multiple = 256  # what flash-attn 2's paged KV cache reads
+    graph_decode = True  # build_metadata is device work only
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -68,6 +69,9 @@ class FlashAttnBackend(AttentionBackend):
         torch.cumsum(seq_lens, 0, out=cu_seqlens_k[1:])
         return FlashAttnMetadata(meta, meta.query_start_loc.to(torch.int32), cu_seqlens_k, seq_lens,
                                  meta.block_table.to(torch.int32))
+
+    def build_graph_metadata(self, meta: AttentionMetadata) -> FlashAttnMetadata:
+        return self.build_metadata(meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: FlashAttnMetadata, out: torch.Tensor | None = None) -> torch.Tensor:

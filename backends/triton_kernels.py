@@ -77,12 +77,13 @@ def _paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, DECODE: tl.constexpr,
 ):
     """Program (query tile, kv-head tile) attends up to BLOCK_Q consecutive query tokens of one request,
     for the query heads of KV_HEADS consecutive K/V heads, to that request's keys up to each token's own
     position, BLOCK_N at a time, with an online softmax. Tiles are ``LaunchPlan.tiles`` (a decode is one
-    tile, a prefill one per BLOCK_Q tokens).
+    tile, a prefill one per BLOCK_Q tokens). With DECODE, tile i is request i's one query at row i and
+    ``tile_end_ptr`` its ``seq_lens``: nothing is planned on the host (``decode_plan``).
 
     Tile rows are (kv head, token, query head of the group), columns (kv head, key position); with
     KV_HEADS > 1 a row sees only its own head's columns (one 2-D dot for all heads suits the
@@ -92,11 +93,18 @@ def _paged_attention_kernel(
     """
     ROWS: tl.constexpr = KV_HEADS * BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
-    req = tl.load(tile_req_ptr + tile)
-    first_row = tl.load(tile_row_ptr + tile)
-    num_tokens = tl.load(tile_len_ptr + tile)
-    first_pos = tl.load(tile_pos_ptr + tile)
-    kv_end = tl.load(tile_end_ptr + tile)
+    if DECODE:
+        req = tile.to(tl.int64)
+        first_row = req
+        num_tokens = 1
+        kv_end = tl.load(tile_end_ptr + tile).to(tl.int64)
+        first_pos = kv_end - 1
+    else:
+        req = tl.load(tile_req_ptr + tile)
+        first_row = tl.load(tile_row_ptr + tile)
+        num_tokens = tl.load(tile_len_ptr + tile)
+        first_pos = tl.load(tile_pos_ptr + tile)
+        kv_end = tl.load(tile_end_ptr + tile)
     # int64 index arithmetic: addresses need it anyway, and the interpreter checks every int32
     # add and multiply for overflow.
     rows = tl.arange(0, ROWS).to(tl.int64)
@@ -267,7 +275,8 @@ class LaunchPlan:
     request, first token row, number of tokens, position of the first token, end of its keys
     (``tile_rows``: the five rows, the kernel's arguments). With splits, ``part`` and ``lse`` are
     the float32 partial outputs ``[splits, T, heads, head_dim]`` and log-sum-exps ``[splits, T,
-    heads]`` every layer writes and combines (layers run one after another)."""
+    heads]`` every layer writes and combines (layers run one after another). A ``decode`` plan
+    (``decode_plan``) has ``tiles`` = the step's ``seq_lens`` as ``[1, num_reqs]``, read on the device."""
 
     block_q: int
     block_n: int
@@ -277,6 +286,7 @@ class LaunchPlan:
     tile_rows: tuple[torch.Tensor, ...] = ()
     part: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    decode: bool = False
 
 
 # What the interpreter spends, measured on a 2-core CPU (``tile_sizes`` weighs candidates with
@@ -342,6 +352,23 @@ def plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_heads: int, num_
     return LaunchPlan(block_q, block_n, kv_heads, splits, tiles, tuple(tiles), part, lse)
 
 
+def decode_plan(seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                max_seq_len: int) -> LaunchPlan:
+    """The launch of a decode-only step (one query per request, request i's at row i) that reads its
+    lengths ``seq_lens`` on the device: no host work per step, so a CUDA graph can capture it. Tile
+    sizes and key splits are fixed for any context up to ``max_seq_len``."""
+    num_reqs, device = seq_lens.shape[0], seq_lens.device
+    kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
+    block_q, block_n = tile_sizes(_pow2(num_heads // num_kv_heads), kv_heads, head_dim, np.ones(1, np.int64),
+                                  np.array([max_seq_len]))
+    splits = num_splits(num_reqs * num_kv_heads // kv_heads, max_seq_len, block_n, device)
+    part = lse = None
+    if splits > 1:
+        part = torch.empty((splits, num_reqs, num_heads, head_dim), dtype=torch.float32, device=device)
+        lse = torch.empty((splits, num_reqs, num_heads), dtype=torch.float32, device=device)
+    return LaunchPlan(block_q, block_n, kv_heads, splits, seq_lens[None], (seq_lens,) * 5, part, lse, decode=True)
+
+
 def num_splits(num_programs: int, longest: int, block_n: int, device: torch.device) -> int:
     """Key ranges per tile: enough programs for about two per GPU multiprocessor when a few
     long requests would leave most idle, at least 8 key tiles per range, at most 16 ranges.
@@ -390,7 +417,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
             BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=splits,
             DOT_PRECISION=dot_precision(q.dtype),
             # The interpreter multiplies bfloat16 as raw integers, and float16 without BLAS.
-            DOT_FP32=INTERPRETED and q.dtype != torch.float32)
+            DOT_FP32=INTERPRETED and q.dtype != torch.float32, DECODE=launch.decode)
         if splits > 1:
             _combine_splits_kernel[(q.shape[0],)](
                 out, part, lse, num_heads, out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),

@@ -103,6 +103,7 @@ class TritonMetadata:
 @BACKENDS.register("triton")
 class TritonBackend(AttentionBackend):
     max_head_size = 256
+    graph_decode = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -123,6 +124,11 @@ class TritonBackend(AttentionBackend):
         qsl = meta.query_start_loc_cpu[: meta.num_reqs + 1]
         launch = self.kernels.plan(qsl, meta.seq_lens_cpu[: meta.num_reqs], self.num_heads, self.num_kv_heads,
                                    self.head_dim, meta.block_table.device)
+        return TritonMetadata(meta, launch)
+
+    def build_graph_metadata(self, meta: AttentionMetadata) -> TritonMetadata:
+        launch = self.kernels.decode_plan(meta.seq_lens[: meta.num_reqs], self.num_heads, self.num_kv_heads,
+                                          self.head_dim, meta.max_seq_len)
         return TritonMetadata(meta, launch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

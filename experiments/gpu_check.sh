@@ -6,10 +6,15 @@
 #   2. the Triton kernels compiled for this GPU's architecture;
 #   3. an engine run per backend on the GPU (the triton one must run compiled: no interpreter notice),
 #      and on cuda:1 when there are two GPUs;
-#   4. the attention benchmark on a reduced grid (the full default grid: python experiments/bench_attention.py).
+#   4. the attention benchmark on a reduced grid (the full default grid: python experiments/bench_attention.py);
+#   5. greedy parity with transformers on CUDA, every backend x bf16/fp16/fp32, CUDA graphs as by default
+#      (experiments/gpu_e2e.py parity);
+#   6. a random 1.1B Llama in bf16 at batch 32 and 128: LLM.generate against HF generate, CUDA graphs on
+#      and off, the decode step against the HBM roofline (experiments/gpu_e2e.py speed).
 # Usage: bash experiments/gpu_check.sh [LOG_DIR]   (default: $OUT if set, else ./gpu_check_logs)
+# STEPS="parity e2e" runs only the steps whose names contain one of those words (two device calls, say).
 # Each step is time-limited, logs to LOG_DIR/<step>.log, and a failed step does not stop the others;
-# the exit status is the number of failed steps.
+# the exit status is the number of failed steps; LOG_DIR/summary.txt has the figures.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -21,6 +26,11 @@ failed=0
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 seconds=$2
     shift 2
+    if [ -n "${STEPS:-}" ]; then
+        local word wanted=0
+        for word in $STEPS; do case $name in *"$word"*) wanted=1 ;; esac; done
+        [ "$wanted" = 1 ] || return 0
+    fi
     echo "== $name: $*"
     if timeout "$seconds" "$@" >"$LOG_DIR/$name.log" 2>&1; then
         echo "   ok ($(tail -n 1 "$LOG_DIR/$name.log"))"
@@ -45,11 +55,11 @@ if [ "$GPUS" -lt 1 ]; then
     exit 1
 fi
 
-step gpu_tests 300 "$PY" -m pytest -q -p no:randomly -m gpu tests/backends tests/models
-step compile_sm"$ARCH" 300 env -u TRITON_INTERPRET "$PY" -m tests.backends.gpu_compile "$ARCH"
+step gpu_tests 180 "$PY" -m pytest -q -p no:randomly -m gpu tests/backends tests/models tests/framework
+step compile_sm"$ARCH" 120 env -u TRITON_INTERPRET "$PY" -m tests.backends.gpu_compile "$ARCH"
 
 for backend in torch_paged triton naive; do
-    step "run_$backend" 240 "$PY" -m framework.run backend="$backend" engine.device=cuda engine.dtype=bfloat16 \
+    step "run_$backend" 90 "$PY" -m framework.run backend="$backend" engine.device=cuda engine.dtype=bfloat16 \
         workload.num_requests=16
     if grep -q "Triton's interpreter" "$LOG_DIR/run_$backend.log"; then
         echo "   FAILED: $backend ran through Triton's interpreter on a GPU"
@@ -61,8 +71,14 @@ if [ "$GPUS" -ge 2 ]; then
         workload.num_requests=16
 fi
 
-step bench_attention 300 "$PY" experiments/bench_attention.py --iters 10 --decode-batches 1,64,256 \
+step bench_attention 120 "$PY" experiments/bench_attention.py --iters 10 --decode-batches 1,64,256 \
     --decode-contexts 1024,16384 --prefill-batches 1,8 --prefill-lens 1024
+step parity 150 "$PY" experiments/gpu_e2e.py parity
+step e2e 240 "$PY" experiments/gpu_e2e.py speed --batches 32,128
+
+grep -hE "passed|failed" "$LOG_DIR/gpu_tests.log" 2>/dev/null | tail -n 1 >"$LOG_DIR/summary.txt"
+grep -hE "^(PARITY|E2E|device|decode|prefill)" "$LOG_DIR"/parity.log "$LOG_DIR"/e2e.log \
+    "$LOG_DIR"/bench_attention.log 2>/dev/null >>"$LOG_DIR/summary.txt"
 
 echo "== $failed step(s) failed; logs in $LOG_DIR"
 exit "$failed"

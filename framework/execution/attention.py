@@ -83,6 +83,7 @@ class AttentionBackend(ABC):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     max_head_size: ClassVar[int | None] = None
     block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this
+    graph_decode: ClassVar[bool] = False  # has build_graph_metadata: decode steps can be CUDA graphs
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -126,6 +127,12 @@ class AttentionBackend(ABC):
     def build_metadata(self, meta: AttentionMetadata) -> Any:
         """Per-step preparation shared by all layers (default: use the common metadata as is)."""
         return meta
+
+    def build_graph_metadata(self, meta: AttentionMetadata) -> Any:
+        """``build_metadata`` for a decode-only step (request i's one query at row i) run inside CUDA-graph
+        capture and replayed with new values in ``meta``'s tensors: only device work on them, no host reads;
+        ``meta.max_seq_len`` bounds every replay's lengths. Backends with ``graph_decode`` implement it."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no capturable decode")
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from framework.execution.attention import AttentionBackend
+from framework.execution.cuda_graphs import PaddedDecode, is_graph_decode
 from framework.execution.executor import ExecutorOutput
 from framework.execution.input_preparer import InputPreparer
 from framework.execution.sampler import Sampler
@@ -12,16 +13,19 @@ from framework.scheduling.output import SchedulerOutput
 
 class ModelRunner:
     """Owns the KV cache ``[2, layers, blocks, block_size, kv_heads, head_dim]`` (seed 003) and, from
-    the first swap, a CPU swap cache of the same layout."""
+    the first swap, a CPU swap cache of the same layout. Decode-only steps that ``decode`` (CUDA graphs)
+    takes run through it; every other step runs the model eagerly."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, preparer: InputPreparer,
-                 sampler: Sampler, kv_cache: torch.Tensor, num_cpu_blocks: int) -> None:
+                 sampler: Sampler, kv_cache: torch.Tensor, num_cpu_blocks: int,
+                 decode: PaddedDecode | None = None) -> None:
         self.model = model
         self.backend = backend
         self.preparer = preparer
         self.sampler = sampler
         self.kv_cache = kv_cache
         self.num_cpu_blocks = num_cpu_blocks
+        self.decode = decode
         self._cpu_cache: torch.Tensor | None = None
 
     @property
@@ -59,8 +63,11 @@ class ModelRunner:
         inputs = self.preparer.prepare(out)
         if inputs is None:
             return ExecutorOutput()
-        meta = self.backend.build_metadata(inputs.attn_metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
+        if self.decode is not None and is_graph_decode(inputs, self.decode.sizes[-1]):
+            hidden = self.decode.run(inputs)
+        else:
+            meta = self.backend.build_metadata(inputs.attn_metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
         output = ExecutorOutput()
         prompt = inputs.prompt_logprobs
         if prompt is not None:

@@ -4,7 +4,8 @@ ships in Triton's wheel; no GPU needed. Run in a process where Triton is not int
     python -m tests.backends.gpu_compile [ARCH]
 
 Each configuration is compiled as ``tile_sizes`` tiles it on a GPU for a decode step and for a
-prefill step (the first also with key splits and their combine kernel), with the K/V store.
+prefill step (the first also with key splits and their combine kernel, and as a graph-captured decode
+reading its lengths on the device), with the K/V store.
 Prints one line per kernel and exits non-zero on the first that fails to compile.
 """
 from __future__ import annotations
@@ -35,13 +36,15 @@ def signature(fn, pointer_types: dict[str, str], scalars: dict[str, str], conste
     return ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
 
 
-def attention(dtype: str, head_dim: int, group: int, block_q: int, block_n: int, splits: int) -> ASTSource:
+def attention(dtype: str, head_dim: int, group: int, block_q: int, block_n: int, splits: int,
+              decode: bool = False) -> ASTSource:
     out = f"*{dtype}" if splits == 1 else "*fp32"
     pointers = {"out_ptr": out, "lse_ptr": "*fp32", "q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}",
                 "v_cache_ptr": f"*{dtype}"}
     constexprs = dict(NUM_KV_HEADS=8, GROUP=group, GROUP_PAD=tk._pow2(group), KV_HEADS=1, HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=tk._pow2(head_dim, 16), BLOCK_SIZE=16, BLOCK_Q=block_q, BLOCK_N=block_n,
-                      NUM_SPLITS=splits, DOT_PRECISION=tk.dot_precision(TORCH_DTYPES[dtype]), DOT_FP32=False)
+                      NUM_SPLITS=splits, DOT_PRECISION=tk.dot_precision(TORCH_DTYPES[dtype]), DOT_FP32=False,
+                      DECODE=decode)
     return signature(tk._paged_attention_kernel, pointers, {"scale_log2e": "fp32"}, constexprs)
 
 
@@ -68,11 +71,13 @@ def main(arch: int = 90) -> None:
     target = GPUTarget("cuda", arch, 32)
     for i, (dtype, head_dim, group) in enumerate(CONFIGS):
         group_pad = tk._pow2(group)
-        for kind, q_len in (("decode", 1), ("prefill", 512)):
+        kinds = (("decode", 1), ("prefill", 512)) + ((("graph decode", 1),) if i == 0 else ())
+        for kind, q_len in kinds:
             q_lens = np.full(4, q_len, dtype=np.int64)
             block_q, block_n = tk.tile_sizes(group_pad, 1, head_dim, q_lens, q_lens + 1024)
-            for splits in (1, 4) if i == 0 and kind == "decode" else (1,):
-                kernel = triton.compile(attention(dtype, head_dim, group, block_q, block_n, splits), target=target)
+            for splits in (1, 4) if i == 0 and kind != "prefill" else (1,):
+                source = attention(dtype, head_dim, group, block_q, block_n, splits, decode=kind == "graph decode")
+                kernel = triton.compile(source, target=target)
                 print(f"attention {dtype} head_dim={head_dim} group={group} {kind} BLOCK_Q={block_q} "
                       f"BLOCK_N={block_n} splits={splits}: {kernel.metadata.shared} B shared", flush=True)
         triton.compile(store(dtype, head_dim), target=target)

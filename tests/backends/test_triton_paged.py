@@ -84,6 +84,27 @@ def test_split_key_ranges_merge_to_the_same_answer(monkeypatch, splits, dtype):
     check(run("triton", batch, 8, 2, 32, 8, dtype, "cpu"), batch, before, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_graph_decode_launch_reads_its_lengths_on_the_device(monkeypatch, device, splits, dtype):
+    """The capturable decode launch (``build_graph_metadata``: no host plan, each program's key count read
+    from ``seq_lens``) gives the float64 reference's answer, an empty-context decode and block-boundary
+    lengths included; with key splits (fixed for ``max_seq_len``), short requests get empty splits."""
+    kernels = load_kernels(torch.device(device))
+    if splits > 1:
+        monkeypatch.setattr(kernels, "num_splits", lambda *args: splits)
+    specs = [(0, 1), (15, 1), (16, 1), (87, 1), (3, 1), (40, 1)]
+    batch = random_batch(specs, 8, 2, 32, 16, dtype, seed_of("graph-decode", splits, str(dtype), device), device=device)
+    before = batch.kv_cache.clone()
+    backend = BACKENDS.create("triton", num_heads=8, num_kv_heads=2, head_dim=32, scale=batch.scale, block_size=16,
+                              dtype=dtype, device=device)
+    batch.meta.max_seq_len = 256  # what the capture bounds lengths by, not this batch's longest
+    meta = backend.build_graph_metadata(batch.meta)
+    assert meta.launch.decode and meta.launch.num_splits == splits
+    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
+
+
 def test_a_long_step_with_many_kv_heads_is_stored():
     """1025 new tokens of 8 K/V heads of size 128 (a Llama-3-8B prompt): one interpreter program
     for the whole step would be a 2048 x 1024 tile, twice the largest Triton accepts."""

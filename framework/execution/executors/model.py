@@ -13,9 +13,11 @@ from framework.execution.attention import BACKENDS
 from framework.common.clock import Clock
 from framework.common.config import EngineConfig, resolve_dtype_name
 from framework.common.registry import UnavailableError
-from framework.execution.executor import EXECUTORS, GiB, Executor, ExecutorOutput, activation_peak_bytes, size_kv_cache
+from framework.execution.executor import EXECUTORS, GiB, Executor, ExecutorOutput, size_kv_cache
+from framework.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from framework.execution.host_memory import keep_freed_memory
 from framework.execution.input_preparer import PREPARERS
+from framework.execution.memory_profile import dummy_steps, peak_bytes, run_dummy_step
 from framework.execution.model_runner import ModelRunner
 from framework.execution.sampler import Sampler
 from framework.scheduling.output import SchedulerOutput
@@ -85,24 +87,33 @@ def _fused_ops() -> ModuleType | None:
         return None
 
 
+def graph_backends() -> list[str]:
+    """The registered attention backends that can capture decode steps in CUDA graphs."""
+    return [name for name in BACKENDS.list() if BACKENDS.get(name).graph_decode]
+
+
 @EXECUTORS.register("model")
 class ModelExecutor(Executor):
     """Options (``executor_options``): ``fused_cpu_ops`` (default true): on a CPU, the model's
     elementwise steps run as fused C++ operators (``models.cpu_ops``), falling back to torch's with a
     warning when they cannot be built; false: torch's always. ``float32_matmul`` (``auto``, ``true``,
     ``false``): a bf16/fp16 model's linear layers multiply in float32 (``compute_linears_in_float32``);
-    ``auto``: on a CPU whose flags (``/proc/cpuinfo``) show no matrix instructions for that dtype."""
+    ``auto``: on a CPU whose flags (``/proc/cpuinfo``) show no matrix instructions for that dtype.
+    ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA graphs captured at padded
+    batch sizes (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_cpu_ops: bool = True,
-                 float32_matmul: bool | str = "auto") -> None:
+                 float32_matmul: bool | str = "auto", cuda_graphs: bool | str = "auto") -> None:
         super().__init__(config, source, clock)
         if not isinstance(fused_cpu_ops, bool):
             raise ValueError(f"executor.fused_cpu_ops must be true or false, got {fused_cpu_ops!r}")
         if float32_matmul not in (True, False, "auto"):
             raise ValueError(f"executor.float32_matmul must be auto, true or false, got {float32_matmul!r}")
+        if cuda_graphs not in (True, False, "auto"):
+            raise ValueError(f"executor.cuda_graphs must be auto, true or false, got {cuda_graphs!r}")
         if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
             raise ValueError(
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
@@ -118,6 +129,7 @@ class ModelExecutor(Executor):
             config.backend, config.backend_options, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
             block_size=config.block_size, dtype=self.dtype, device=self._device)
+        self.cuda_graphs = self._use_cuda_graphs(cuda_graphs)
         ops = _fused_ops() if fused_cpu_ops and self._device.type == "cpu" else None
         self.model = LlamaForCausalLM.empty_on(self._device, cfg, self.backend, config.max_model_len, self.dtype, ops)
         if source.path is None:
@@ -132,6 +144,21 @@ class ModelExecutor(Executor):
         self.model.eval()
         self._tokenizer = load_tokenizer(source)
         self.runner: ModelRunner | None = None
+
+    def _use_cuda_graphs(self, option: bool | str) -> bool:
+        """``executor.cuda_graphs`` resolved for this device and backend; ValueError for ``true`` where
+        it cannot be."""
+        name = self.config.backend
+        capable = type(self.backend).graph_decode
+        if option is True and self._device.type != "cuda":
+            raise ValueError(f"executor.cuda_graphs=true needs a CUDA device, not {self._device}; use auto or false")
+        if option is True and not capable:
+            raise ValueError(f"executor.cuda_graphs=true: attention backend {name!r} cannot capture decode steps; "
+                             f"use backend={' or backend='.join(graph_backends())}, or cuda_graphs=auto or false")
+        if option == "auto" and self._device.type == "cuda" and not capable:
+            logger.info("attention backend %r cannot capture decode steps: they run eagerly (CUDA graphs with "
+                        "backend=%s)", name, " or ".join(graph_backends()))
+        return option is True or (option == "auto" and self._device.type == "cuda" and capable)
 
     @property
     def tokenizer(self) -> Any | None:
@@ -150,16 +177,35 @@ class ModelExecutor(Executor):
         return size_kv_cache(self.config, self.bytes_per_block, self._device_budget)
 
     def _device_budget(self) -> float:
+        """Bytes for the KV cache: on a GPU, its share of memory less what is in use (weights, CUDA context)
+        and what a step needs on top (``profile_step_bytes``, at least the backend's declared workspace)."""
         if self._device.type != "cuda":
             return self.config.cpu_kv_cache_gb * GiB
-        free, total = torch.cuda.mem_get_info(self._device)
         config = self.config
-        activations = activation_peak_bytes(self.source.config, config, self.dtype.itemsize)
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         workspace = self.backend.workspace_bytes(config.max_num_seqs, config.max_model_len,
                                                  config.max_num_batched_tokens)
-        used = total - free
-        return max(0.0, total * config.gpu_memory_utilization - used - activations - workspace)
+        step = max(self.profile_step_bytes(), workspace)
+        free, total = torch.cuda.mem_get_info(self._device)
+        return max(0.0, total * config.gpu_memory_utilization - (total - free) - step)
+
+    def profile_step_bytes(self) -> int:
+        """The peak CUDA memory of this engine's worst-case steps (``memory_profile.dummy_steps``: forward,
+        logits, sampling), and with CUDA graphs the decode step's once more, which their memory pool keeps."""
+        cfg, config = self.source.config, self.config
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        cache = torch.zeros(2, cfg.num_hidden_layers, 1, config.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                            dtype=self.dtype, device=self._device)
+        sampler = Sampler(torch.Generator(device=self._device).manual_seed(0))
+        peaks = {}
+        for step in dummy_steps(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len):
+            peaks[step.name] = peak_bytes(
+                lambda: run_dummy_step(step, self.model, self.backend, sampler, cache, cfg.vocab_size), self._device)
+        del cache
+        peak = max(peaks.values()) + (peaks["decode"] if self.cuda_graphs else 0)
+        logger.info("profiled step memory: %s MiB%s", ", ".join(f"{k} {v / 2**20:.1f}" for k, v in peaks.items()),
+                    " (the decode step's kept for CUDA graphs)" if self.cuda_graphs else "")
+        return peak
 
     def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
         cfg, config = self.source.config, self.config
@@ -170,7 +216,12 @@ class ModelExecutor(Executor):
             max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len, block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens, device=self._device)
         generator = torch.Generator(device=self._device).manual_seed(config.seed)
-        self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator), kv_cache, num_cpu_blocks)
+        decode = None
+        if self.cuda_graphs:
+            decode = DecodeGraphs(self.model, self.backend, kv_cache, capture_sizes(config.max_num_seqs),
+                                  config.max_model_len, config.block_size)
+        self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator), kv_cache, num_cpu_blocks,
+                                  decode)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), swap space %d blocks", num_blocks,
                     config.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20, num_cpu_blocks)
 

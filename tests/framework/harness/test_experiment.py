@@ -195,9 +195,9 @@ def test_a_registered_executor_runs_on_its_own_clock(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="only in simulated time"):
         check_num_replicas(2, "test_wall_time")
     clocks = []
-    # The model executor's own option goes with its name.
+    # The model executor's own options go with its name.
     summary = run_experiment(config("executor=model", "executor.name=test_wall_time", "~executor.fused_cpu_ops",
-                                    "~executor.float32_matmul", "plots=false"), tmp_path,
+                                    "~executor.float32_matmul", "~executor.cuda_graphs", "plots=false"), tmp_path,
                              on_engine=lambda engine: clocks.append(engine.clock))
     assert [type(c) for c in clocks] == [WallClock]
     assert summary["completed"] == 6 and summary["duration_s"] > 0 and summary["mean_ttft_ms"] > 0

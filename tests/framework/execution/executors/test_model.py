@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from framework import EngineConfig, LLMEngine
-from framework.execution.executor import activation_peak_bytes
 
 
 @pytest.fixture
@@ -37,12 +36,14 @@ def test_engines_in_the_suite_run_on_the_cpu_in_float32_even_where_cuda_is_avail
     assert engine.executor.device == "cpu" and engine.executor.dtype == torch.float32
 
 
-def test_kv_sizing_on_a_gpu_leaves_the_backends_workspace_free(monkeypatch):
-    """The CUDA budget (utilization x total - used - activations) also leaves free what the attention
-    backend declares (torch_paged: its gather buffer and masks), so the KV cache loses exactly those
-    bytes' worth of blocks. Shown on a CPU engine asked for its CUDA budget, the card's figures stubbed."""
+@pytest.mark.parametrize("profiled_blocks", [3, 0])
+def test_kv_sizing_on_a_gpu_leaves_the_profiled_step_and_at_least_the_backends_workspace_free(monkeypatch,
+                                                                                           profiled_blocks):
+    """The CUDA budget is utilization x total - used - what a step needs: the profiled peak of the dummy
+    steps, or the attention backend's declared workspace (torch_paged: its gather buffer and masks) where
+    that is larger. Shown on a CPU engine asked for its CUDA budget, the card's figures stubbed."""
     engine = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=64,
-                                    gpu_memory_utilization=1.0, backend="torch_paged",
+                                    gpu_memory_utilization=0.5, backend="torch_paged",
                                     backend_options={"decode_kernel": "sdpa"}))
     executor, config = engine.executor, engine.executor.config
     workspace = executor.backend.workspace_bytes(config.max_num_seqs, config.max_model_len,
@@ -50,14 +51,14 @@ def test_kv_sizing_on_a_gpu_leaves_the_backends_workspace_free(monkeypatch):
     model = executor.source.config
     assert workspace >= 2 * 8 * 256 * model.num_key_value_heads * model.head_dim * 4, "at least the gather buffer"
     per_block = executor.bytes_per_block
-    activations = activation_peak_bytes(model, config, executor.dtype.itemsize)
-    total = activations + workspace + 10 * per_block  # an idle card: all of it free
+    profiled = workspace + profiled_blocks * per_block if profiled_blocks else workspace // 2
+    total, used = 100 * per_block + 2 * workspace, 7 * per_block
     monkeypatch.setattr(executor, "_device", torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    monkeypatch.setattr(executor, "profile_step_bytes", lambda: profiled)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - used, total))
     monkeypatch.setattr(config, "num_gpu_blocks_override", None)
-    assert executor.kv_block_counts()[0] == 10
-    monkeypatch.setattr(executor.backend, "workspace_bytes", lambda *args: 0)
-    assert executor.kv_block_counts()[0] == 10 + workspace // per_block
+    step = max(profiled, workspace)
+    assert executor.kv_block_counts()[0] == int((total * 0.5 - used - step) // per_block)
 
 
 def test_cpu_matmul_flags_are_read_from_cpuinfo(tmp_path):

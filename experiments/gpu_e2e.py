@@ -1,0 +1,190 @@
+"""Greedy parity with transformers and end-to-end speed on one GPU, for ``experiments/gpu_check.sh``.
+
+    python experiments/gpu_e2e.py parity    # every backend x bf16/fp16/fp32 vs HF generate on CUDA
+    python experiments/gpu_e2e.py speed     # random 1.1B Llama (TinyLlama's shape), bf16: LLM.generate vs
+                                            # HF generate, CUDA graphs on and off, decode step vs HBM roofline
+
+``--device cpu --tiny`` runs either on a tiny model on the CPU (a dry run of the script itself). Prints one
+line per case (``PARITY``/``E2E``); exits non-zero if a parity case differs where HF's top-2 logits are
+not a near tie, or a case fails.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+
+from framework import LLM, SamplingParams
+
+#: HF's top-2 logit gap below which a greedy flip is rounding, not a bug.
+TIE = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.03}
+
+
+def checkpoint(cfg: transformers.LlamaConfig, device: str, dtype: torch.dtype) -> tuple[transformers.PreTrainedModel, str]:
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(cfg)
+    hf = hf.to(dtype).eval()
+    hf.generation_config.eos_token_id = None
+    path = tempfile.mkdtemp()
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def backends(device: str) -> list[str]:
+    names = ["torch_paged", "triton", "naive"]
+    if device == "cuda" and importlib.util.find_spec("flash_attn"):
+        names.append("flash_attn")
+    return names
+
+
+def synced(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def parity(args: argparse.Namespace) -> int:
+    size = 64 if args.tiny else 512
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=size, intermediate_size=2 * size, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                                   initializer_range=0.05)
+    hf, path = checkpoint(cfg, "cpu", torch.float32)
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 2048) for _ in range(64)]
+    lengths = [rng.randrange(2, 300) for _ in range(10)] + [200 if args.tiny else 1500]
+    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
+    prompts += [shared + [5, 6, 7], shared + [rng.randrange(3, 2048) for _ in range(40)]]
+    n, bad = args.tokens, 0
+    for dtype in ("bfloat16", "float16", "float32"):
+        model = copy.deepcopy(hf).to(device=args.device, dtype=getattr(torch, dtype))
+        ref, gaps = [], []
+        with torch.no_grad():
+            for p in prompts:
+                g = model.generate(torch.tensor([p], device=args.device), max_new_tokens=n, do_sample=False,
+                                   pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+                ref.append(g.sequences[0, len(p):].tolist())
+                gaps.append([float(s[0].float().topk(2).values.diff().abs()) for s in g.scores])
+        for name in backends(args.device):
+            if name == "flash_attn" and dtype == "float32":
+                continue
+            try:
+                llm = LLM(model=path, backend=name, dtype=dtype, device=args.device, policy="chunked",
+                          block_size=256 if name == "flash_attn" else 16, max_model_len=2048, max_num_seqs=16,
+                          max_num_batched_tokens=512)
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                    SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                first = [next((i for i, (a, b) in enumerate(zip(o.outputs[0].token_ids, r)) if a != b), n)
+                         for o, r in zip(outs, ref)]
+                real = [(j, i, round(gaps[j][i], 3)) for j, i in enumerate(first) if i < n and gaps[j][i] >= TIE[dtype]]
+                graphs = llm.engine.executor.runner.decode is not None
+                bad += bool(real)
+                print(f"PARITY {dtype:8s} {name:11s} graphs={graphs!s:5s} {'FAIL' if real else 'PASS'}: "
+                      f"{first.count(n)}/{len(prompts)} identical, {sum(i < n for i in first) - len(real)} flip at a "
+                      f"near tie; real mismatches (prompt, step, HF top-2 gap): {real}", flush=True)
+                del llm
+            except Exception as exc:  # one case's failure is reported, the others still run
+                bad += 1
+                print(f"PARITY {dtype:8s} {name:11s} ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    return bad
+
+
+def timed(fn, device: str):
+    synced(device)
+    start = time.perf_counter()
+    result = fn()
+    synced(device)
+    return result, time.perf_counter() - start
+
+
+def copy_bandwidth(device: str) -> float:
+    src = torch.randn(2**28 if device == "cuda" else 2**22, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _, t = timed(lambda: [dst.copy_(src) for _ in range(10)], device)
+    return 2 * src.nbytes * 10 / t
+
+
+def speed(args: argparse.Namespace) -> int:
+    dev, bad = args.device, 0
+    if args.tiny:
+        cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    hf, path = checkpoint(cfg, dev, dtype)
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    bandwidth = copy_bandwidth(dev)
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) \
+        * dtype.itemsize
+    rng = random.Random(0)
+    for num_reqs in args.batches:
+        prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(num_reqs)]
+        ids = torch.tensor(prompts, device=dev)
+        with torch.inference_mode():
+            hf.generate(ids[:2, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
+            out, t_hf = timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
+                                                  do_sample=False, pad_token_id=0), dev)
+        hf_tokens = out[:, args.prompt_len:].tolist()
+        # One decode step reads the weights and each request's mean cached K/V once.
+        roofline = (weights + num_reqs * (args.prompt_len + args.tokens / 2) * kv_per_token) / bandwidth
+        print(f"E2E batch {num_reqs}: hf_generate {num_reqs * args.tokens / t_hf:.0f} tok/s ({t_hf:.2f} s); copy "
+              f"bandwidth {bandwidth / 1e9:.0f} GB/s; decode-step HBM roofline {roofline * 1e3:.3f} ms", flush=True)
+        for name in backends(dev):
+            if name == "naive":
+                continue
+            for graphs in (True, False) if dev == "cuda" else (False,):
+                try:
+                    llm = LLM(model=path, backend=name, dtype=str(dtype).removeprefix("torch."), device=dev,
+                              block_size=256 if name == "flash_attn" else 16, max_model_len=2048, max_num_seqs=num_reqs,
+                              max_num_batched_tokens=8192, enable_prefix_caching=False,
+                              executor_options={"cuda_graphs": graphs})
+                    steps = []
+                    llm.engine.step_callbacks.append(lambda s, o: steps.append(s))
+                    reqs = [{"prompt_token_ids": p} for p in prompts]
+                    llm.generate(reqs, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+                    steps.clear()
+                    outs, t = timed(lambda: llm.generate(reqs, SamplingParams(max_tokens=args.tokens, temperature=0.0,
+                                                                             ignore_eos=True)), dev)
+                    decode = [s.duration for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens == num_reqs]
+                    ms = statistics.median(decode) * 1e3 if decode else float("nan")
+                    same = sum(o.outputs[0].token_ids == h for o, h in zip(outs, hf_tokens))
+                    print(f"E2E batch {num_reqs} {name:11s} graphs={graphs!s:5s} {num_reqs * args.tokens / t:8.0f} tok/s "
+                          f"= {t_hf / t:.2f}x hf_generate; decode step {ms:.3f} ms = {roofline * 1e3 / ms:.0%} of the "
+                          f"roofline; greedy == HF for {same}/{num_reqs}", flush=True)
+                    del llm
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+                except Exception as exc:
+                    bad += 1
+                    print(f"E2E batch {num_reqs} {name:11s} graphs={graphs!s:5s} ERROR {type(exc).__name__}: "
+                          f"{str(exc)[:300]}", flush=True)
+    return bad
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["parity", "speed"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (a dry run of the script)")
+    parser.add_argument("--tokens", type=int, default=None, help="output tokens (parity 32, speed 128)")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128])
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu --tiny for a dry run")
+    args.tokens = args.tokens or (32 if args.what == "parity" else 128)
+    sys.exit(1 if (parity if args.what == "parity" else speed)(args) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Decode steps replayed from CUDA graphs captured at padded batch sizes (as vLLM and nano-vllm).
+
+A decode-only step of ``n`` requests runs at the smallest captured size ``>= n``: its inputs are copied
+into persistent buffers, the padding rows are dummy decodes of one key in the null block (slot 0, which
+no request owns), and the graph replays the whole forward pass; logits and sampling stay outside it.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from framework.execution.attention import AttentionBackend, AttentionMetadata
+from framework.execution.input_preparer import ModelInput
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes: 1, 2, 4, then multiples of 8, up to and including ``max_num_seqs``."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+def is_graph_decode(inputs: ModelInput, max_size: int) -> bool:
+    """Whether a step is decodes only (one new token per request), at most ``max_size`` of them."""
+    meta = inputs.attn_metadata
+    return meta.max_query_len == 1 and meta.num_actual_tokens == meta.num_reqs <= max_size
+
+
+class PaddedDecode:
+    """The persistent inputs of decode steps of up to ``max(sizes)`` requests, and the forward pass over
+    them at a padded size. ``run`` computes eagerly; ``DecodeGraphs`` replays captured graphs instead."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
+                 sizes: list[int], max_model_len: int, block_size: int) -> None:
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        n, dev = self.sizes[-1], kv_cache.device
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int64, device=dev)
+
+        self.input_ids, self.positions, self.slot_mapping = zeros(n), zeros(n), zeros(n)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.block_table = zeros(n, -(-max_model_len // block_size))
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=dev)
+        self.num_computed_tokens = zeros(n)
+
+    def size_for(self, num_reqs: int) -> int:
+        return next(s for s in self.sizes if s >= num_reqs)
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The common metadata of a ``size``-row step over the persistent buffers. Its host arrays
+        describe the padding (what the buffers hold before any step), not a step's values."""
+        host_seq = np.ones(size, dtype=np.int64)
+        return AttentionMetadata(
+            num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=self.max_model_len,
+            block_size=self.block_size, query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size], num_computed_tokens=self.num_computed_tokens[:size],
+            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
+            query_start_loc_cpu=np.arange(size + 1, dtype=np.int64), seq_lens_cpu=host_seq,
+            num_computed_tokens_cpu=host_seq - 1, block_table_cpu=np.zeros((size, 1), dtype=np.int64),
+            num_decode_tokens=size)
+
+    def fill(self, inputs: ModelInput, size: int) -> None:
+        """Copy a step's inputs into the first rows, and make rows ``num_reqs .. size`` dummy decodes:
+        one key at position 0 of the null block, written to its slot 0. Device copies only."""
+        meta = inputs.attn_metadata
+        n = meta.num_reqs
+        self.input_ids[:n].copy_(inputs.input_ids[:n], non_blocking=True)
+        self.positions[:n].copy_(inputs.positions[:n], non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens[:n], non_blocking=True)
+        self.num_computed_tokens[:n].copy_(meta.num_computed_tokens[:n], non_blocking=True)
+        table = meta.block_table[:n]
+        self.block_table[:n, : table.shape[1]].copy_(table, non_blocking=True)
+        if size > n:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].zero_()
+            self.seq_lens[n:size].fill_(1)
+            self.num_computed_tokens[n:size].zero_()
+            self.block_table[n:size, 0].zero_()
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The model's hidden states ``[size, hidden]`` for the buffers' first ``size`` rows."""
+        meta = self.backend.build_graph_metadata(self.metadata(size))
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
+
+    def run(self, inputs: ModelInput) -> torch.Tensor:
+        """Hidden states ``[num_reqs, hidden]`` of a decode-only step (``is_graph_decode``)."""
+        n = inputs.attn_metadata.num_reqs
+        size = self.size_for(n)
+        self.fill(inputs, size)
+        return self.forward(size)[:n]
+
+
+class DecodeGraphs(PaddedDecode):
+    """``PaddedDecode`` whose forward passes are CUDA graphs, one per size, captured largest first in one
+    memory pool; ``run`` replays one. The graphs read and write ``kv_cache`` where it lies."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
+                 sizes: list[int], max_model_len: int, block_size: int) -> None:
+        super().__init__(model, backend, kv_cache, sizes, max_model_len, block_size)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode(), torch.cuda.device(kv_cache.device):
+            for size in reversed(self.sizes):
+                self.forward(size)  # compiles the kernels and sets up cuBLAS outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.forward(size)
+                self.graphs[size] = (graph, hidden)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs of decode steps at batch sizes %s", self.sizes)
+
+    def run(self, inputs: ModelInput) -> torch.Tensor:
+        n = inputs.attn_metadata.num_reqs
+        size = self.size_for(n)
+        self.fill(inputs, size)
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:n]

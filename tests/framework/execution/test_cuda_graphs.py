@@ -1,0 +1,121 @@
+"""Decode steps at padded batch sizes: on a CPU the padded forward runs eagerly (the Triton backend
+interpreted), which checks the padding and the device-side decode launch; the ``gpu`` cases capture
+and replay the CUDA graphs themselves."""
+import pytest
+import torch
+
+from framework import LLM, SamplingParams
+from framework.execution.cuda_graphs import PaddedDecode, capture_sizes, is_graph_decode
+from tests.models.test_parity import parity_prompts
+
+MAX_TOKENS = 12
+
+
+@pytest.mark.parametrize("max_num_seqs, sizes", [(1, [1]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]),
+                                                 (20, [1, 2, 4, 8, 16, 20]), (24, [1, 2, 4, 8, 16, 24])])
+def test_capture_sizes(max_num_seqs, sizes):
+    assert capture_sizes(max_num_seqs) == sizes
+
+
+def generate(path, device="cpu", padded=False, backend="triton", block_size=8, **kwargs):
+    """Greedy outputs of six prompts of 12, 10, .., 2 output tokens (decode steps of 6 requests down to 1),
+    the padding rows of each decode step run at a padded size, and the KV cache."""
+    max_len = max(128, block_size)
+    llm = LLM(model=str(path), backend=backend, block_size=block_size, max_model_len=max_len,
+              max_num_batched_tokens=max_len, num_gpu_blocks_override=64 * 8 // block_size + 2, max_num_seqs=6,
+              device=device, **kwargs)
+    runner = llm.engine.executor.runner
+    if padded:
+        runner.decode = PaddedDecode(runner.model, runner.backend, runner.kv_cache, capture_sizes(6), max_len,
+                                     block_size)
+    sizes = []
+    if runner.decode is not None:
+        run = runner.decode.run
+
+        def counted(inputs):
+            sizes.append(runner.decode.size_for(inputs.attn_metadata.num_reqs) - inputs.attn_metadata.num_reqs)
+            return run(inputs)
+
+        runner.decode.run = counted
+    kv_cache = runner.kv_cache
+    params = [SamplingParams(max_tokens=MAX_TOKENS - 2 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts(6, seed=3)], params)
+    return [o.outputs[0].token_ids for o in outs], sizes, kv_cache
+
+
+def test_padded_decode_steps_give_the_eager_steps_tokens_and_cache(llama_ckpt):
+    """Decode steps run at a padded size (dummy rows in the null block) sample what the same steps run
+    unpadded sample, and leave every request's cache blocks as the eager run does."""
+    path, _ = llama_ckpt
+    eager, _, eager_cache = generate(path)
+    padded, pads, padded_cache = generate(path, padded=True)
+    assert padded == eager
+    # Decode step k runs the requests with more than k tokens to make: 6, 5 (padded to 6), 5, 4, 4, 3 (to 4) ..
+    running = [sum(MAX_TOKENS - 2 * i > k for i in range(6)) for k in range(1, MAX_TOKENS)]
+    assert pads == [{5: 1, 3: 1}.get(n, 0) for n in running] and sum(pads) == 4
+    # Only the null block (0) differs: the dummy rows write their key there.
+    assert torch.allclose(padded_cache[:, :, 1:], eager_cache[:, :, 1:], atol=1e-5)
+
+
+def test_only_decode_only_steps_within_the_largest_size_are_padded(llama_ckpt):
+    path, _ = llama_ckpt
+    llm = LLM(model=str(path), backend="triton", block_size=8, max_model_len=64, num_gpu_blocks_override=32,
+              max_num_seqs=4)
+    preparer = llm.engine.executor.runner.preparer
+    seen = []
+    prepare = preparer.prepare
+
+    def recorded(out):
+        inputs = prepare(out)
+        seen.append((inputs.attn_metadata.max_query_len, is_graph_decode(inputs, 4), is_graph_decode(inputs, 1)))
+        return inputs
+
+    preparer.prepare = recorded
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
+                 SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert seen[0] == (3, False, False), "the prefill step"
+    assert seen[1:] == [(1, True, False)] * 2, "two decode steps of two requests"
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run(llama_ckpt):
+    path, _ = llama_ckpt
+    common = dict(model=str(path), max_model_len=64, num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="executor.cuda_graphs=true needs a CUDA device, not cpu"):
+        LLM(backend="triton", executor_options={"cuda_graphs": True}, **common)
+    with pytest.raises(ValueError, match="executor.cuda_graphs must be auto, true or false, got 'yes'"):
+        LLM(executor_options={"cuda_graphs": "yes"}, **common)
+    llm = LLM(backend="triton", **common)  # auto: no graphs on a CPU
+    assert llm.engine.executor.runner.decode is None
+
+
+def test_a_backend_without_a_capturable_decode_says_so():
+    from framework import BACKENDS
+
+    backend = BACKENDS.create("torch_paged", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=8,
+                              dtype=torch.float32, device="cpu")
+    assert not backend.graph_decode
+    with pytest.raises(NotImplementedError, match="'torch_paged' has no capturable decode"):
+        backend.build_graph_metadata(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend, dtype", [("triton", "float32"), ("triton", "bfloat16"), ("flash_attn", "bfloat16")])
+def test_on_a_gpu_replayed_graphs_give_the_eager_tokens(llama_ckpt, backend, dtype):
+    """The captured graphs (default on CUDA) sample what eager decode steps sample, every decode step
+    through them, and leave the cache blocks as the eager run does."""
+    block_size = 8
+    if backend == "flash_attn":
+        from backends.flash_attn import missing_requirements
+
+        block_size = 256
+        if missing_requirements(block_size, torch.bfloat16, torch.device("cuda"), 32):
+            pytest.skip("flash-attn cannot run here")
+    path, _ = llama_ckpt
+    common = dict(device="cuda", backend=backend, block_size=block_size, dtype=dtype)
+    eager, none, eager_cache = generate(path, executor_options={"cuda_graphs": False}, **common)
+    graphs, pads, graph_cache = generate(path, **common)
+    assert none == [] and len(pads) == MAX_TOKENS - 1, "every decode step should have replayed a graph"
+    assert graphs == eager
+    atol = 1e-5 if dtype == "float32" else 2e-2
+    assert torch.allclose(graph_cache[:, :, 1:].float(), eager_cache[:, :, 1:].float(), atol=atol)
