@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH_INDEX ?=
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-fast bench bench-baseline clean
 
 # The project's own modules are byte-compiled here (unchanged ones are skipped): an editable
 # install leaves that to the first import, which PYTHONDONTWRITEBYTECODE (set on these machines)
@@ -44,8 +44,17 @@ FAST_SKIP  := --ignore=tests/policies/test_plugin.py --ignore=tests/policies/tes
 test-fast: setup
 	$(PY) -m pytest -m 'not slow and not gpu' $(FAST_TESTS) $(FAST_SKIP) $(ARGS)
 
+# Each run is shown against the saved baseline of this platform (tests/benchmarks/baselines, 0001): read the
+# ratios, measured minutes apart on a machine that drifts; `make bench-baseline` replaces the baseline.
+BENCH := $(PY) -m pytest tests/benchmarks --benchmark-enable --benchmark-only -p no:randomly \
+	--benchmark-storage=file://tests/benchmarks/baselines
+
 bench: setup
-	$(PY) -m pytest tests/benchmarks --benchmark-enable --benchmark-only -p no:randomly $(ARGS)
+	$(BENCH) --benchmark-compare=0001 --benchmark-columns=min,median,mean,stddev,rounds $(ARGS)
+
+bench-baseline: setup
+	rm -rf tests/benchmarks/baselines/*/0001_*.json
+	$(BENCH) --benchmark-save=baseline $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks outputs multirun

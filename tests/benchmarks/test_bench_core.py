@@ -1,7 +1,8 @@
 """Speed guards for the core (``make bench``; in the default test run each body runs once, untimed).
 
-Compare runs with ``pytest tests/benchmarks --benchmark-enable --benchmark-autosave`` then
-``--benchmark-compare``; ratios between cases in one run are what to read, not absolute times.
+``make bench`` shows each case beside the saved baseline (``tests/benchmarks/baselines``, taken with
+``make bench-baseline``); ratios between cases in one run are what to read, since the machine drifts by
+tens of percent between runs.
 """
 import json
 import random
