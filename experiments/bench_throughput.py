@@ -109,6 +109,10 @@ def run_hf_generate(model, work, batch: int) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - t0, outs
 
 
+#: How long to wait for transformers' continuous batching's next finished request before giving up.
+RESULT_TIMEOUT_S = 600
+
+
 def run_hf_continuous(model, work) -> tuple[float, list[list[int]]]:
     """transformers' continuous batching with each request's own max_new_tokens."""
     from transformers import GenerationConfig
@@ -121,9 +125,11 @@ def run_hf_continuous(model, work) -> tuple[float, list[list[int]]]:
         ids = [manager.add_request(p, max_new_tokens=m) for p, m in work]
         results = {}
         while len(results) < len(ids):
-            r = manager.get_result(timeout=60)
+            # Its requests advance together, so on 2 cores the first may finish only after minutes.
+            r = manager.get_result(timeout=RESULT_TIMEOUT_S)
             if r is None:
-                raise RuntimeError("transformers continuous batching stopped without finishing")
+                raise RuntimeError(f"transformers continuous batching returned no result for {RESULT_TIMEOUT_S} s "
+                                   f"({len(results)} of {len(ids)} requests finished)")
             if r.is_finished():
                 results[r.request_id] = r
     finally:

@@ -22,7 +22,7 @@ import time
 import torch
 import transformers
 
-from framework import LLM, SamplingParams
+from framework import BACKENDS, LLM, SamplingParams
 
 #: HF's top-2 logit gap below which a greedy flip is rounding, not a bug.
 TIE = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.03}
@@ -142,7 +142,8 @@ def speed(args: argparse.Namespace) -> int:
         for name in backends(dev):
             if name == "naive":
                 continue
-            for graphs in (True, False) if dev == "cuda" else (False,):
+            capturable = dev == "cuda" and BACKENDS.get(name).graph_decode
+            for graphs in (True, False) if capturable else (False,):
                 try:
                     llm = LLM(model=path, backend=name, dtype=str(dtype).removeprefix("torch."), device=dev,
                               block_size=256 if name == "flash_attn" else 16, max_model_len=2048, max_num_seqs=num_reqs,

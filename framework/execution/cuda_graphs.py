@@ -71,13 +71,13 @@ class PaddedDecode:
         one key at position 0 of the null block, written to its slot 0. Device copies only."""
         meta = inputs.attn_metadata
         n = meta.num_reqs
-        self.input_ids[:n].copy_(inputs.input_ids[:n], non_blocking=True)
-        self.positions[:n].copy_(inputs.positions[:n], non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens[:n], non_blocking=True)
-        self.num_computed_tokens[:n].copy_(meta.num_computed_tokens[:n], non_blocking=True)
+        self.input_ids[:n].copy_(inputs.input_ids[:n])
+        self.positions[:n].copy_(inputs.positions[:n])
+        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
+        self.seq_lens[:n].copy_(meta.seq_lens[:n])
+        self.num_computed_tokens[:n].copy_(meta.num_computed_tokens[:n])
         table = meta.block_table[:n]
-        self.block_table[:n, : table.shape[1]].copy_(table, non_blocking=True)
+        self.block_table[:n, : table.shape[1]].copy_(table)
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -49,10 +50,21 @@ class SamplerOutput:
 class Sampler:
     """Applies penalties (to greedy rows too, as vLLM), then greedy rows take the argmax; the others are
     scaled by temperature, filtered by min-p, top-k and top-p, and sampled by Gumbel-max (``argmax(p / q)``,
-    ``q ~ Exp(1)``), a seeded row's noise from its own generator so it does not depend on the batch."""
+    ``q ~ Exp(1)``), a seeded row's noise from its own generator so it does not depend on the batch.
+    ``fused_ops`` (``models.cpu_ops.fused_ops()``): CPU rows' argmax through its ``argmax_rows``."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, fused_ops: ModuleType | None = None) -> None:
         self.generator = generator
+        self.fused_ops = fused_ops
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest value's index (float32 ``[rows, n]``); a NaN is not picked by the fused
+        operator (torch's would), which makes no difference to what NaN logits mean."""
+        if self.fused_ops is None or x.device.type != "cpu" or x.stride(-1) != 1:
+            return x.argmax(dim=-1)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.fused_ops.argmax_rows(x, out)
+        return out
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """The sampled tokens (``self(logits, meta)``) and the logprobs of ``meta.logprob_rows``: float32
@@ -82,7 +94,7 @@ class Sampler:
         logits = logits.float()
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
-        greedy = logits.argmax(dim=-1)
+        greedy = self.argmax(logits)
         if meta.all_greedy:
             return greedy
         temperature = meta.temperature
@@ -104,7 +116,7 @@ class Sampler:
         noise.exponential_(generator=self.generator)
         for row, gen in meta.generators.items():
             noise[row].exponential_(generator=gen)
-        sampled = probs.div_(noise).argmax(dim=-1)
+        sampled = self.argmax(probs.div_(noise))
         return torch.where(is_greedy, greedy, sampled)
 
 

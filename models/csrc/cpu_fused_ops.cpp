@@ -1,13 +1,15 @@
 // The model's elementwise steps fused into one pass each over a flat token batch, on a CPU: torch
 // runs each as several operators, each a pass over memory and, below its grain size, one thread.
 // Arithmetic in float32; each result is rounded to the tensor's dtype where transformers rounds it,
-// so float32 runs compute what transformers does up to the order of a sum. Loaded by models/cpu_ops.py.
+// so float32 runs compute what transformers does up to the order of a sum. Also the sampler's row argmax,
+// which torch runs 3-7x slower than a max. Loaded by models/cpu_ops.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "fast_exp.h"
 
@@ -130,6 +132,36 @@ void qkv_rotary_impl(const torch::Tensor& qkv, const torch::Tensor& positions, c
   });
 }
 
+// Vectorisable: a max pass, then a scan for its first occurrence (torch.argmax's tie rule).
+void argmax_rows_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* __restrict__ row = xp + r * xs;
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+      for (int64_t i = 0; i < n; ++i) m = row[i] > m ? row[i] : m;
+      // The first block of 64 holding m (a vector compare each), then its first element that is m.
+      int64_t best = 0;
+      for (; best < n; best += 64) {
+        const int64_t stop = std::min(best + 64, n);
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = best; i < stop; ++i) hit |= row[i] == m;
+        if (hit) break;
+      }
+      if (best >= n) {
+        best = 0;  // nothing equals m: the row holds NaNs only, and torch picks the first
+      } else {
+        while (!(row[best] == m)) ++best;  // within the block found
+      }
+      op[r] = best;
+    }
+  });
+}
+
 template <typename F>
 void dispatch(at::ScalarType dtype, const char* op, F&& f) {
   switch (dtype) {
@@ -183,9 +215,20 @@ void qkv_rotary(const torch::Tensor& qkv, const torch::Tensor& positions, const 
   dispatch(qkv.scalar_type(), "qkv_rotary", [&](auto t) { qkv_rotary_impl<decltype(t)>(qkv, positions, cos, sin, q, k, v); });
 }
 
+// out[r] = the index of row r's largest value, the first of equal ones; x: float32 [R, n], out: int64 [R].
+// A NaN is skipped (torch.argmax would pick it): NaN logits give no meaningful token either way.
+void argmax_rows(const torch::Tensor& x, torch::Tensor out) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.size(1) > 0, "x must be float32 with at least one column");
+  TORCH_CHECK(out.scalar_type() == torch::kLong && out.is_contiguous() && out.size(0) == x.size(0),
+              "out must be contiguous int64 [R]");
+  argmax_rows_impl(x, out);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :n]) * x[:, n:] (CPU)");
+  m.def("argmax_rows", &argmax_rows, "out[r] = argmax of row r of float32 x (CPU)");
   m.def("qkv_rotary", &qkv_rotary, "split qkv into q, k, v, rotating q and k (CPU)");
 }

@@ -68,6 +68,20 @@ def test_step_loop_cpu_side(benchmark, running):
     engine.step()
 
 
+@pytest.mark.parametrize("argmax", ["torch", "fused"])
+def test_greedy_sampling_at_a_llama3_vocabulary(benchmark, argmax):
+    """Greedy sampling of 64 rows of a 128,256-token vocabulary: torch's argmax against the fused
+    operator the model executor gives the sampler on a CPU (read the two cases' ratio)."""
+    from framework.execution.input_preparer import SamplingMetadata
+    from framework.execution.sampler import Sampler
+    from models.cpu_ops import fused_ops
+
+    logits = torch.randn(64, 128256, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(fused_ops=fused_ops() if argmax == "fused" else None)
+    tokens = benchmark(sampler, logits, SamplingMetadata(temperature=torch.zeros(64)))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
 def test_allocator_allocate_and_free(benchmark):
     alloc = PagedBlockAllocator(num_blocks=4097, block_size=16)
     rng = random.Random(0)

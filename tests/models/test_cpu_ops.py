@@ -74,6 +74,51 @@ def test_qkv_rotary_splits_and_rotates_exactly_as_the_torch_path(rows, dtype):
     assert torch.equal(v, rv.reshape(rows, kv_heads, head_dim))
 
 
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1024, 32000])
+@pytest.mark.parametrize("rows", ROWS)
+def test_argmax_rows_picks_torchs_index_ties_and_infinities_included(rows, n):
+    """The first of equal maxima (a tie within a 64-column block, across blocks, at the end), rows of
+    -inf (top-k/top-p filtered), +inf, and a row view of a wider tensor."""
+    ops = fused_ops()
+    gen = torch.Generator().manual_seed(rows * n)
+    wide = torch.randn(rows, n + 3, generator=gen)
+    x = wide[:, :n]
+    top = x.max() + 1
+    for r in range(rows):
+        cols = torch.randint(0, n, (3,), generator=gen)
+        x[r, cols] = top  # up to three tied maxima
+    if rows > 2:
+        x[1] = float("-inf")
+        x[2, -1] = float("inf")
+    out = torch.full((rows,), -1, dtype=torch.int64)
+    ops.argmax_rows(x, out)
+    assert torch.equal(out, x.argmax(dim=-1))
+
+
+def test_argmax_rows_skips_a_nan_where_torch_would_pick_it():
+    ops = fused_ops()
+    x = torch.tensor([[1.0, float("nan"), 3.0], [float("nan")] * 3])
+    out = torch.empty(2, dtype=torch.int64)
+    ops.argmax_rows(x, out)
+    assert out.tolist() == [2, 0]
+
+
+def test_the_sampler_takes_its_argmax_from_the_fused_operator(monkeypatch):
+    from framework.execution.input_preparer import SamplingMetadata
+    from framework.execution.sampler import Sampler
+
+    ops = fused_ops()
+    calls = []
+    fused = type("Ops", (), {"argmax_rows": staticmethod(lambda x, out: (calls.append(x.shape), ops.argmax_rows(x, out)))})
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
+    greedy = SamplingMetadata(temperature=torch.zeros(5))
+    assert torch.equal(Sampler(fused_ops=fused)(logits, greedy), logits.argmax(-1))
+    sampled = SamplingMetadata(temperature=torch.full((5,), 0.7), all_greedy=False)
+    tokens = Sampler(torch.Generator().manual_seed(1), fused)(logits, sampled)
+    expected = Sampler(torch.Generator().manual_seed(1))(logits, sampled)
+    assert torch.equal(tokens, expected) and calls == [(5, 300)] * 3, "greedy, then greedy and Gumbel-max rows"
+
+
 def test_a_tensor_with_strided_rows_is_refused_not_misread():
     x = torch.randn(8, 64)[:, ::2]
     with pytest.raises(RuntimeError, match="contiguous rows"):

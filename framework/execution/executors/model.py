@@ -95,8 +95,8 @@ def graph_backends() -> list[str]:
 @EXECUTORS.register("model")
 class ModelExecutor(Executor):
     """Options (``executor_options``): ``fused_cpu_ops`` (default true): on a CPU, the model's
-    elementwise steps run as fused C++ operators (``models.cpu_ops``), falling back to torch's with a
-    warning when they cannot be built; false: torch's always. ``float32_matmul`` (``auto``, ``true``,
+    elementwise steps and the sampler's argmax run as fused C++ operators (``models.cpu_ops``), falling
+    back to torch's with a warning when they cannot be built; false: torch's always. ``float32_matmul`` (``auto``, ``true``,
     ``false``): a bf16/fp16 model's linear layers multiply in float32 (``compute_linears_in_float32``);
     ``auto``: on a CPU whose flags (``/proc/cpuinfo``) show no matrix instructions for that dtype.
     ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA graphs captured at padded
@@ -130,7 +130,7 @@ class ModelExecutor(Executor):
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
             block_size=config.block_size, dtype=self.dtype, device=self._device)
         self.cuda_graphs = self._use_cuda_graphs(cuda_graphs)
-        ops = _fused_ops() if fused_cpu_ops and self._device.type == "cpu" else None
+        self.fused_ops = ops = _fused_ops() if fused_cpu_ops and self._device.type == "cpu" else None
         self.model = LlamaForCausalLM.empty_on(self._device, cfg, self.backend, config.max_model_len, self.dtype, ops)
         if source.path is None:
             self.model.init_random(config.model_seed, cfg.initializer_range)
@@ -220,7 +220,7 @@ class ModelExecutor(Executor):
         if self.cuda_graphs:
             decode = DecodeGraphs(self.model, self.backend, kv_cache, capture_sizes(config.max_num_seqs),
                                   config.max_model_len, config.block_size)
-        self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator), kv_cache, num_cpu_blocks,
+        self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator, self.fused_ops), kv_cache, num_cpu_blocks,
                                   decode)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), swap space %d blocks", num_blocks,
                     config.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20, num_cpu_blocks)

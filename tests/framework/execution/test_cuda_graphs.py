@@ -119,3 +119,32 @@ def test_on_a_gpu_replayed_graphs_give_the_eager_tokens(llama_ckpt, backend, dty
     assert graphs == eager
     atol = 1e-5 if dtype == "float32" else 2e-2
     assert torch.allclose(graph_cache[:, :, 1:].float(), eager_cache[:, :, 1:].float(), atol=atol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_decode_step_syncs_with_the_host_once(llama_ckpt):
+    """A decode step's one synchronising operation is reading its sampled tokens (torch's sync debug mode
+    warns at each synchronising call)."""
+    import warnings
+
+    from framework import EngineConfig, LLMEngine
+
+    path, _ = llama_ckpt
+    engine = LLMEngine(EngineConfig(model=str(path), backend="triton", device="cuda", block_size=16, max_model_len=128,
+                                    num_gpu_blocks_override=64, max_num_seqs=4))
+    for i in range(3):
+        engine.add_request(str(i), [5 + i, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    engine.abort_request([str(i) for i in range(3)])
+    engine.step()
