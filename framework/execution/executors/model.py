@@ -1,6 +1,7 @@
 """The real executor: loads the model and runs each step's forward pass."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -96,10 +97,10 @@ def graph_backends() -> list[str]:
 class ModelExecutor(Executor):
     """Options (``executor_options``): ``fused_cpu_ops`` (default true): on a CPU, the model's
     elementwise steps and the sampler's argmax run as fused C++ operators (``models.cpu_ops``), falling
-    back to torch's with a warning when they cannot be built; false: torch's always. ``float32_matmul`` (``auto``, ``true``,
-    ``false``): a bf16/fp16 model's linear layers multiply in float32 (``compute_linears_in_float32``);
-    ``auto``: on a CPU whose flags (``/proc/cpuinfo``) show no matrix instructions for that dtype.
-    ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA graphs captured at padded
+    back to torch's with a warning when they cannot be built; false: torch's always. ``float32_matmul``
+    (``auto``, ``true``, ``false``): a bf16/fp16 model's linear layers multiply in float32
+    (``compute_linears_in_float32``); ``auto``: on a CPU whose flags (``/proc/cpuinfo``) show no matrix
+    instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA graphs captured at padded
     batch sizes (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
@@ -199,8 +200,8 @@ class ModelExecutor(Executor):
         sampler = Sampler(torch.Generator(device=self._device).manual_seed(0))
         peaks = {}
         for step in dummy_steps(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len):
-            peaks[step.name] = peak_bytes(
-                lambda: run_dummy_step(step, self.model, self.backend, sampler, cache, cfg.vocab_size), self._device)
+            run = functools.partial(run_dummy_step, step, self.model, self.backend, sampler, cache, cfg.vocab_size)
+            peaks[step.name] = peak_bytes(run, self._device)
         del cache
         peak = max(peaks.values()) + (peaks["decode"] if self.cuda_graphs else 0)
         logger.info("profiled step memory: %s MiB%s", ", ".join(f"{k} {v / 2**20:.1f}" for k, v in peaks.items()),
@@ -220,8 +221,8 @@ class ModelExecutor(Executor):
         if self.cuda_graphs:
             decode = DecodeGraphs(self.model, self.backend, kv_cache, capture_sizes(config.max_num_seqs),
                                   config.max_model_len, config.block_size)
-        self.runner = ModelRunner(self.model, self.backend, preparer, Sampler(generator, self.fused_ops), kv_cache, num_cpu_blocks,
-                                  decode)
+        sampler = Sampler(generator, self.fused_ops)
+        self.runner = ModelRunner(self.model, self.backend, preparer, sampler, kv_cache, num_cpu_blocks, decode)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), swap space %d blocks", num_blocks,
                     config.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20, num_cpu_blocks)
 
