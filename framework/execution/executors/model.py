@@ -100,8 +100,9 @@ class ModelExecutor(Executor):
     back to torch's with a warning when they cannot be built; false: torch's always. ``float32_matmul``
     (``auto``, ``true``, ``false``): a bf16/fp16 model's linear layers multiply in float32
     (``compute_linears_in_float32``); ``auto``: on a CPU whose flags (``/proc/cpuinfo``) show no matrix
-    instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA graphs captured at padded
-    batch sizes (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can."""
+    instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA
+    graphs captured at padded batch sizes (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a
+    backend that can."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
