@@ -32,3 +32,19 @@ def test_the_speed_dry_run_compares_each_backend_with_transformers():
     for backend, line in zip(["torch_paged", "triton"], lines[1:], strict=True):
         assert re.match(rf"E2E batch 3 {backend} +graphs=False +\d+ tok/s = [\d.]+x hf_generate; decode step "
                         rf"[\d.]+ ms = \d+% of the roofline; greedy == HF for 3/3$", line), line
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
+def test_the_gpu_scripts_parse(script):
+    done = subprocess.run(["bash", "-n", str(ROOT / "experiments" / script)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_gpu_check_without_a_gpu_says_so_and_runs_nothing(tmp_path):
+    """On a machine without CUDA the check stops at once, with a non-zero status, before any step."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_check.sh"), str(tmp_path)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, check=False)
+    assert done.returncode == 1 and "no CUDA device: nothing to check here" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["device.log"]
