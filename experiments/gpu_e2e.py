@@ -22,6 +22,7 @@ import time
 import torch
 import transformers
 
+from bench_attention import copy_bandwidth  # experiments/ is on sys.path; it puts the repository there too
 from framework import BACKENDS, LLM, SamplingParams
 
 #: HF's top-2 logit gap below which a greedy flip is rounding, not a bug.
@@ -104,14 +105,6 @@ def timed(fn, device: str):
     return result, time.perf_counter() - start
 
 
-def copy_bandwidth(device: str) -> float:
-    src = torch.randn(2**28 if device == "cuda" else 2**22, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _, t = timed(lambda: [dst.copy_(src) for _ in range(10)], device)
-    return 2 * src.nbytes * 10 / t
-
-
 def speed(args: argparse.Namespace) -> int:
     dev, bad = args.device, 0
     if args.tiny:
@@ -123,7 +116,7 @@ def speed(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     hf, path = checkpoint(cfg, dev, dtype)
     weights = sum(p.numel() * p.element_size() for p in hf.parameters())
-    bandwidth = copy_bandwidth(dev)
+    bandwidth = copy_bandwidth(torch.device(dev), 1024 if dev == "cuda" else 16)
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) \
         * dtype.itemsize
     rng = random.Random(0)

@@ -8,8 +8,7 @@ each run as one C++ pass instead of several torch operators.
 from __future__ import annotations
 
 from collections.abc import Iterable
-import types
-from types import ModuleType
+from types import MethodType, ModuleType
 from typing import Any
 
 import torch
@@ -137,7 +136,7 @@ def compute_linears_in_float32(model: nn.Module) -> None:
             module.weight = nn.Parameter(module.weight.detach().float(), requires_grad=False)
             if module.bias is not None:
                 module.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
-            module.forward = types.MethodType(_float32_linear, module)
+            module.forward = MethodType(_float32_linear, module)
 
 
 class LlamaForCausalLM(nn.Module):

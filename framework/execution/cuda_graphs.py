@@ -68,23 +68,20 @@ class PaddedDecode:
 
     def fill(self, inputs: ModelInput, size: int) -> None:
         """Copy a step's inputs into the first rows, and make rows ``num_reqs .. size`` dummy decodes:
-        one key at position 0 of the null block, written to its slot 0. Device copies only."""
+        one key at position 0 of the null block, written to its slot 0. Device work only. A padding row's
+        token, position and block-table row may be left from an earlier step: any valid value will do."""
         meta = inputs.attn_metadata
         n = meta.num_reqs
         self.input_ids[:n].copy_(inputs.input_ids[:n])
         self.positions[:n].copy_(inputs.positions[:n])
         self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
         self.seq_lens[:n].copy_(meta.seq_lens[:n])
-        self.num_computed_tokens[:n].copy_(meta.num_computed_tokens[:n])
         table = meta.block_table[:n]
         self.block_table[:n, : table.shape[1]].copy_(table)
         if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
             self.slot_mapping[n:size].zero_()
             self.seq_lens[n:size].fill_(1)
-            self.num_computed_tokens[n:size].zero_()
-            self.block_table[n:size, 0].zero_()
+        torch.sub(self.seq_lens[:size], 1, out=self.num_computed_tokens[:size])  # one new token each
 
     def forward(self, size: int) -> torch.Tensor:
         """The model's hidden states ``[size, hidden]`` for the buffers' first ``size`` rows."""
@@ -96,12 +93,16 @@ class PaddedDecode:
         n = inputs.attn_metadata.num_reqs
         size = self.size_for(n)
         self.fill(inputs, size)
-        return self.forward(size)[:n]
+        return self.padded_forward(size)[:n]
+
+    def padded_forward(self, size: int) -> torch.Tensor:
+        """The hidden states of the filled buffers' first ``size`` rows (here: computed eagerly)."""
+        return self.forward(size)
 
 
 class DecodeGraphs(PaddedDecode):
     """``PaddedDecode`` whose forward passes are CUDA graphs, one per size, captured largest first in one
-    memory pool; ``run`` replays one. The graphs read and write ``kv_cache`` where it lies."""
+    memory pool; a step replays one. The graphs read and write ``kv_cache`` where it lies."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
                  sizes: list[int], max_model_len: int, block_size: int) -> None:
@@ -119,10 +120,7 @@ class DecodeGraphs(PaddedDecode):
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs of decode steps at batch sizes %s", self.sizes)
 
-    def run(self, inputs: ModelInput) -> torch.Tensor:
-        n = inputs.attn_metadata.num_reqs
-        size = self.size_for(n)
-        self.fill(inputs, size)
+    def padded_forward(self, size: int) -> torch.Tensor:
         graph, hidden = self.graphs[size]
         graph.replay()
-        return hidden[:n]
+        return hidden
