@@ -50,6 +50,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Embedding(nn.Module):
+    """``forward(ids [T])`` returns their rows ``[T, hidden]``. The weight starts uninitialised: ``nn.Embedding``
+    draws a normal one, which on the meta device imports ``torch._dynamo`` (2.5 s of every engine start)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding,
                  ops: ModuleType | None) -> None:
@@ -150,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  cfg.max_position_embeddings, dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary, fused_ops) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -171,8 +183,16 @@ class LlamaForCausalLM(nn.Module):
         undefined until ``load_weights`` or ``init_random`` (no CPU copy, no default initialisation)."""
         with torch.device("meta"):
             model = cls(cfg, backend, max_positions, dtype, fused_ops)
-        model.to(dtype=dtype).to_empty(device=device)
-        if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor
+        model.to(dtype=dtype)
+        # torch.empty per tensor, not Module.to_empty: its empty_like of a meta tensor imports torch's
+        # symbolic-shape machinery (0.7 s of every engine start).
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                   requires_grad=param.requires_grad))
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
+        if cfg.tie_word_embeddings:  # each module got its own tensor
             model.lm_head.weight = model.embed_tokens.weight
         model.rotary.reset_tables()
         return model

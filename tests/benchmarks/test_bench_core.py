@@ -99,6 +99,25 @@ def test_allocator_allocate_and_free(benchmark):
     alloc.check_invariants([])
 
 
+def test_allocator_decode_step(benchmark):
+    """One token for each of 64 running requests, as a decode step asks: most need no new block."""
+    alloc = PagedBlockAllocator(num_blocks=4097, block_size=32)
+    reqs = [Request(str(i), list(range(3, 43 + i)), SamplingParams(), 0.0) for i in range(64)]
+    for r in reqs:
+        assert alloc.allocate_slots(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens - 1
+
+    def step():
+        for r in reqs:
+            alloc.allocate_slots(r, 1)
+
+    benchmark(step)
+    assert all(len(r.block_ids) == -(-r.num_tokens // 32) for r in reqs)
+    for r in reqs:
+        alloc.free(r)
+    alloc.check_invariants([])
+
+
 @pytest.mark.parametrize("num_reqs", [64, 256])
 def test_v1_prepare(benchmark, num_reqs):
     """A steady step: every request moved on by one step (decodes feed back their sampled token,

@@ -1,11 +1,16 @@
 """Greedy outputs equal transformers' for Llama-family configurations the default checkpoints
 of test_parity.py do not exercise."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from framework import LLM, SamplingParams
 from tests.conftest import hf_greedy, make_hf_checkpoint
 
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 33, 2, 7, 120, 64], [300, 4, 17]]
 
 
@@ -77,3 +82,17 @@ def test_tied_embeddings_stay_one_tensor_and_match_transformers(tmp_path):
     llm = LLM(model=str(tmp_path / "ckpt"), max_model_len=64)
     model = llm.engine.executor.model
     assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_starting_an_engine_does_not_import_torchs_compiler_stack():
+    # On the meta device nn.Embedding's random init imports torch._dynamo (2.5 s) and Module.to_empty
+    # torch's symbolic shapes (0.7 s): an engine start needs neither. A fresh interpreter, as this
+    # suite imports both elsewhere.
+    code = ("import sys\n"
+            "from framework import LLM, SamplingParams\n"
+            "llm = LLM(model='tiny-llama', max_model_len=64)\n"
+            "llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=2))\n"
+            "for name in ('torch._dynamo', 'torch.fx.experimental.symbolic_shapes'):\n"
+            "    assert name not in sys.modules, f'the engine imported {name}'\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

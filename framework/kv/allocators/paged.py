@@ -107,6 +107,16 @@ class PagedBlockAllocator(BlockAllocator):
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
         bs = self.block_size
         prefix_ids = prefix.block_ids if prefix else []
+        held = request.block_ids
+        if not prefix_ids and held:
+            # A running request whose held blocks take the new tokens (a decode, 31 steps in 32 at
+            # block size 32): nothing to take unless it writes into a block others share.
+            start = request.num_computed_tokens
+            total = start + num_new_tokens
+            if total <= len(held) * bs and (start % bs == 0 or self._blocks[held[start // bs]].ref_count == 1):
+                if self.enable_prefix_caching and total // bs > start // bs:
+                    self._seal(request, start // bs, total // bs)
+                return True
         prefix_tokens = prefix.num_tokens if prefix else 0
         if prefix_ids and request.block_ids:
             raise ValueError(f"{request.request_id}: a prefix can only be taken by a request holding no blocks")
