@@ -105,29 +105,23 @@ class PagedBlockAllocator(BlockAllocator):
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
-        bs = self.block_size
+        bs, blocks = self.block_size, self._blocks
         prefix_ids = prefix.block_ids if prefix else []
-        held = request.block_ids
-        if not prefix_ids and held:
-            # A running request whose held blocks take the new tokens (a decode, 31 steps in 32 at
-            # block size 32): nothing to take unless it writes into a block others share.
-            start = request.num_computed_tokens
-            total = start + num_new_tokens
-            if total <= len(held) * bs and (start % bs == 0 or self._blocks[held[start // bs]].ref_count == 1):
-                if self.enable_prefix_caching and total // bs > start // bs:
-                    self._seal(request, start // bs, total // bs)
-                return True
         prefix_tokens = prefix.num_tokens if prefix else 0
-        if prefix_ids and request.block_ids:
+        held = request.block_ids
+        if prefix_ids and held:
             raise ValueError(f"{request.request_id}: a prefix can only be taken by a request holding no blocks")
         start = request.num_computed_tokens + prefix_tokens
         total = start + num_new_tokens
-        num_new_blocks = self._new_blocks(request, num_new_tokens, prefix)
         # Writing into a partially filled block that others share needs a private copy first.
-        cow = (num_new_tokens > 0 and start % bs != 0 and bool(request.block_ids)
-               and start // bs < len(request.block_ids)
-               and self._blocks[request.block_ids[start // bs]].ref_count > 1)
-        blocks = self._blocks
+        cow = (num_new_tokens > 0 and start % bs != 0 and start // bs < len(held)
+               and blocks[held[start // bs]].ref_count > 1)
+        if held and total <= len(held) * bs and not cow:
+            # Its blocks take the new tokens (a decode, 31 steps in 32 at block size 32): nothing to take.
+            if self.enable_prefix_caching and total // bs > start // bs:
+                self._seal(request, start // bs, total // bs)
+            return True
+        num_new_blocks = self._new_blocks(request, num_new_tokens, prefix)
         reclaimed = 0
         if prefix_ids:
             # A prefix goes stale once an allocation since find_prefix evicted one of its blocks
