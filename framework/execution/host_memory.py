@@ -1,9 +1,12 @@
 """Host memory: keep freed memory in the process, so CPU forward passes reuse their activation
-buffers; move host arrays to the device through pinned memory."""
+buffers; zeros that take memory only as they are written; move host arrays to the device through
+pinned memory."""
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import os
 import sys
 
@@ -49,6 +52,16 @@ def keep_freed_memory() -> bool:
     if _kept:
         logger.debug("glibc malloc: trimming off, mmap threshold %d bytes", MAX_MMAP_THRESHOLD)
     return _kept
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU an anonymous mapping whose pages the OS maps, zeroed, on first write,
+    so a KV cache of gigabytes takes memory (and start-up time) only as its blocks fill."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))  # page-aligned; the tensor keeps it alive
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

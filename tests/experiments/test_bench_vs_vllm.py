@@ -25,6 +25,7 @@ spec.loader.exec_module(bench_vs_vllm)
     (["--policies", ","], "--policies: (none) not POLICY"),
     (["--vllm-python", "/nonexistent/python"], "no vLLM venv at /nonexistent/python: run with --setup first"),
     (["--dtype", "float16"], "invalid choice: 'float16'"),
+    (["--shape", "decodes"], "invalid choice: 'decodes'"),
 ])
 def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):
     monkeypatch.setattr(bench_vs_vllm, "compare", lambda *a: pytest.fail("compared despite a bad argument"))
@@ -35,11 +36,19 @@ def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):
     assert match in err and "Traceback" not in err
 
 
+def test_a_shape_keeps_one_phase_of_the_mixed_workload():
+    work = [([1] * 40, 16), ([2] * 250, 128)]
+    assert bench_vs_vllm.shaped(work, "mixed") == work
+    assert bench_vs_vllm.shaped(work, "prefill") == [([1] * 40, 1), ([2] * 250, 1)]
+    assert bench_vs_vllm.shaped(work, "decode") == [([1] * 32, 256), ([2] * 32, 256)]
+    assert all(len(p) + m <= bench_vs_vllm.MAX_MODEL_LEN for p, m in bench_vs_vllm.shaped(work, "decode"))
+
+
 def test_a_servelab_worker_runs_the_workload_as_the_engine_does(llama_ckpt, tmp_path):
     path, _ = llama_ckpt
     work = [([5, 6, 7, 8], 6), ([9, 10], 3), (list(range(20, 60)), 5)]
     (tmp_path / "work.json").write_text(json.dumps(work))
-    args = argparse.Namespace(threads=1, dtype="float32", spin_count=1000)
+    args = argparse.Namespace(threads=1, dtype="float32", spin_count=1000, shape="mixed")
     worker = bench_vs_vllm.Worker(sys.executable, "chunked:spin", str(path), str(tmp_path / "work.json"), args)
     try:
         first, second = worker.run(), worker.run()

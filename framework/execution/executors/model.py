@@ -16,7 +16,7 @@ from framework.common.config import EngineConfig, resolve_dtype_name
 from framework.common.registry import UnavailableError
 from framework.execution.executor import EXECUTORS, GiB, Executor, ExecutorOutput, size_kv_cache
 from framework.execution.cuda_graphs import DecodeGraphs, capture_sizes
-from framework.execution.host_memory import keep_freed_memory
+from framework.execution.host_memory import keep_freed_memory, lazy_zeros
 from framework.execution.input_preparer import PREPARERS
 from framework.execution.memory_profile import dummy_steps, peak_bytes, run_dummy_step
 from framework.execution.model_runner import ModelRunner
@@ -211,8 +211,8 @@ class ModelExecutor(Executor):
 
     def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
         cfg, config = self.source.config, self.config
-        kv_cache = torch.zeros(2, cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads,
-                               cfg.head_dim, dtype=self.dtype, device=self._device)
+        kv_cache = lazy_zeros((2, cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads,
+                               cfg.head_dim), self.dtype, self._device)
         preparer = PREPARERS.create_with(
             config.preparer, {"check": config.check_invariants, **config.preparer_options},
             max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len, block_size=config.block_size,

@@ -33,6 +33,8 @@ class PagedBlockAllocator(BlockAllocator):
     """Free blocks wait in one LRU queue: never-cached blocks at the front (handed out first),
     cached ones appended as they are freed, so the least recently used cached block is evicted
     first. A request's blocks are freed tail first, keeping shared prefix heads longest.
+    Blocks never handed out are made on first use (ids in order, after the queue's never-cached
+    front), so a pool of millions of blocks costs nothing until it fills.
 
     Several blocks may cache one hash (requests that computed the same prefix in one step); hits use the
     one indexed, the first cached. When it is evicted, ``promote_duplicate`` picks which copy takes its
@@ -45,8 +47,10 @@ class PagedBlockAllocator(BlockAllocator):
             raise ValueError(f"promote_duplicate must be one of {', '.join(map(repr, PROMOTE_DUPLICATE))}, "
                              f"got {promote_duplicate!r}")
         self._promote_index = PROMOTE_DUPLICATE[promote_duplicate]
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        #: Blocks handed out at least once, by id; the rest (ids len(_blocks) and up) are fresh.
+        self._blocks = [_Block(NULL_BLOCK)]
+        #: Free blocks handed out before: never-cached (or uncached) ones first, then cached, LRU.
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[int, int] = {}
         #: Further blocks caching a hash already indexed (requests that computed the same prefix
         #: in one step, or a swapped-in one's), oldest first: one of them takes the index when the
@@ -59,7 +63,7 @@ class PagedBlockAllocator(BlockAllocator):
     # -- capacity --------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self._blocks)
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -134,7 +138,7 @@ class PagedBlockAllocator(BlockAllocator):
                                      f"find the prefix again right before scheduling with it")
                 if blocks[bid].ref_count == 0:
                     reclaimed += 1
-        if num_new_blocks + cow + reclaimed > len(self._free):
+        if num_new_blocks + cow + reclaimed > self.num_free_blocks:
             return False
         first_allocation = not request.block_ids and request.num_computed_tokens == 0
 
@@ -149,7 +153,7 @@ class PagedBlockAllocator(BlockAllocator):
         if cow:
             idx = start // bs
             src = request.block_ids[idx]
-            dst = self._pop_free()
+            dst = self._take_free()
             self._blocks[src].ref_count -= 1
             request.block_ids[idx] = dst
             self._copies.append((src, dst))
@@ -172,7 +176,7 @@ class PagedBlockAllocator(BlockAllocator):
         blocks = self._blocks
         freed = sum(1 for bid, n in held.items() if blocks[bid].ref_count == n)
         reclaimed = sum(1 for bid in prefix.block_ids if blocks[bid].ref_count == held.get(bid, 0)) if prefix else 0
-        return self._new_blocks(request, num_new_tokens, prefix) + reclaimed <= len(self._free) + freed
+        return self._new_blocks(request, num_new_tokens, prefix) + reclaimed <= self.num_free_blocks + freed
 
     # -- decode runs (framework.sim.fast_forward.DecodeRunAllocator) ----------------------------
     def decode_run_blocks(self, requests: Sequence[Request], num_steps: int) -> int | None:
@@ -182,7 +186,7 @@ class PagedBlockAllocator(BlockAllocator):
         # request per bs steps bounds the run without visiting the requests.
         bs, blocks = self.block_size, self._blocks
         bound = len(requests) * -(-num_steps // bs)
-        if not self._forked and bound <= len(self._free):
+        if not self._forked and bound <= self.num_free_blocks:
             return bound
         needed = 0
         for req in requests:
@@ -221,21 +225,15 @@ class PagedBlockAllocator(BlockAllocator):
         in_use = self.num_used_blocks
         used: list[int] = []
         done = 0
-        # A long run has two events per request per block_size steps, both inlined here: taking
-        # one free block (_pop_free_blocks(1)) and sealing the block right after the last one
-        # hashed (_seal's loop for one new block).
-        popitem, blocks, index = self._free.popitem, self._blocks, self._hash_to_block
+        # A long run has two events per request per block_size steps: taking one free block and
+        # sealing the block right after the last one hashed (_seal's loop for one new block, inlined).
+        take, blocks, index = self._take_free, self._blocks, self._hash_to_block
         for j in steps:
             if track:
                 used.extend([in_use] * (j - 1 - done))
             for req, i in events.get(j, ()):
                 if i < 0:
-                    bid = popitem(last=False)[0]
-                    block = blocks[bid]
-                    if block.hash is not None:
-                        self._evict(block)
-                    block.ref_count = 1
-                    req.block_ids.append(bid)
+                    req.block_ids.append(take())
                     in_use += 1
                 elif len(hashes := req.block_hashes) == i:
                     toks = tuple(req.token_ids[i * bs:(i + 1) * bs])
@@ -288,18 +286,25 @@ class PagedBlockAllocator(BlockAllocator):
                 self._hash_copies.setdefault(h, []).append(bid)
 
     def _pop_free_blocks(self, num: int) -> list[int]:
-        """Take the ``num`` least recently used free blocks, evicting what they cache (a prefill
-        takes a block per block_size tokens, so the loop has its lookups hoisted)."""
-        popitem, blocks = self._free.popitem, self._blocks
-        taken = []
-        for _ in range(num):
-            bid = popitem(last=False)[0]
+        """Take ``num`` free blocks in the queue's order, evicting what they cache."""
+        take = self._take_free
+        return [take() for _ in range(num)]
+
+    def _take_free(self) -> int:
+        """The next free block, held once: the queue's never-cached front, else a fresh block, else
+        the least recently used cached block (its cache entry evicted)."""
+        free, blocks = self._free, self._blocks
+        bid = next(iter(free), None)
+        if bid is None or (blocks[bid].hash is not None and len(blocks) < self.num_blocks):
+            block = _Block(len(blocks))
+            blocks.append(block)
+        else:
+            del free[bid]
             block = blocks[bid]
             if block.hash is not None:
                 self._evict(block)
-            block.ref_count = 1
-            taken.append(bid)
-        return taken
+        block.ref_count = 1
+        return block.block_id
 
     def _evict(self, block: _Block) -> None:
         """Forget what a free block caches, as it is taken for new tokens."""
@@ -319,9 +324,6 @@ class PagedBlockAllocator(BlockAllocator):
         if copies is not None and not copies:
             del self._hash_copies[h]
         block.hash = block.token_ids = None
-
-    def _pop_free(self) -> int:
-        return self._pop_free_blocks(1)[0]
 
     def _release_all(self, request: Request) -> None:
         """Drop ``request``'s reference to each of its blocks, the tail first (it is then evicted
@@ -374,9 +376,9 @@ class PagedBlockAllocator(BlockAllocator):
         return mapping
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
-        if len(request.cpu_block_ids) > len(self._free):
+        if len(request.cpu_block_ids) > self.num_free_blocks:
             return None
-        mapping = [(cpu, self._pop_free()) for cpu in request.cpu_block_ids]
+        mapping = [(cpu, self._take_free()) for cpu in request.cpu_block_ids]
         request.block_ids = [dev for _, dev in mapping]
         self._cpu_free.extend(request.cpu_block_ids)
         request.cpu_block_ids = []
@@ -417,7 +419,8 @@ class PagedBlockAllocator(BlockAllocator):
                 f"block {block.block_id} is shared by {held} requests that disagree on its contents")
         used = sum(1 for b in self._blocks[1:] if b.ref_count > 0)
         # Cached blocks are free blocks that still hold a hash, so this counts them once.
-        assert used + len(self._free) == self.num_usable_blocks, "free + used + cached != total device blocks"
+        assert len(self._blocks) <= self.num_blocks, f"{len(self._blocks)} blocks made of a pool of {self.num_blocks}"
+        assert used + self.num_free_blocks == self.num_usable_blocks, "free + used + cached != total device blocks"
         assert NULL_BLOCK not in self._free, "the null block is in the free queue"
         for h, bid in self._hash_to_block.items():
             assert self._blocks[bid].hash == h, f"prefix index points block {bid} at a stale hash"

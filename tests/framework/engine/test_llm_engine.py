@@ -278,6 +278,20 @@ def test_prefix_cache_hit_rate_is_counted():
     assert stats.prefix_query_tokens == 80 and stats.prefix_hit_tokens == 32
 
 
+def test_the_prefix_cache_holds_more_than_the_running_requests_can_use():
+    # As in vLLM, every block of the budget is in the pool: 2 requests of 64 tokens use at most 8 blocks
+    # of 16, yet 12 prompts of 3 blocks each are all still cached for a second pass.
+    llm = small_llm(max_model_len=64, max_num_seqs=2, kv_cache_memory_gb=0.01)
+    assert llm.engine.allocator.num_usable_blocks > 12 * 3
+    prompts = [{"prompt_token_ids": [3 + i] * 48} for i in range(12)]
+    llm.generate(prompts, GREEDY)
+    stats = llm.engine.allocator.stats
+    hits = stats.prefix_hit_tokens
+    second = llm.generate(prompts, GREEDY)
+    assert stats.prefix_hit_tokens - hits == 12 * 32  # each prompt's two full blocks but the last token's
+    assert [o.num_cached_tokens for o in second] == [32] * 12
+
+
 # -- online API ---------------------------------------------------------------------------------
 def test_abort_frees_blocks_and_reports():
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=256))

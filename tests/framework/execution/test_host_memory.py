@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from framework.execution import host_memory
 
@@ -126,3 +127,19 @@ def test_to_device_copies_through_pinned_memory_and_the_host_array_may_change_at
     array[:] = -1  # the staged pinned copy is what travels
     assert on_device.device.type == "cuda" and on_device.dtype == torch.int32
     assert torch.equal(on_device.cpu(), torch.arange(1 << 20, dtype=torch.int32))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lazy_zeros_on_the_cpu_take_memory_only_where_written(dtype):
+    before = _rss_bytes()
+    zeros = host_memory.lazy_zeros((2, 4, 1 << 25), dtype, torch.device("cpu"))  # 0.5-1 GiB
+    assert zeros.shape == (2, 4, 1 << 25) and zeros.dtype == dtype and zeros.is_contiguous()
+    zeros[1, 3, -1] = 2.0
+    zeros[0, 0, 0] = 1.0
+    assert _rss_bytes() - before < 32 << 20
+    assert zeros[0, 1, :1000].abs().sum() == 0 and zeros[1, 3, -2:].tolist() == [0.0, 2.0]

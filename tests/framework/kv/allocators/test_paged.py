@@ -1,3 +1,5 @@
+import tracemalloc
+
 import pytest
 
 from framework.kv.allocators import paged
@@ -26,6 +28,24 @@ def test_allocate_free_and_null_block():
     alloc.check_invariants([r])
     alloc.free(r)
     assert r.block_ids == [] and alloc.num_free_blocks == 5
+    alloc.check_invariants([])
+
+
+def test_a_pool_of_millions_of_blocks_takes_memory_only_for_the_blocks_handed_out():
+    tracemalloc.start()
+    try:
+        alloc = PagedBlockAllocator(num_blocks=2_000_000, block_size=4)
+        built = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert built < 1 << 20
+    assert alloc.num_free_blocks == 1_999_999
+    r = req("a", list(range(10)))
+    compute(alloc, r, 10)
+    assert r.block_ids == [1, 2, 3] and alloc.num_free_blocks == 1_999_996
+    alloc.check_invariants([r])
+    alloc.free(r)
+    assert alloc.num_free_blocks == 1_999_999
     alloc.check_invariants([])
 
 
