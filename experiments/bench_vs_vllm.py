@@ -22,7 +22,9 @@ outputs agree.
 ``--shape`` splits a gap by phase: ``mixed`` is the engine-speed issue's workload (prompts of 32-256
 tokens, outputs of 16-128), ``prefill`` the same prompts with one output token each (tok/s counts
 prompt tokens; prefix caching off on both sides, or later rounds would find every prompt cached), ``decode`` 32-token prompts with 256 output tokens each (a batch of ``--num-requests``
-decoding together when it is at most 64, ``max_num_seqs``).
+decoding together when it is at most 64, ``max_num_seqs``). The rounds repeat one workload, so a
+prefix cache finds most prompts of the earlier rounds; ``--fresh-prompts`` gives every round (warm-up
+included) prompts of its own, as distinct users' would be.
 
 A configuration ending in ``:spin`` runs with ``GOMP_SPINCOUNT`` (``--spin-count``) instead of the
 engine's ``OMP_WAIT_POLICY=PASSIVE``: its OpenMP worker spins between operators, as vLLM's do, which
@@ -64,8 +66,9 @@ def setup_venv(venv: Path) -> Path:
 
 # -- workers ----------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
-    """Load one side, warm it up, then answer "run" lines on stdin with one JSON line each."""
-    work = json.loads(Path(args.work).read_text())
+    """Load one side, warm it up, then answer "run I" lines on stdin (workload I of the work file) with one
+    JSON line each."""
+    works = json.loads(Path(args.work).read_text())
     if args.worker == "vllm":
         generate, cpu_time = _vllm_side(args)
     else:
@@ -73,8 +76,10 @@ def worker(args: argparse.Namespace) -> None:
     generate([[5, 6, 7]], [4])  # warm-up outside the timed rounds
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        if line.strip() != "run":
+        command, _, index = line.partition(" ")
+        if command != "run":
             break
+        work = works[int(index)]
         cpu0, t0 = cpu_time(), time.perf_counter()
         outputs = generate([p for p, _ in work], [m for _, m in work])
         seconds, cpu = time.perf_counter() - t0, cpu_time() - cpu0
@@ -145,8 +150,9 @@ class Worker:
                 return json.loads(line)
         raise RuntimeError(f"the {self.side} worker exited with status {self.proc.wait()}")
 
-    def run(self) -> dict:
-        self.proc.stdin.write("run\n")
+    def run(self, index: int = 0) -> dict:
+        """Time one ``LLM.generate`` over workload ``index`` of the work file."""
+        self.proc.stdin.write(f"run {index}\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -170,18 +176,23 @@ def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_throughput import build_checkpoint, workload
 
-    work = shaped(workload(args.num_requests, args.seed), args.shape)
-    prompt_tokens = sum(len(p) for p, _ in work)
-    useful = prompt_tokens if args.shape == "prefill" else sum(m for _, m in work)
+    # Fresh prompts: round i's are workload(seed + 1 + i)'s, the same on every side; lengths as seed's.
+    works = [shaped(workload(args.num_requests, args.seed), args.shape)]
+    if args.fresh_prompts:
+        works = [[(p, m) for (p, _), (_, m) in zip(workload(args.num_requests, args.seed + 1 + i), works[0])]
+                 for i in range(args.warmup + args.rounds)]
+        works = [shaped(w, args.shape) for w in works]
+    counted = [sum(len(p) if args.shape == "prefill" else m for p, m in w) for w in works]
+    work = works[0]
     print(f"workload ({args.shape}, tok/s counts {'prompt' if args.shape == 'prefill' else 'output'} tokens): "
-          f"{len(work)} requests, {prompt_tokens} prompt tokens, {sum(m for _, m in work)} output tokens; "
-          f"dtype={args.dtype}, threads={args.threads}, {args.rounds} interleaved rounds after {args.warmup} untimed",
-          flush=True)
+          f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, {sum(m for _, m in work)} output "
+          f"tokens{', fresh prompts every round' if args.fresh_prompts else ''}; dtype={args.dtype}, "
+          f"threads={args.threads}, {args.rounds} interleaved rounds after {args.warmup} untimed", flush=True)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         build_checkpoint(tmp, args.seed)
         work_file = str(Path(tmp) / "work.json")
-        Path(work_file).write_text(json.dumps(work))
+        Path(work_file).write_text(json.dumps(works))
         sides = [*args.policies, "vllm"]
         workers = []
         try:
@@ -189,34 +200,37 @@ def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]
                 t0 = time.perf_counter()
                 workers.append(Worker(vllm_python if side == "vllm" else sys.executable, side, tmp, work_file, args))
                 print(f"{side}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
-            for _ in range(args.warmup):
+            for i in range(args.warmup):
                 for w in workers:
-                    w.run()
+                    w.run(i % len(works))
             for r in range(args.rounds):
+                i = (args.warmup + r) % len(works)
                 for w in workers:
-                    result = w.run()
+                    result = w.run(i)
+                    result["tokens"] = counted[i]
                     runs.setdefault(w.side, []).append(result)
-                    print(f"round {r + 1} {w.side:>14s}: {useful / result['seconds']:7.0f} tok/s, "
-                          f"{useful / result['cpu_seconds']:7.0f} tok/CPU-s", flush=True)
+                    print(f"round {r + 1} {w.side:>14s}: {counted[i] / result['seconds']:7.0f} tok/s, "
+                          f"{counted[i] / result['cpu_seconds']:7.0f} tok/CPU-s", flush=True)
         finally:
             for w in workers:
                 w.close()
-    report(runs, useful)
+    report(runs)
     return runs
 
 
-def report(runs: dict[str, list[dict]], useful: int) -> None:
+def report(runs: dict[str, list[dict]]) -> None:
+    """Each side's median tok/s, its per-round ratios to vLLM, and its greedy outputs against vLLM's."""
     base = runs["vllm"]
-    reference = base[0]["outputs"]
     print(f"\n{'side':>14s} {'tok/s (median)':>15s} {'x vLLM (median, range)':>26s} {'x vLLM per CPU-s':>17s} "
           f"{'greedy = vLLM':>14s}")
     for side, results in runs.items():
         ratios = [b["seconds"] / r["seconds"] for r, b in zip(results, base)]
         cpu_ratios = [b["cpu_seconds"] / r["cpu_seconds"] for r, b in zip(results, base)]
-        same = sum(a == b for a, b in zip(results[0]["outputs"], reference))
-        tok_s = statistics.median(useful / r["seconds"] for r in results)
+        same = sum(a == b for r, b in zip(results, base) for a, b in zip(r["outputs"], b["outputs"]))
+        total = sum(len(b["outputs"]) for b in base)
+        tok_s = statistics.median(r["tokens"] / r["seconds"] for r in results)
         print(f"{side:>14s} {tok_s:15.0f} {statistics.median(ratios):10.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-              f"{'':9s} {statistics.median(cpu_ratios):17.2f} {same:>8d}/{len(reference)}")
+              f"{'':9s} {statistics.median(cpu_ratios):17.2f} {same:>8d}/{total}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--shape", default="mixed", choices=SHAPES,
                     help="the workload: the issue's mixed one, or its prefill or decode phase alone")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="every round its own prompts, so none is found in a prefix cache from an earlier round")
     ap.add_argument("--policies", default="fcfs,chunked",
                     help="this engine's configurations, comma-separated: POLICY, or POLICY+sdpa for torch_paged's "
                          "SDPA decode path instead of its C++ kernel; a :spin suffix spins the OpenMP workers")

@@ -44,14 +44,42 @@ def test_a_shape_keeps_one_phase_of_the_mixed_workload():
     assert all(len(p) + m <= bench_vs_vllm.MAX_MODEL_LEN for p, m in bench_vs_vllm.shaped(work, "decode"))
 
 
+@pytest.mark.parametrize("fresh", [False, True])
+def test_fresh_prompts_give_every_round_its_own_prompts_and_the_same_lengths(fresh, monkeypatch, capsys):
+    seen: dict[str, list] = {}
+
+    class FakeWorker:
+        def __init__(self, python, side, model, work, args):
+            self.side, self.works = side, json.loads(Path(work).read_text())
+
+        def run(self, index=0):
+            seen.setdefault(self.side, []).append(self.works[index])
+            return {"seconds": 1.0, "cpu_seconds": 1.0, "outputs": [[index]] * len(self.works[index])}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_vs_vllm, "Worker", FakeWorker)
+    args = argparse.Namespace(num_requests=4, seed=0, shape="mixed", fresh_prompts=fresh, warmup=1, rounds=2,
+                              policies=["chunked"], dtype="float32", threads=1)
+    runs = bench_vs_vllm.compare(args, sys.executable)
+    assert seen["chunked"] == seen["vllm"] and len(seen["vllm"]) == 3
+    prompts = [[p for p, _ in work] for work in seen["vllm"]]
+    lengths = {tuple(m for _, m in work) for work in seen["vllm"]}
+    assert len(lengths) == 1
+    assert (prompts[0] != prompts[1] != prompts[2] != prompts[0]) if fresh else (prompts[0] == prompts[1] == prompts[2])
+    assert [r["tokens"] for r in runs["chunked"]] == [sum(lengths.pop())] * 2
+    assert "8/8" in capsys.readouterr().out  # both timed rounds of 4 requests compared
+
+
 def test_a_servelab_worker_runs_the_workload_as_the_engine_does(llama_ckpt, tmp_path):
     path, _ = llama_ckpt
     work = [([5, 6, 7, 8], 6), ([9, 10], 3), (list(range(20, 60)), 5)]
-    (tmp_path / "work.json").write_text(json.dumps(work))
+    (tmp_path / "work.json").write_text(json.dumps([[([1, 2], 2)], work]))
     args = argparse.Namespace(threads=1, dtype="float32", spin_count=1000, shape="mixed")
     worker = bench_vs_vllm.Worker(sys.executable, "chunked:spin", str(path), str(tmp_path / "work.json"), args)
     try:
-        first, second = worker.run(), worker.run()
+        first, second = worker.run(1), worker.run(1)
     finally:
         worker.close()
     assert worker.proc.returncode == 0
