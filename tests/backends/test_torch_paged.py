@@ -1,5 +1,6 @@
-"""torch_paged: how its step planner groups the requests, and its two decode kernels (the numerics of
-its default path are checked against the float64 reference in test_agreement.py)."""
+"""torch_paged: how its step planner groups the requests (SDPA's prefill groups, the C++ kernel's rows),
+and both ways for decodes and prefills (the numerics of its default path are checked against the
+float64 reference in test_agreement.py)."""
 import re
 from types import SimpleNamespace
 
@@ -43,7 +44,7 @@ def test_decodes_run_as_one_group_whatever_their_number():
     specs = [(int(c), 1) for c in np.random.default_rng(0).integers(0, 200, size=50)] + [(0, 30), (64, 20)]
     batch = random_batch(specs, 4, 2, 16, 16, torch.float32, seed=0)
     backend = BACKENDS.create("torch_paged", num_heads=4, num_kv_heads=2, head_dim=16, scale=batch.scale,
-                              block_size=16, dtype=torch.float32, device="cpu")
+                              block_size=16, dtype=torch.float32, device="cpu", prefill_kernel="sdpa")
     groups = backend.build_metadata(batch.meta).groups
     assert [g.num_reqs for g in groups][0] == 50 and groups[0].q_len == 1
     assert sum(g.num_reqs for g in groups) == 52
@@ -52,7 +53,7 @@ def test_decodes_run_as_one_group_whatever_their_number():
 def test_a_lone_full_prefill_runs_causal_without_a_mask():
     batch = random_batch([(0, 37)], 4, 2, 16, 16, torch.float32, seed=0)
     backend = BACKENDS.create("torch_paged", num_heads=4, num_kv_heads=2, head_dim=16, scale=batch.scale,
-                              block_size=16, dtype=torch.float32, device="cpu")
+                              block_size=16, dtype=torch.float32, device="cpu", prefill_kernel="sdpa")
     (group,) = backend.build_metadata(batch.meta).groups
     assert group.mask is None
     before = batch.kv_cache.clone()
@@ -73,10 +74,11 @@ def test_a_backend_used_under_inference_mode_still_runs_outside_it():
 
 
 def make(decode_kernel: str, dtype: torch.dtype = torch.float32, device: str = "cpu", num_heads: int = 4,
-         num_kv_heads: int = 2, head_dim: int = 16, block_size: int = 16):
+         num_kv_heads: int = 2, head_dim: int = 16, block_size: int = 16, prefill_kernel: str | None = None):
+    """A torch_paged backend; ``prefill_kernel`` defaults to ``decode_kernel``'s value."""
     return BACKENDS.create("torch_paged", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            scale=head_dim ** -0.5, block_size=block_size, dtype=dtype, device=device,
-                           decode_kernel=decode_kernel)
+                           decode_kernel=decode_kernel, prefill_kernel=prefill_kernel or decode_kernel)
 
 
 @pytest.mark.parametrize("decode_kernel", ["cpp", "sdpa"])
@@ -98,24 +100,64 @@ def test_both_decode_kernels_match_the_float64_reference(decode_kernel, dtype, n
     check(out, batch, before, dtype)
 
 
-def test_the_decode_kernel_takes_queries_spread_through_the_batch():
-    # Decodes between prefills: their rows are not consecutive, so they are gathered and put back.
-    specs = [(40, 1), (0, 12), (7, 1), (16, 4), (99, 1)]
+@pytest.mark.parametrize("decode_kernel, prefill_kernel", [("cpp", "sdpa"), ("sdpa", "cpp")])
+def test_the_kernel_takes_rows_spread_through_the_batch(decode_kernel, prefill_kernel):
+    # Decodes between prefills, one kind in the kernel: its rows are not consecutive, so they are
+    # gathered and put back.
+    specs = [(40, 1), (0, 12), (7, 1), (16, 4), (99, 1), (3, 2)]
     batch = random_batch(specs, 4, 2, 16, 16, torch.float32, seed=5)
-    backend = make("cpp")
+    backend = make(decode_kernel, prefill_kernel=prefill_kernel)
     meta = backend.build_metadata(batch.meta)
-    assert next(g for g in meta.groups if g.q_len == 1).out_start is None
+    kernel = [g for g in meta.groups if g.seq_lens is not None]
+    assert len(kernel) == 1 and kernel[0].out_start is None
+    assert kernel[0].num_reqs == (3 if decode_kernel == "cpp" else 18), "a row per decode, or per prefill token"
     before = batch.kv_cache.clone()
     check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
 
 
-@pytest.mark.parametrize("decode_kernel, device, match", [
-    ("fast", "cpu", "backend.decode_kernel must be one of auto, cpp, sdpa, got 'fast'"),
-    ("cpp", "cuda", "backend.decode_kernel=cpp runs on a CPU, not cuda; use auto or sdpa"),
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 16), (8, 8, 32), (6, 1, 64), (4, 1, 128)])
+def test_the_kernel_runs_prefills_as_a_row_per_token_of_its_causal_length(dtype, num_heads, num_kv_heads, head_dim):
+    # Full prefills, chunked prefills and prefix hits (context before the new tokens), across block
+    # edges, beside decodes: one kernel call, nothing masked or gathered, equal to the float64 reference.
+    specs = [(0, 40), (17, 30), (32, 1), (5, 64), (100, 3), (0, 2), (63, 1), (16, 16), (0, 1)]
+    batch = random_batch(specs, num_heads, num_kv_heads, head_dim, 16, dtype, seed=head_dim + 1)
+    backend = make("cpp", dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    meta = backend.build_metadata(batch.meta)
+    assert len(meta.groups) == 1 and meta.groups[0].num_reqs == sum(n for _, n in specs)
+    assert meta.groups[0].out_start == 0 and meta.groups[0].mask is None
+    assert meta.groups[0].seq_lens.tolist()[:42] == list(range(1, 41)) + [18, 19]
+    before = batch.kv_cache.clone()
+    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
+    assert backend._workspace is None, "nothing gathered"
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_the_kernel_cuts_rows_of_uneven_work_into_runs_that_cover_each_row_once(threads):
+    # Short decodes first, then a long prefill's rows (the long ones together): every row must land in
+    # exactly one thread's run, whatever the thread count against the row count.
+    specs = [(3, 1)] * 5 + [(0, 90), (200, 1), (0, 2)]
+    batch = random_batch(specs, 4, 2, 16, 16, torch.float32, seed=threads)
+    backend = make("cpp")
+    before = batch.kv_cache.clone()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
+    finally:
+        torch.set_num_threads(previous)
+    check(out, batch, before, torch.float32)
+
+
+@pytest.mark.parametrize("decode_kernel, prefill_kernel, device, match", [
+    ("fast", "auto", "cpu", "backend.decode_kernel must be one of auto, cpp, sdpa, got 'fast'"),
+    ("auto", "fast", "cpu", "backend.prefill_kernel must be one of auto, cpp, sdpa, got 'fast'"),
+    ("cpp", "auto", "cuda", "backend.decode_kernel=cpp runs on a CPU, not cuda; use auto or sdpa"),
+    ("sdpa", "cpp", "cuda", "backend.prefill_kernel=cpp runs on a CPU, not cuda; use auto or sdpa"),
 ])
-def test_a_bad_decode_kernel_is_a_one_line_error(decode_kernel, device, match):
+def test_a_bad_kernel_is_a_one_line_error(decode_kernel, prefill_kernel, device, match):
     with pytest.raises(ValueError, match=re.escape(match)):
-        make(decode_kernel, device=device)
+        make(decode_kernel, device=device, prefill_kernel=prefill_kernel)
 
 
 def test_without_a_built_kernel_auto_falls_back_to_sdpa_and_cpp_says_why(monkeypatch, caplog):
@@ -129,7 +171,7 @@ def test_without_a_built_kernel_auto_falls_back_to_sdpa_and_cpp_says_why(monkeyp
     with pytest.raises(UnavailableError, match="no compiler"):
         make("cpp")
     backend = make("auto")
-    assert "decodes use SDPA" in caplog.text
+    assert "attention uses SDPA" in caplog.text
     batch = random_batch([(20, 1), (3, 1), (0, 6)], 4, 2, 16, 16, torch.float32, seed=1)
     meta = backend.build_metadata(batch.meta)
     assert all(g.seq_lens is None for g in meta.groups)
@@ -199,4 +241,4 @@ def test_the_declared_workspace_covers_what_a_step_holds(monkeypatch, decode_ker
     if backend._workspace is not None:
         held += backend._workspace.nbytes
     assert held <= backend.workspace_bytes(max_num_seqs, max_model_len, tokens)
-    assert held > 0 or (kind, decode_kernel) == ("decodes", "cpp"), "the C++ kernel reads decodes in place"
+    assert held > 0 or decode_kernel == "cpp", "the C++ kernel reads K/V in place"
