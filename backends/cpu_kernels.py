@@ -11,7 +11,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_paged_decode.cpp"
 
 
 def paged_decode() -> Callable[..., None]:
-    """``paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, out)`` (see the source);
+    """``paged_decode(q, k_cache, v_cache, block_table, table_rows, seq_lens, scale, out)`` (see the source);
     UnavailableError, naming what is missing, when it cannot be built here."""
     try:
         return load_cpu_extension("paged_decode", SOURCE, "the C++ attention kernel for CPUs").paged_decode

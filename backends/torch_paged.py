@@ -52,9 +52,11 @@ class PagedGroup:
     out_start: int | None
     out_rows: torch.Tensor | None
     out_index: torch.Tensor | None
-    #: For the C++ kernel, whose rows are tokens (``num_reqs`` of them, ``q_len`` 1, ``block_ids`` each
-    #: token's request's blocks): each token's causal length, its position + 1 (int64, on the host).
+    #: For the C++ kernel, whose rows are tokens (``num_reqs`` of them, ``q_len`` 1; ``block_ids`` their
+    #: requests' blocks, ``num_blocks`` per request): each token's causal length, its position + 1, and
+    #: ``table_rows``, the index of its request's blocks in ``block_ids`` (int64, on the host).
     seq_lens: torch.Tensor | None = None
+    table_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -138,8 +140,8 @@ class TorchPagedBackend(AttentionBackend):
         return TorchPagedMetadata(meta, groups + [self._plan(meta, reqs, device) for reqs in plans])
 
     def _plan_rows(self, meta: AttentionMetadata, reqs: np.ndarray, device: torch.device) -> PagedGroup:
-        """The C++ kernel's group: every token of ``reqs`` one query row, with its request's blocks and
-        its causal length (a decode's row is its request's)."""
+        """The C++ kernel's group: every token of ``reqs`` one query row, pointing at its request's blocks,
+        with its causal length (a decode's row is its request's)."""
         qsl = meta.query_start_loc_cpu
         starts, q_lens, seq_lens = qsl[reqs], qsl[reqs + 1] - qsl[reqs], meta.seq_lens_cpu[reqs]
         req_of = np.repeat(np.arange(len(reqs)), q_lens)
@@ -147,7 +149,7 @@ class TorchPagedBackend(AttentionBackend):
         offset = np.arange(len(req_of)) - first  # the token's index within its request's new tokens
         rows = starts[req_of] + offset
         num_blocks = -(-int(seq_lens.max()) // meta.block_size)
-        block_ids = meta.block_table_cpu[reqs, :num_blocks][req_of]
+        block_ids = meta.block_table_cpu[reqs, :num_blocks]
         contiguous = rows[-1] - rows[0] + 1 == len(rows)  # rows ascend, so no gap means one slice
         return PagedGroup(
             num_reqs=len(rows), q_len=1, num_blocks=num_blocks, mask=None,
@@ -155,7 +157,8 @@ class TorchPagedBackend(AttentionBackend):
             block_ids=to_device(block_ids.ravel(), device, torch.long),
             out_start=int(rows[0]) if contiguous else None, out_rows=None,
             out_index=None if contiguous else to_device(rows, device, torch.long),
-            seq_lens=to_device((seq_lens - q_lens)[req_of] + offset + 1, device, torch.long))
+            seq_lens=to_device((seq_lens - q_lens)[req_of] + offset + 1, device, torch.long),
+            table_rows=to_device(req_of, device, torch.long))
 
     def _plan(self, meta: AttentionMetadata, reqs: np.ndarray, device: torch.device) -> PagedGroup:
         bs = meta.block_size
@@ -291,8 +294,8 @@ class TorchPagedBackend(AttentionBackend):
         else:
             queries = q.index_select(0, g.token_rows)
         o = torch.empty_like(queries)
-        self._kernel(queries, kv_cache[0], kv_cache[1], g.block_ids.view(g.num_reqs, g.num_blocks), g.seq_lens,
-                           self.scale, o)
+        self._kernel(queries, kv_cache[0], kv_cache[1], g.block_ids.view(-1, g.num_blocks), g.table_rows, g.seq_lens,
+                     self.scale, o)
         if g.out_start is not None:
             out[g.out_start:g.out_start + g.num_reqs] = o
         else:

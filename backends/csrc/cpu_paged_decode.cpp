@@ -48,7 +48,8 @@ inline void for_each_row(const T* cache, const int64_t* blocks, int64_t len, int
 // kD > 0 fixes head_dim at compile time so the row loops vectorise; 0 reads it at run time.
 template <typename T, int kD>
 void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-            const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+            const torch::Tensor& block_table, const torch::Tensor& table_rows, const torch::Tensor& seq_lens,
+            double scale, torch::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1);
   const int64_t D = kD > 0 ? kD : q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
@@ -59,6 +60,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* table_row = table_rows.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   int64_t max_len = 0;
@@ -80,7 +82,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
     std::vector<float> qf(H * D), acc(H * D), row(D), scores(H * max_len);
     for (int64_t r = cut[first_run]; r < cut[last_run]; ++r) {
       const int64_t len = lens[r];
-      const int64_t* blocks = table + r * table_width;
+      const int64_t* blocks = table + table_row[r] * table_width;
       const T* qr = qp + r * H * D;
       for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qr[i]) * sc;
       for_each_row(kp, blocks, len, bs, k_blk, k_tok, k_head, KVH, D, row.data(),
@@ -121,33 +123,36 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 
 template <typename T>
 void decode_any_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                    const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale,
-                    torch::Tensor& out) {
+                    const torch::Tensor& block_table, const torch::Tensor& table_rows,
+                    const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   switch (q.size(2)) {
-    case 32: decode<T, 32>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
-    case 64: decode<T, 64>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
-    case 128: decode<T, 128>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
-    default: decode<T, 0>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+    case 32: decode<T, 32>(q, k_cache, v_cache, block_table, table_rows, seq_lens, scale, out); break;
+    case 64: decode<T, 64>(q, k_cache, v_cache, block_table, table_rows, seq_lens, scale, out); break;
+    case 128: decode<T, 128>(q, k_cache, v_cache, block_table, table_rows, seq_lens, scale, out); break;
+    default: decode<T, 0>(q, k_cache, v_cache, block_table, table_rows, seq_lens, scale, out);
   }
 }
 
 }  // namespace
 
 // q, out: [n, H, D], a query row each; k_cache, v_cache: [blocks, block_size, KVH, D] (D contiguous);
-// block_table: [n, >= ceil(max seq_len / block_size)] int64, row r's blocks; seq_lens: [n] int64, each
-// >= 1: row r attends to tokens [0, seq_lens[r]) of its blocks.
+// block_table: [requests, >= ceil(max seq_len / block_size)] int64; table_rows: [n] int64, the
+// block-table row of each query row (a prefill's tokens share their request's); seq_lens: [n] int64,
+// each >= 1: query row r attends to tokens [0, seq_lens[r]) of its blocks.
 void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                  const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale, torch::Tensor out) {
+                  const torch::Tensor& block_table, const torch::Tensor& table_rows, const torch::Tensor& seq_lens,
+                  double scale, torch::Tensor out) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the cache's head_dim must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong,
-              "block_table and seq_lens must be int64");
-  TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table and seq_lens must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == torch::kLong && table_rows.scalar_type() == torch::kLong &&
+              seq_lens.scalar_type() == torch::kLong, "block_table, table_rows and seq_lens must be int64");
+  TORCH_CHECK(block_table.is_contiguous() && table_rows.is_contiguous() && seq_lens.is_contiguous(),
+              "block_table, table_rows and seq_lens must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   switch (q.scalar_type()) {
-    case torch::kFloat: decode_any_dim<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
-    case torch::kBFloat16: decode_any_dim<c10::BFloat16>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
-    case torch::kHalf: decode_any_dim<c10::Half>(q, k_cache, v_cache, block_table, seq_lens, scale, out); break;
+    case torch::kFloat: decode_any_dim<float>(q, k_cache, v_cache, block_table, table_rows, seq_lens, scale, out); break;
+    case torch::kBFloat16: decode_any_dim<c10::BFloat16>(q, k_cache, v_cache, block_table, table_rows, seq_lens, scale, out); break;
+    case torch::kHalf: decode_any_dim<c10::Half>(q, k_cache, v_cache, block_table, table_rows, seq_lens, scale, out); break;
     default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ", q.scalar_type());
   }
 }

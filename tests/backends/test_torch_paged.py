@@ -127,6 +127,7 @@ def test_the_kernel_runs_prefills_as_a_row_per_token_of_its_causal_length(dtype,
     assert len(meta.groups) == 1 and meta.groups[0].num_reqs == sum(n for _, n in specs)
     assert meta.groups[0].out_start == 0 and meta.groups[0].mask is None
     assert meta.groups[0].seq_lens.tolist()[:42] == list(range(1, 41)) + [18, 19]
+    assert meta.groups[0].table_rows.tolist()[:42] == [0] * 40 + [1, 1], "a token points at its request's blocks"
     before = batch.kv_cache.clone()
     check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
     assert backend._workspace is None, "nothing gathered"
