@@ -105,7 +105,6 @@ class TorchPagedBackend(AttentionBackend):
                 raise ValueError(f"backend.{key} must be one of {', '.join(KERNELS)}, got {value!r}")
             if value == "cpp" and self.device.type != "cpu":
                 raise ValueError(f"backend.{key}=cpp runs on a CPU, not {self.device}; use auto or sdpa")
-        self.decode_kernel, self.prefill_kernel = decode_kernel, prefill_kernel
         # Whether a masked prefill group's query heads go in as rows of their K/V head (see _attend):
         # on CUDA SDPA has no fused kernel for a mask with GQA; a CPU's flash kernel takes both, and
         # ran 1.2-2x faster than the folded rows (2 cores, head_dim 32-128).

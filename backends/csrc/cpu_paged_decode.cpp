@@ -106,34 +106,24 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
-      if constexpr (std::is_same_v<T, float> && kD > 0) {
-        // One query head at a time, its D sums held in registers over all tokens: summing every
-        // head's row into memory per token is bound by the stores.
-        for (int64_t head = 0; head < H; ++head) {
-          const float* p = &scores[head * max_len];
-          const float* vh = vp + (head / G) * v_head;
-          float a[kD] = {};
-          for (int64_t start = 0; start < len; start += bs) {
-            const float* block = vh + blocks[start / bs] * v_blk;
-            const int64_t stop = std::min(bs, len - start);
-            for (int64_t i = 0; i < stop; ++i) {
-              const float pi = p[start + i];
-              const float* v = block + i * v_tok;
-              for (int64_t d = 0; d < kD; ++d) a[d] += pi * v[d];
-            }
+      // One query head at a time over all of its tokens, its D sums in registers when D is a constant:
+      // summing every head's row into memory per token is bound by the stores.
+      for (int64_t head = 0; head < H; ++head) {
+        const float* p = &scores[head * max_len];
+        const T* vh = vp + (head / G) * v_head;
+        float local[kD > 0 ? kD : 1] = {};
+        float* a = kD > 0 ? local : &acc[head * D];
+        if constexpr (kD == 0) std::fill(a, a + D, 0.f);
+        for (int64_t start = 0; start < len; start += bs) {
+          const T* block = vh + blocks[start / bs] * v_blk;
+          const int64_t stop = std::min(bs, len - start);
+          for (int64_t i = 0; i < stop; ++i) {
+            const float pi = p[start + i];
+            const T* v = block + i * v_tok;
+            for (int64_t d = 0; d < D; ++d) a[d] += pi * to_float(v[d]);
           }
-          std::copy(a, a + kD, &acc[head * kD]);
         }
-      } else {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for_each_row(vp, blocks, len, bs, v_blk, v_tok, v_head, KVH, D, row.data(),
-                     [&](int64_t t, int64_t h, const float* v) {
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[(h * G + g) * max_len + t];
-            float* a = &acc[(h * G + g) * D];
-            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-          }
-        });
+        if constexpr (kD > 0) std::copy(local, local + kD, &acc[head * kD]);
       }
       T* orow = op + r * H * D;
       for (int64_t i = 0; i < H * D; ++i) orow[i] = static_cast<T>(acc[i]);
