@@ -188,6 +188,8 @@ class ModelExecutor(Executor):
         workspace = self.backend.workspace_bytes(config.max_num_seqs, config.max_model_len,
                                                  config.max_num_batched_tokens)
         step = max(self.profile_step_bytes(), workspace)
+        # What this process's allocator caches (an earlier engine's freed cache) is free to take.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self._device)
         return max(0.0, total * config.gpu_memory_utilization - (total - free) - step)
 
