@@ -23,8 +23,6 @@ from framework.execution.attention import BACKENDS, AttentionBackend, AttentionM
 from framework.common.registry import UnavailableError
 
 _KERNELS = "backends.triton_kernels"
-#: The interpreted copy of ``_KERNELS`` (same source, its own module object and ``INTERPRETED``).
-_INTERPRETED_KERNELS = "backends.triton_kernels_interpreted"
 INTERPRETER_NOTICE = ("servelab: the triton attention backend on a CPU runs its kernels through Triton's "
                       "interpreter (numpy's BLAS on one thread). Correct but slow.")
 
@@ -39,28 +37,34 @@ def load_kernels(device: torch.device) -> ModuleType:
                                f"install it with `pip install triton`") from exc
     if device.type == "cuda":
         return importlib.import_module(_KERNELS)
-    module = sys.modules.get(_INTERPRETED_KERNELS)
-    if module is None:
-        module = _import_interpreted()
+    if _KERNELS + INTERPRETED_SUFFIX not in sys.modules:
         print(INTERPRETER_NOTICE, file=sys.stderr, flush=True)
+    module = import_interpreted(_KERNELS)
+    assert module.INTERPRETED, "the kernels were not decorated for the interpreter"
     _single_threaded_numpy_blas()
     return module
 
 
-def _import_interpreted() -> ModuleType:
-    """Execute the kernel source as ``_INTERPRETED_KERNELS`` with the interpreter on: ``triton.jit``
-    picks the interpreter when a kernel is decorated, so the switch need not outlive the import."""
-    origin = importlib.util.find_spec(_KERNELS).origin
-    spec = importlib.util.spec_from_file_location(_INTERPRETED_KERNELS, origin)
+#: The interpreted copy of a kernel module is that source executed as this name plus the suffix.
+INTERPRETED_SUFFIX = "_interpreted"
+
+
+def import_interpreted(name: str) -> ModuleType:
+    """Module ``name`` executed once more as ``name + INTERPRETED_SUFFIX`` with the interpreter on (cached):
+    ``triton.jit`` picks the interpreter when a kernel is decorated, so the switch need not outlive the import."""
+    alias = name + INTERPRETED_SUFFIX
+    if alias in sys.modules:
+        return sys.modules[alias]
+    origin = importlib.util.find_spec(name).origin
+    spec = importlib.util.spec_from_file_location(alias, origin)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[_INTERPRETED_KERNELS] = module  # dataclasses look their module up while it executes
+    sys.modules[alias] = module  # dataclasses look their module up while it executes
     try:
         with _interpreter_switched_on():
             spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[_INTERPRETED_KERNELS]
+        del sys.modules[alias]
         raise
-    assert module.INTERPRETED, "the kernels were not decorated for the interpreter"
     return module
 
 

@@ -5,7 +5,7 @@ ships in Triton's wheel; no GPU needed. Run in a process where Triton is not int
 
 Each configuration is compiled as ``tile_sizes`` tiles it on a GPU for a decode step and for a
 prefill step (the first also with key splits and their combine kernel, and as a graph-captured decode
-reading its lengths on the device), with the K/V store.
+reading its lengths on the device), with the K/V store and the model's fused operators (``models.cuda_ops``).
 Prints one line per kernel and exits non-zero on the first that fails to compile.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import backends.triton_kernels as tk
+import models.cuda_ops as ops
 
 # (dtype, head_dim, query heads per K/V head)
 CONFIGS = [("bf16", 128, 4), ("fp16", 80, 1), ("fp32", 64, 8), ("bf16", 256, 2)]
@@ -63,6 +64,21 @@ def combine(dtype: str, head_dim: int, splits: int) -> ASTSource:
                      {}, constexprs)
 
 
+def model_ops(dtype: str, head_dim: int, group: int) -> dict[str, ASTSource]:
+    """``models.cuda_ops``' kernels for a model of this head shape (hidden 2048, intermediate 5632)."""
+    ptr = f"*{dtype}"
+    norm = {name: ptr for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr")}
+    return {
+        "add_rms_norm": signature(ops._rms_norm_kernel, norm, {"eps": "fp32"}, dict(ADD=True, BLOCK=2048)),
+        "silu_and_mul": signature(ops._silu_and_mul_kernel, {"x_ptr": ptr, "out_ptr": ptr}, {}, dict(BLOCK=1024)),
+        "qkv_rotary": signature(ops._qkv_rotary_kernel,
+                                {name: ptr for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")},
+                                {},
+                                dict(HEADS=8 * group, KV_HEADS=8, HEAD_DIM=head_dim,
+                                     HALF_PAD=triton.next_power_of_2(head_dim // 2))),
+    }
+
+
 def main(arch: int = 90) -> None:
     import numpy as np
 
@@ -84,6 +100,9 @@ def main(arch: int = 90) -> None:
         if i == 0:
             triton.compile(combine(dtype, head_dim, 4), target=target)
         print(f"store_kv {dtype} head_dim={head_dim}: ok", flush=True)
+        for name, source in model_ops(dtype, head_dim, group).items():
+            triton.compile(source, target=target, options=ops._EXACT)
+        print(f"model ops {dtype} head_dim={head_dim}: ok", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,19 @@ def test_norms_equal_transformers_rms_norm(rows, dtype):
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     residual = torch.randn(rows, 96, generator=gen).to(dtype)
     w = torch.randn(96, generator=gen).to(dtype)
+    assert_norms_as_transformers(ops, x, residual, w)
+
+
+def assert_norms_as_transformers(ops, x, residual, w) -> None:
+    """``ops.rms_norm`` and ``ops.add_rms_norm`` (of a C++ or Triton operator module) against torch's."""
     out = torch.empty_like(x)
     ops.rms_norm(x, w, out, 1e-6)
-    assert_close(out, torch_norm(x, w, 1e-6), dtype)
+    assert_close(out, torch_norm(x, w, 1e-6), x.dtype)
     summed = residual + x
     x2, r2 = x.clone(), residual.clone()
     ops.add_rms_norm(x2, r2, w, 1e-6)
     assert torch.equal(r2, summed), "the residual is the sum rounded to the dtype, as transformers adds"
-    assert_close(x2, torch_norm(summed, w, 1e-6), dtype)
+    assert_close(x2, torch_norm(summed, w, 1e-6), x.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -136,7 +141,7 @@ def generate(path, **options):
 def test_the_model_samples_the_same_with_and_without_the_fused_operators(llama_ckpt):
     path, _ = llama_ckpt
     fused, fused_out = generate(path)
-    plain, plain_out = generate(path, fused_cpu_ops=False)
+    plain, plain_out = generate(path, fused_ops=False)
     assert fused.engine.executor.model.norm.ops is not None and plain.engine.executor.model.norm.ops is None
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused_out, plain_out):
         assert tokens == ref_tokens
@@ -154,10 +159,10 @@ def test_without_a_compiler_the_model_warns_and_runs_torchs_operators(llama_ckpt
     monkeypatch.setattr(model_executor, "fused_ops", no_compiler)
     with caplog.at_level(logging.WARNING):
         llm, _ = generate(llama_ckpt[0])
-    assert "no compiler" in caplog.text and "executor.fused_cpu_ops=false" in caplog.text
+    assert "no compiler" in caplog.text and "executor.fused_ops=false" in caplog.text
     assert llm.engine.executor.model.norm.ops is None
 
 
-def test_a_fused_cpu_ops_value_that_is_not_a_bool_is_a_one_line_error(llama_ckpt):
-    with pytest.raises(ValueError, match="executor.fused_cpu_ops must be true or false, got 'yes'"):
-        LLM(model=str(llama_ckpt[0]), max_model_len=64, executor_options={"fused_cpu_ops": "yes"})
+def test_a_fused_ops_value_that_is_not_a_bool_is_a_one_line_error(llama_ckpt):
+    with pytest.raises(ValueError, match="executor.fused_ops must be true or false, got 'yes'"):
+        LLM(model=str(llama_ckpt[0]), max_model_len=64, executor_options={"fused_ops": "yes"})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -80,11 +81,18 @@ def cpu_has_matmul_instructions(dtype: torch.dtype, cpuinfo: str = "/proc/cpuinf
     return any(flag in flags for flag in MATMUL_FLAGS.get(dtype, ()))
 
 
-def _fused_ops() -> ModuleType | None:
+def _fused_ops(device: torch.device) -> ModuleType | None:
+    """The model's fused operators for ``device``: C++ on a CPU, Triton on CUDA; None (with a warning) where
+    they cannot be had, and elsewhere."""
     try:
-        return fused_ops()
+        if device.type == "cuda":
+            try:
+                return importlib.import_module("models.cuda_ops")
+            except ImportError as exc:
+                raise UnavailableError(f"the fused CUDA operators need triton ({exc})") from exc
+        return fused_ops() if device.type == "cpu" else None
     except UnavailableError as exc:
-        logger.warning("%s; the model runs torch's operators (executor.fused_cpu_ops=false silences this)", exc)
+        logger.warning("%s; the model runs torch's operators (executor.fused_ops=false silences this)", exc)
         return None
 
 
@@ -95,23 +103,23 @@ def graph_backends() -> list[str]:
 
 @EXECUTORS.register("model")
 class ModelExecutor(Executor):
-    """Options (``executor_options``): ``fused_cpu_ops`` (default true): on a CPU, the model's
-    elementwise steps and the sampler's argmax run as fused C++ operators (``models.cpu_ops``), falling
-    back to torch's with a warning when they cannot be built; false: torch's always. ``float32_matmul``
-    (``auto``, ``true``, ``false``): a bf16/fp16 model's linear layers multiply in float32
-    (``compute_linears_in_float32``); ``auto``: on a CPU whose flags (``/proc/cpuinfo``) show no matrix
-    instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA
+    """Options (``executor_options``): ``fused_ops`` (default true): the model's elementwise steps run as
+    fused operators, C++ on a CPU (``models.cpu_ops``, the sampler's argmax too), Triton on CUDA
+    (``models.cuda_ops``), falling back to torch's with a warning when they cannot be had; false:
+    torch's. ``float32_matmul`` (``auto``, ``true``, ``false``): a bf16/fp16 model's linear layers
+    multiply in float32 (``compute_linears_in_float32``); ``auto``: on a CPU whose flags
+    (``/proc/cpuinfo``) show no matrix instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA
     graphs captured at padded batch sizes (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a
     backend that can."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
 
-    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_cpu_ops: bool = True,
+    def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_ops: bool = True,
                  float32_matmul: bool | str = "auto", cuda_graphs: bool | str = "auto") -> None:
         super().__init__(config, source, clock)
-        if not isinstance(fused_cpu_ops, bool):
-            raise ValueError(f"executor.fused_cpu_ops must be true or false, got {fused_cpu_ops!r}")
+        if not isinstance(fused_ops, bool):
+            raise ValueError(f"executor.fused_ops must be true or false, got {fused_ops!r}")
         if float32_matmul not in (True, False, "auto"):
             raise ValueError(f"executor.float32_matmul must be auto, true or false, got {float32_matmul!r}")
         if cuda_graphs not in (True, False, "auto"):
@@ -132,7 +140,7 @@ class ModelExecutor(Executor):
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
             block_size=config.block_size, dtype=self.dtype, device=self._device)
         self.cuda_graphs = self._use_cuda_graphs(cuda_graphs)
-        self.fused_ops = ops = _fused_ops() if fused_cpu_ops and self._device.type == "cpu" else None
+        self.fused_ops = ops = _fused_ops(self._device) if fused_ops else None
         self.model = LlamaForCausalLM.empty_on(self._device, cfg, self.backend, config.max_model_len, self.dtype, ops)
         if source.path is None:
             self.model.init_random(config.model_seed, cfg.initializer_range)

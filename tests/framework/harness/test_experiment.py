@@ -196,7 +196,7 @@ def test_a_registered_executor_runs_on_its_own_clock(tmp_path, monkeypatch):
         check_num_replicas(2, "test_wall_time")
     clocks = []
     # The model executor's own options go with its name.
-    summary = run_experiment(config("executor=model", "executor.name=test_wall_time", "~executor.fused_cpu_ops",
+    summary = run_experiment(config("executor=model", "executor.name=test_wall_time", "~executor.fused_ops",
                                     "~executor.float32_matmul", "~executor.cuda_graphs", "plots=false"), tmp_path,
                              on_engine=lambda engine: clocks.append(engine.clock))
     assert [type(c) for c in clocks] == [WallClock]

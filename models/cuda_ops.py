@@ -1,0 +1,154 @@
+"""The model's fused elementwise operators for CUDA, in Triton: ``models.cpu_ops``' interface (``rms_norm``,
+``add_rms_norm``, ``silu_and_mul``, ``qkv_rotary``), one launch each where torch runs 7-16 kernels, which
+bounds a decode step (graph-captured or not) more than its bytes do. Arithmetic in float32, each result
+rounded to the tensor's dtype where transformers rounds it, no fused multiply-adds (as its separate kernels).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# No jitted helper of triton.language in the kernels (see backends/triton_kernels.py): the tests run this
+# source under Triton's interpreter, decorated after the helpers were.
+_sum_combine = getattr(tl.standard, "_sum_combine", None)
+if _sum_combine is None:  # pragma: no cover - other Triton versions
+    @triton.jit
+    def _sum_combine(a, b):
+        return a + b
+
+#: Launch options: float32 products and sums rounded separately, as transformers' kernels compute them.
+_EXACT = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to nearest-even in ``dtype``. bfloat16 by its bits: Triton's interpreter (the
+    CPU tests) truncates to bfloat16 where a GPU rounds."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+def _norm_launch(n: int) -> dict:
+    block = triton.next_power_of_2(n)
+    return {"BLOCK": block, "num_warps": max(1, min(16, block // 256)), **_EXACT}
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, stride_x, stride_res, stride_out, eps,
+                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``program_id``: with ADD, residual += x (rounded) first; out = weight * (r * rsqrt(mean(r^2) + eps))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD:
+        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = _rounded(res.to(tl.float32) + x.to(tl.float32), x.dtype)
+        tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.reduce(xf * xf, 0, _sum_combine) / n + eps)  # torch's CUDA rsqrt
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = w * _rounded(xf * inv, x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, _rounded(y, x.dtype), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_out, BLOCK: tl.constexpr):
+    """out[row, cols] = silu(gate) * up, gate and up the halves of x's row, each rounded to the dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = _rounded(g / (1.0 + tl.exp(-g)), gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, _rounded(act * up, gate.dtype), mask=mask)
+
+
+@triton.jit
+def _qkv_rotary_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_cos,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Program (row, head): query heads, then key heads rotated ("rotate half", each product and sum rounded
+    to the dtype, as transformers does) into q and k; the value heads copied into v."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = HEAD_DIM // 2
+    cols = tl.arange(0, HALF_PAD)
+    mask = cols < half
+    src = qkv_ptr + row * stride_qkv + head * HEAD_DIM
+    a = tl.load(src + cols, mask=mask, other=0.0)
+    b = tl.load(src + half + cols, mask=mask, other=0.0)
+    if head < HEADS + KV_HEADS:
+        pos = tl.load(pos_ptr + row)
+        c = tl.load(cos_ptr + pos * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
+        af, bf = a.to(tl.float32), b.to(tl.float32)
+        dt = a.dtype
+        o1 = _rounded(_rounded(af * c, dt).to(tl.float32) - _rounded(bf * s, dt).to(tl.float32), dt)
+        o2 = _rounded(_rounded(bf * c, dt).to(tl.float32) + _rounded(af * s, dt).to(tl.float32), dt)
+        if head < HEADS:
+            dst = q_ptr + (row * HEADS + head) * HEAD_DIM
+        else:
+            dst = k_ptr + (row * KV_HEADS + head - HEADS) * HEAD_DIM
+        tl.store(dst + cols, o1, mask=mask)
+        tl.store(dst + half + cols, o2, mask=mask)
+    else:
+        dst = v_ptr + (row * KV_HEADS + head - HEADS - KV_HEADS) * HEAD_DIM
+        tl.store(dst + cols, a, mask=mask)
+        tl.store(dst + half + cols, b, mask=mask)
+
+
+def _rows(t: torch.Tensor, name: str) -> None:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be 2-D with contiguous rows, got shape {tuple(t.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    """out = rms_norm(x) * weight; x, out: [T, n] with contiguous rows; weight: [n]."""
+    _rows(x, "x")
+    _rows(out, "out")
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[1], x.stride(0), x.stride(0), out.stride(0), eps,
+                                        ADD=False, **_norm_launch(x.shape[1]))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = rms_norm(residual) * weight."""
+    _rows(x, "x")
+    _rows(residual, "residual")
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](x, residual, weight, x, x.shape[1], x.stride(0), residual.stride(0),
+                                        x.stride(0), eps, ADD=True, **_norm_launch(x.shape[1]))
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:, :n] = silu(x[:, :n]) * x[:, n:]; x: [T, 2n], out: [T, n]."""
+    _rows(x, "x")
+    _rows(out, "out")
+    rows, n = out.shape
+    if x.shape != (rows, 2 * n):
+        raise ValueError(f"x must be [T, 2n] for out [T, n]: got {tuple(x.shape)} for {tuple(out.shape)}")
+    block = min(triton.next_power_of_2(n), 1024)
+    if rows:
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block,
+                                                             **_EXACT)
+
+
+def qkv_rotary(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> None:
+    """Splits qkv [T, (H + 2 KVH) D] into contiguous q [T, H, D], k, v [T, KVH, D], rotating q and k at
+    ``positions`` [T] (int64) by the ``cos``/``sin`` tables [positions, D / 2]."""
+    _rows(qkv, "qkv")
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("q, k and v must be contiguous")
+    rows, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if rows:
+        _qkv_rotary_kernel[(rows, heads + 2 * kv_heads)](
+            qkv, positions, cos, sin, q, k, v, qkv.stride(0), cos.stride(0), HEADS=heads, KV_HEADS=kv_heads,
+            HEAD_DIM=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2), **_EXACT)
