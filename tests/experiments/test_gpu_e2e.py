@@ -30,8 +30,30 @@ def test_the_speed_dry_run_compares_each_backend_with_transformers():
     lines = [line for line in done.stdout.splitlines() if line.startswith("E2E")]
     assert re.match(r"E2E batch 3: hf_generate \d+ tok/s .* roofline [\d.]+ ms$", lines[0])
     for backend, line in zip(["torch_paged", "triton"], lines[1:], strict=True):
-        assert re.match(rf"E2E batch 3 {backend} +graphs=False +\d+ tok/s = [\d.]+x hf_generate; decode step "
-                        rf"[\d.]+ ms = \d+% of the roofline; greedy == HF for 3/3$", line), line
+        assert re.match(rf"E2E batch 3 {backend} +graphs=False fused_ops=True +\d+ tok/s = [\d.]+x hf_generate; "
+                        rf"decode step [\d.]+ ms = \d+% of the roofline; greedy == HF for 3/3$", line), line
+
+
+def test_a_parity_difference_is_judged_by_the_float32_models_logits():
+    """The arbiter of a low-precision mismatch: how far a token's float32 logit falls short of the best."""
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        from gpu_e2e import fp32_shortfall
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).eval()
+    context = [5, 9, 13]
+    with torch.no_grad():
+        logits = model(torch.tensor([context])).logits[0, -1].double()
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    assert fp32_shortfall(model, context, best, "cpu") == (0.0, best)
+    short, top = fp32_shortfall(model, context, worst, "cpu")
+    assert top == best and short == pytest.approx(float(logits.max() - logits.min()))
 
 
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
