@@ -1,9 +1,9 @@
 """Llama-family decoder (Llama, Qwen2, Mistral) over a flat token batch, no padding.
 
 Attention goes through the selected ``AttentionBackend``; q/k/v and gate/up projections are
-fused into one matrix each (fewer, larger matrix multiplies). Given ``fused_ops``
-(``models.cpu_ops``), the residual add and norm, SiLU-and-multiply and the q/k/v split with RoPE
-each run as one C++ pass instead of several torch operators.
+fused into one matrix each (fewer, larger matrix multiplies). Given ``fused_ops`` (``models.cpu_ops``
+or ``models.cuda_ops``), the residual add and norm, SiLU-and-multiply and the q/k/v split with RoPE
+each run as one pass (C++ or a Triton launch) instead of several torch operators.
 """
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def compute_linears_in_float32(model: nn.Module) -> None:
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], kv_cache [2, L, blocks, bs, kv_heads, head_dim],
     meta)`` returns the last hidden states ``[T, hidden]``; ``compute_logits`` maps the rows to
-    sample from to float32 logits. ``fused_ops``: ``models.cpu_ops.fused_ops()`` on a CPU, or None."""
+    sample from to float32 logits. ``fused_ops``: ``models.cpu_ops.fused_ops()`` on a CPU,
+    ``models.cuda_ops`` on CUDA, or None (torch's operators)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
                  fused_ops: ModuleType | None = None) -> None:
