@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What a CPU cannot check, in one pass on a CUDA machine (at most about 8.5 minutes; steps 1-3 and 5 side by side):
+# What a CPU cannot check, in one pass on a CUDA machine (about 4 minutes on an H200, 9 at most; steps 1-3 and 5
+# side by side, then 4 and 6 alone):
 #   1. the gpu-marked tests: every backend against the float64 reference on CUDA, Triton's split-key
 #      path on long contexts, torch_paged's masked GQA groups with SDPA's math kernel off, flash_attn
 #      when installed, and every backend on cuda:1 when there are two GPUs;
@@ -9,8 +10,9 @@
 #   4. the attention benchmark on a reduced grid (the full default grid: python experiments/bench_attention.py);
 #   5. greedy parity with transformers on CUDA, every backend x bf16/fp16/fp32, CUDA graphs as by default
 #      (experiments/gpu_e2e.py parity);
-#   6. a random 1.1B Llama in bf16 at batch 32 and 128: LLM.generate against HF generate, CUDA graphs on
-#      and off, the decode step against the HBM roofline (experiments/gpu_e2e.py speed).
+#   6. a random 1.1B Llama in bf16 at batch 32 and 128: LLM.generate against HF generate, CUDA graphs and
+#      the fused operators on and off, the decode step against the HBM roofline, and profiles of a step's host
+#      side and of its graph replay by kernel (experiments/gpu_e2e.py speed --profile).
 # Usage: bash experiments/gpu_check.sh [LOG_DIR]   (default: $OUT if set, else ./gpu_check_logs)
 # On the lent GPU machines (python3 with CUDA torch, no network) step 3 needs hydra-core and omegaconf: make
 # .whl here with experiments/gpu_wheels.sh and carry it; this script installs it (without, step 3 is skipped).
