@@ -69,8 +69,9 @@ fi
 # Phase 1, correctness, side by side (16 CPU cores, one GPU): every engine here gets a fixed KV budget, so
 # none sizes its pool off memory another process holds at that moment.
 # The folders whose modules import nothing beyond the GPU image (tests/framework/harness needs hydra).
-step gpu_tests 200 "$PY" -m pytest -rfEs -p no:randomly -p no:cacheprovider -n 4 -m gpu tests/backends tests/models \
-    tests/framework/execution &
+WORKERS=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")  # pytest-xdist where installed
+step gpu_tests 200 "$PY" -m pytest -rfEs -p no:randomly -p no:cacheprovider $WORKERS -m gpu tests/backends \
+    tests/models tests/framework/execution &
 step compile_sm"$ARCH" 100 env -u TRITON_INTERPRET "$PY" -m tests.backends.gpu_compile "$ARCH" &
 HAS_HYDRA=$("$PY" -c "import hydra, omegaconf, orjson" 2>/dev/null && echo 1 || echo 0)
 [ "$HAS_HYDRA" = 1 ] || echo "== run_*: skipped (no hydra-core/omegaconf/orjson: bash experiments/gpu_wheels.sh, carry .whl)"
