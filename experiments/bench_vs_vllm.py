@@ -177,12 +177,12 @@ def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_throughput import build_checkpoint, workload
 
-    # Fresh prompts: round i's are workload(seed + 1 + i)'s, the same on every side; lengths as seed's.
-    works = [shaped(workload(args.num_requests, args.seed), args.shape)]
-    if args.fresh_prompts:
-        works = [[(p, m) for (p, _), (_, m) in zip(workload(args.num_requests, args.seed + 1 + i), works[0])]
+    base = workload(args.num_requests, args.seed)
+    works = [base]
+    if args.fresh_prompts:  # round i's prompts are workload(seed + 1 + i)'s, the same on every side; lengths base's
+        works = [[(p, m) for (p, _), (_, m) in zip(workload(args.num_requests, args.seed + 1 + i), base)]
                  for i in range(args.warmup + args.rounds)]
-        works = [shaped(w, args.shape) for w in works]
+    works = [shaped(w, args.shape) for w in works]
     counted = [sum(len(p) if args.shape == "prefill" else m for p, m in w) for w in works]
     work = works[0]
     print(f"workload ({args.shape}, tok/s counts {'prompt' if args.shape == 'prefill' else 'output'} tokens): "

@@ -59,16 +59,17 @@ def backends(device: str) -> list[str]:
     return names
 
 
-def cases(device: str) -> list[tuple[str, bool, bool]]:
-    """(backend, CUDA graphs, fused operators) to time: every backend as by default (first), and on CUDA
-    the capturable ones also with torch's operators and with graphs off."""
+def cases(device: str) -> list[tuple[str, bool, bool, bool]]:
+    """(backend, CUDA graphs, fused operators, whether that is the default) to time: every backend as by
+    default, and on CUDA the capturable ones also with torch's operators and with graphs off."""
     out = []
     for name in backends(device):
         if name == "naive":
             continue
-        out.append((name, device == "cuda" and BACKENDS.get(name).graph_decode, True))
-        if out[-1][1]:
-            out += [(name, True, False), (name, False, True)]
+        graphs = device == "cuda" and BACKENDS.get(name).graph_decode
+        out.append((name, graphs, True, True))
+        if graphs:
+            out += [(name, True, False, False), (name, False, True, False)]
     return out
 
 
@@ -164,9 +165,8 @@ def kernel_times(llm: LLM, num_reqs: int, rounds: int = 5) -> None:
         torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        if us:
-            rows.append((us / rounds, event.count // rounds, event.key))
+        if event.self_device_time_total:
+            rows.append((event.self_device_time_total / rounds, event.count // rounds, event.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
     print(f"KERNELS batch {num_reqs}: {sum(r[1] for r in rows)} launches, {total / 1e3:.3f} ms of GPU time a replay",
@@ -202,7 +202,7 @@ def speed(args: argparse.Namespace) -> int:
         roofline = (weights + num_reqs * (args.prompt_len + args.tokens / 2) * kv_per_token) / bandwidth
         print(f"E2E batch {num_reqs}: hf_generate {num_reqs * args.tokens / t_hf:.0f} tok/s ({t_hf:.2f} s); copy "
               f"bandwidth {bandwidth / 1e9:.0f} GB/s; decode-step HBM roofline {roofline * 1e3:.3f} ms", flush=True)
-        for name, graphs, fused in cases(dev):
+        for name, graphs, fused, default in cases(dev):
             label = f"{name:11s} graphs={graphs!s:5s} fused_ops={fused!s:5s}"
             try:
                 llm = LLM(model=path, backend=name, dtype=str(dtype).removeprefix("torch."), device=dev,
@@ -226,12 +226,12 @@ def speed(args: argparse.Namespace) -> int:
                 print(f"E2E batch {num_reqs} {label} {num_reqs * args.tokens / t:8.0f} tok/s "
                       f"= {t_hf / t:.2f}x hf_generate; decode step {ms:.3f} ms = {roofline * 1e3 / ms:.0%} of the "
                       f"roofline{forward}; greedy == HF for {same}/{num_reqs}", flush=True)
-                if args.profile and fused and graphs and replay is not None:
+                if args.profile and default and replay is not None:
                     try:
                         kernel_times(llm, num_reqs)
                     except Exception as exc:  # a figure left out, not a failed case
                         print(f"KERNELS batch {num_reqs}: not measured ({type(exc).__name__}: {exc})", flush=True)
-                if args.profile and fused and graphs == (dev == "cuda" and BACKENDS.get(name).graph_decode):
+                if args.profile and default:
                     profile = cProfile.Profile()
                     profile.runcall(llm.generate, reqs, params)
                     pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)

@@ -86,13 +86,11 @@ def _fused_ops(device: torch.device) -> ModuleType | None:
     they cannot be had, and elsewhere."""
     try:
         if device.type == "cuda":
-            try:
-                return importlib.import_module("models.cuda_ops")
-            except ImportError as exc:
-                raise UnavailableError(f"the fused CUDA operators need triton ({exc})") from exc
+            return importlib.import_module("models.cuda_ops")
         return fused_ops() if device.type == "cpu" else None
-    except UnavailableError as exc:
-        logger.warning("%s; the model runs torch's operators (executor.fused_ops=false silences this)", exc)
+    except (ImportError, UnavailableError) as exc:  # ImportError: no triton for the CUDA ones
+        logger.warning("the fused operators cannot be had (%s); the model runs torch's operators "
+                       "(executor.fused_ops=false silences this)", exc)
         return None
 
 
@@ -108,9 +106,9 @@ class ModelExecutor(Executor):
     (``models.cuda_ops``), falling back to torch's with a warning when they cannot be had; false:
     torch's. ``float32_matmul`` (``auto``, ``true``, ``false``): a bf16/fp16 model's linear layers
     multiply in float32 (``compute_linears_in_float32``); ``auto``: on a CPU whose flags
-    (``/proc/cpuinfo``) show no matrix instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA
-    graphs captured at padded batch sizes (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a
-    backend that can."""
+    (``/proc/cpuinfo``) show no matrix instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``,
+    ``false``): decode steps replay CUDA graphs captured at padded batch sizes
+    (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
