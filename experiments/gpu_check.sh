@@ -3,7 +3,7 @@
 # side by side, then 4 and 6 alone):
 #   1. the gpu-marked tests: every backend against the float64 reference on CUDA, Triton's split-key
 #      path on long contexts, torch_paged's masked GQA groups with SDPA's math kernel off, flash_attn
-#      when installed, and every backend on cuda:1 when there are two GPUs;
+#      when installed, every backend on cuda:1 when there are two GPUs, async scheduling against synchronous;
 #   2. the Triton kernels compiled for this GPU's architecture;
 #   3. an engine run per backend on the GPU (the triton one must run compiled: no interpreter notice),
 #      and on cuda:1 when there are two GPUs;
@@ -71,7 +71,7 @@ fi
 # The folders whose modules import nothing beyond the GPU image (tests/framework/harness needs hydra).
 WORKERS=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")  # pytest-xdist where installed
 step gpu_tests 200 "$PY" -m pytest -rfEs -p no:randomly -p no:cacheprovider $WORKERS -m gpu tests/backends \
-    tests/models tests/framework/execution &
+    tests/models tests/framework/execution tests/framework/engine &
 step compile_sm"$ARCH" 100 env -u TRITON_INTERPRET "$PY" -m tests.backends.gpu_compile "$ARCH" &
 HAS_HYDRA=$("$PY" -c "import hydra, omegaconf, orjson" 2>/dev/null && echo 1 || echo 0)
 [ "$HAS_HYDRA" = 1 ] || echo "== run_*: skipped (no hydra-core/omegaconf/orjson: bash experiments/gpu_wheels.sh, carry .whl)"

@@ -59,17 +59,19 @@ def backends(device: str) -> list[str]:
     return names
 
 
-def cases(device: str) -> list[tuple[str, bool, bool, bool]]:
-    """(backend, CUDA graphs, fused operators, whether that is the default) to time: every backend as by
-    default, and on CUDA the capturable ones also with torch's operators and with graphs off."""
+def cases(device: str) -> list[tuple[str, bool, bool, bool, bool]]:
+    """(backend, CUDA graphs, fused operators, async scheduling, whether that is the default) to time: every
+    backend as by default, and on CUDA the capturable ones also without async scheduling, with torch's
+    operators and with graphs off."""
     out = []
+    cuda = device == "cuda"
     for name in backends(device):
         if name == "naive":
             continue
-        graphs = device == "cuda" and BACKENDS.get(name).graph_decode
-        out.append((name, graphs, True, True))
+        graphs = cuda and BACKENDS.get(name).graph_decode
+        out.append((name, graphs, True, cuda, True))
         if graphs:
-            out += [(name, True, False, False), (name, False, True, False)]
+            out += [(name, True, True, False, False), (name, True, False, True, False), (name, False, True, True, False)]
     return out
 
 
@@ -119,7 +121,8 @@ def parity(args: argparse.Namespace) -> int:
                             real.append((j, i, round(short, 3)))
                 graphs = llm.engine.executor.runner.decode is not None
                 bad += bool(real)
-                print(f"PARITY {dtype:8s} {name:11s} graphs={graphs!s:5s} {'FAIL' if real else 'PASS'}: "
+                print(f"PARITY {dtype:8s} {name:11s} graphs={graphs!s:5s} async={llm.engine.async_scheduling!s:5s} "
+                      f"{'FAIL' if real else 'PASS'}: "
                       f"{first.count(n)}/{len(prompts)} identical; of {sum(i < n for i in first)} differing, HF's "
                       f"token is not float32's first choice in {hf_off}; real mismatches (prompt, step, float32 "
                       f"shortfall): {real}", flush=True)
@@ -202,12 +205,12 @@ def speed(args: argparse.Namespace) -> int:
         roofline = (weights + num_reqs * (args.prompt_len + args.tokens / 2) * kv_per_token) / bandwidth
         print(f"E2E batch {num_reqs}: hf_generate {num_reqs * args.tokens / t_hf:.0f} tok/s ({t_hf:.2f} s); copy "
               f"bandwidth {bandwidth / 1e9:.0f} GB/s; decode-step HBM roofline {roofline * 1e3:.3f} ms", flush=True)
-        for name, graphs, fused, default in cases(dev):
-            label = f"{name:11s} graphs={graphs!s:5s} fused_ops={fused!s:5s}"
+        for name, graphs, fused, overlap, default in cases(dev):
+            label = f"{name:11s} graphs={graphs!s:5s} fused_ops={fused!s:5s} async={overlap!s:5s}"
             try:
                 llm = LLM(model=path, backend=name, dtype=str(dtype).removeprefix("torch."), device=dev,
                           block_size=256 if name == "flash_attn" else 16, max_model_len=2048, max_num_seqs=num_reqs,
-                          max_num_batched_tokens=8192, enable_prefix_caching=False,
+                          max_num_batched_tokens=8192, enable_prefix_caching=False, async_scheduling=overlap,
                           executor_options={"cuda_graphs": graphs, "fused_ops": fused})
                 steps = []
                 llm.engine.step_callbacks.append(lambda s, o: steps.append(s))

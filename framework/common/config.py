@@ -31,6 +31,8 @@ class EngineConfig:
     is the CPU swap space in GiB, as in vLLM.
     ``seed`` drives sampling; ``model_seed`` the random weights of a preset model.
     ``max_logprobs`` caps ``SamplingParams.logprobs``, as in vLLM (default 20).
+    ``async_scheduling`` (vLLM's): the engine schedules step N+1 while step N runs, N's sampled tokens
+    placeholders until known (``LLMEngine``); ``auto``: on for an executor that can on CUDA.
     """
 
     model: str = "tiny-llama"
@@ -61,6 +63,7 @@ class EngineConfig:
     num_threads: int | None = None
     check_invariants: bool = False
     max_logprobs: int = 20
+    async_scheduling: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for part in PART_NAMES:  # None means no options, as an omitted argument does
@@ -111,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("enable_prefix_caching", "check_invariants"):
             check_bool(name, getattr(self, name))
+        if self.async_scheduling not in (True, False, "auto"):
+            raise ValueError(f"async_scheduling must be auto, true or false, got {self.async_scheduling!r}")
         if self.dtype != "auto" and not (isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES):
             raise ValueError(f"dtype must be one of {sorted({'auto', *DTYPE_ALIASES})}, got {self.dtype!r}")
 

@@ -11,6 +11,10 @@ if TYPE_CHECKING:
     from framework.common.sampling_params import SamplingParams
 
 
+#: The id standing for a token the step in flight samples, until it is known (async scheduling).
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.IntEnum):
     """A request's state and finish reason, as vLLM v0's ``SequenceStatus`` (seed 004)."""
 
@@ -52,7 +56,7 @@ class Request:
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
         "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra", "arrival_order",
         "detokenizer",
-        "logprobs", "cumulative_logprob", "prompt_logprobs",
+        "logprobs", "cumulative_logprob", "prompt_logprobs", "num_placeholders",
     )
 
     def __init__(
@@ -120,6 +124,9 @@ class Request:
         #: by chunk; ``len - 1`` prompt positions are done, and never computed again); else None.
         self.prompt_logprobs: list[dict[int, Any] | None] | None = (
             None if sampling_params.prompt_logprobs is None else [None])
+        #: 1 while the last of ``token_ids`` is a ``PLACEHOLDER`` for a token a step in flight samples
+        #: (async scheduling: ``Scheduler.commit``), else 0.
+        self.num_placeholders = 0
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -163,6 +170,25 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
+
+    def append_placeholder(self) -> None:
+        """Stand a ``PLACEHOLDER`` for the token the step in flight samples (async scheduling)."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_placeholders = 1
+
+    def resolve_placeholder(self, token_id: int, now: float) -> None:
+        """The placeholder's token became known: as ``append_output_token`` of it, at ``now``."""
+        self.token_ids[-1] = token_id
+        self.num_placeholders = 0
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def drop_placeholder(self) -> None:
+        """Forget the token in flight (an aborted request's, or a failed step's)."""
+        if self.num_placeholders:
+            self.token_ids.pop()
+            self.num_placeholders = 0
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last appended token implies, or None to keep generating. A

@@ -84,14 +84,27 @@ class LLMEngine:
         # their names are checked only when not the defaults, so a typo is still caught.
         defaults = EngineConfig.backend, EngineConfig.preparer
         preparer_forks = False  # the default preparer (v1) runs n samples as n requests
+        preparer_defers = True
         if config.executor == "model" or (config.backend, config.preparer) != defaults:
             from framework.execution.attention import BACKENDS
             from framework.execution.input_preparer import PREPARERS
 
             BACKENDS.get(config.backend)
             preparer_forks = PREPARERS.get(config.preparer).forks_parallel_samples
+            preparer_defers = PREPARERS.get(config.preparer).defers_sampled
+        async_capable = EXECUTORS.get(config.executor).supports_async and preparer_defers
+        if config.async_scheduling is True and not async_capable:
+            raise ValueError(f"async_scheduling=true needs an executor that runs steps without waiting (model) and "
+                             f"a preparer that defers sampled tokens (v1); executor={config.executor} and "
+                             f"preparer={config.preparer} cannot: set async_scheduling to auto or false")
         self.policy = POLICIES.create_with(config.policy, config.policy_options)
         self.executor = EXECUTORS.create_with(config.executor, config.executor_options, config, self.source, self.clock)
+        #: Whether a step is scheduled while the one before runs (``EngineConfig.async_scheduling``).
+        self.async_scheduling = config.async_scheduling is True or (
+            config.async_scheduling == "auto" and async_capable and self.executor.device.startswith("cuda"))
+        # The step launched and not yet collected (async scheduling): its output, the executor's handle,
+        # and its seeded generators' states before it.
+        self._in_flight: tuple[SchedulerOutput, Any, list[tuple[Any, Any]]] | None = None
         num_blocks, num_cpu_blocks = self.executor.kv_block_counts()
         usable = max(num_blocks - 1, 0)  # a budget below one block sizes no block, not the null block
         capacity = usable * config.block_size
@@ -244,7 +257,10 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one step; returns an output for each request that progressed, as its
         ``SamplingParams.output_kind`` says, or with ``final_only`` one complete output (whatever
-        the kind) for each request that finished, sparing a batch run a per-step cumulative output."""
+        the kind) for each request that finished, sparing a batch run a per-step cumulative output.
+        With async scheduling, the tokens a step returns are those of the step launched by the call before."""
+        if self.async_scheduling:
+            return self._step_async(final_only)
         start = self.clock.now()
         out = self.scheduler.schedule()
         seeded = _seeded_generator_states(out) if out.runs and self._any_seeded else []
@@ -273,26 +289,78 @@ class LLMEngine:
         done_elsewhere = self.scheduler.take_finished_outside_step()
         self.forks.settle(done_elsewhere)
         self._check_progress(out, done_elsewhere)
+        outputs = self._outputs(done_elsewhere, progressed, final_only)
+        self._count_step(out, start, outputs)
+        return outputs
+
+    def _outputs(self, done_elsewhere: list[Request], progressed: list[Request], final_only: bool) -> list[RequestOutput]:
         # Requests finished outside the step (ignored, aborted) finished before the step's own
         # finishes: their outputs come first, in finish order, as a decode run delivers them.
         if final_only:
-            outputs = self.output_processor.final_outputs(done_elsewhere + [r for r in progressed if r.is_finished])
-        else:
-            outputs = self.output_processor.make_outputs(done_elsewhere + progressed)
+            return self.output_processor.final_outputs(done_elsewhere + [r for r in progressed if r.is_finished])
+        return self.output_processor.make_outputs(done_elsewhere + progressed)
+
+    def _count_step(self, out: SchedulerOutput, start: float, outputs: list[RequestOutput]) -> None:
         self.num_steps += 1
         if self.step_callbacks:
             stats = self._step_stats(out, start, sum(o.finished for o in outputs))
             for callback in self.step_callbacks:
                 callback(stats, out)
+
+    def _step_async(self, final_only: bool) -> list[RequestOutput]:
+        """``step`` with async scheduling: schedule and launch step N+1 (the scheduler sees step N committed,
+        its sampled tokens placeholders), then wait for step N's tokens, update and commit N+1."""
+        start = self.clock.now()
+        out = self.scheduler.schedule()
+        seeded = _seeded_generator_states(out) if out.runs and self._any_seeded else []
+        prev, self._in_flight = self._in_flight, None
+        handle = result = None
+        try:
+            if out.runs:
+                handle = self.executor.launch(out)
+            if prev is not None:
+                result = self.executor.collect(prev[1])
+        except BaseException:
+            self._async_step_failed(out, prev, seeded)
+            raise
+        progressed: list[Request] = []
+        if prev is not None and result is not None:
+            prev_out = prev[0]
+            if result.prompt_logprobs:
+                append_prompt_logprobs(self.scheduler.requests, result.prompt_logprobs, self.tokenizer,
+                                       self.config.executor)
+            progressed = self.scheduler.update_from_committed(prev_out, result.sampled, self.clock.now())
+            if result.logprobs:
+                append_logprobs(progressed, result.logprobs, self.tokenizer, self.config.executor)
+        done_elsewhere = self.scheduler.take_finished_outside_step()
+        self._check_progress(out, done_elsewhere, resolved=prev is not None)
+        outputs = self._outputs(done_elsewhere, progressed, final_only)
+        if handle is not None:  # after the outputs, which must not show its placeholders
+            self.scheduler.commit(out)
+            self._in_flight = (out, handle, seeded)
+        self._count_step(out, start, outputs)
         return outputs
+
+    def _async_step_failed(self, out: SchedulerOutput, prev: tuple[SchedulerOutput, Any, list[tuple[Any, Any]]] | None,
+                           seeded: list[tuple[Any, Any]]) -> None:
+        """Both the step being launched and the one in flight failed: their requests are recomputed, their
+        seeded generators back at their states before the older one."""
+        for generator, state in seeded + (prev[2] if prev is not None else []):
+            generator.set_state(state)
+        if prev is not None:
+            # First, so that the blocks prev was filling count as unwritten when out's requests are freed.
+            self.scheduler.uncommit(prev[0])
+        self.scheduler.step_failed(out)
+        if prev is not None:
+            self.scheduler.step_failed(prev[0])
 
     def count_steps(self, num_steps: int) -> None:
         """Count ``num_steps`` steps taken outside ``step`` (a simulator's decode run), each of which ran."""
         self.num_steps += num_steps
         self._stalled_steps = 0
 
-    def _check_progress(self, out: SchedulerOutput, done: list[Request]) -> None:
-        if out.runs or done or not self.scheduler.has_unfinished_requests():
+    def _check_progress(self, out: SchedulerOutput, done: list[Request], resolved: bool = False) -> None:
+        if out.runs or done or resolved or not self.scheduler.has_unfinished_requests():
             self._stalled_steps = 0
             return
         self._stalled_steps += 1

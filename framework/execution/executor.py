@@ -46,6 +46,9 @@ class Executor(ABC):
     #: Whether ``execute`` returns ``ExecutorOutput.logprobs`` and ``prompt_logprobs`` for requests
     #: that ask for them; without it the engine refuses such requests.
     returns_logprobs: ClassVar[bool] = False
+    #: Whether ``launch`` and ``collect`` run a step without waiting for it, as async scheduling needs: the
+    #: engine schedules the next step while one runs, its requests' sampled tokens still placeholders.
+    supports_async: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock) -> None:
         self.config = config
@@ -86,6 +89,15 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ExecutorOutput: ...
+
+    def launch(self, out: SchedulerOutput) -> Any:
+        """Start ``out`` (committed: its tokens sampled by the step before are placeholders, which the
+        executor takes from that step) and return a handle for ``collect``, without waiting for it."""
+        raise NotImplementedError(f"executor {self.name!r} cannot run steps asynchronously")
+
+    def collect(self, handle: Any) -> ExecutorOutput:
+        """Wait for a launched step and return what ``execute`` would have."""
+        raise NotImplementedError(f"executor {self.name!r} cannot run steps asynchronously")
 
 
 EXECUTORS: Registry[Executor] = Registry(

@@ -65,7 +65,8 @@ class PromptLogprobsMetadata:
 class ModelInput:
     """One forward pass: flat ``input_ids``/``positions``, the attention metadata, the hidden states to
     sample (``logits_indices``) for ``sample_req_ids``; ``req_ids[i]`` owns attention row ``i``; ``host``
-    keeps the preparer's CPU arrays; ``prompt_logprobs`` is None when no scheduled request needs any."""
+    keeps the preparer's CPU arrays; ``prompt_logprobs`` is None when no scheduled request needs any.
+    ``deferred_tokens``: see the field."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -76,6 +77,9 @@ class ModelInput:
     host: dict[str, np.ndarray] = field(default_factory=dict)
     req_ids: list[str] = field(default_factory=list)
     prompt_logprobs: PromptLogprobsMetadata | None = None
+    #: (flat token indices, indices into the previous step's sampled tokens): the input tokens that step
+    #: samples and the runner has not recorded (``InputPreparer.defer_sampled``); None when there are none.
+    deferred_tokens: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class InputPreparer(ABC):
@@ -94,6 +98,8 @@ class InputPreparer(ABC):
 
     name: ClassVar[str] = ""
     forks_parallel_samples: ClassVar[bool] = False
+    #: Whether it implements ``defer_sampled``, which async scheduling needs.
+    defers_sampled: ClassVar[bool] = False
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
                  max_num_batched_tokens: int, device: torch.device | str = "cpu", check: bool = False) -> None:
@@ -113,6 +119,18 @@ class InputPreparer(ABC):
         """``sampled[i]`` (int64, host) is the token sampled for ``model_input.sample_req_ids[i]`` in the
         step just prepared, about to be appended to that request; a preparer may store it now rather than
         read it back from the request later (as vLLM v1's runner does). Default: nothing."""
+
+    def defer_sampled(self, model_input: ModelInput) -> None:
+        """Async scheduling: the step just prepared samples tokens the host learns only later (then through
+        ``record_sampled``); the next step's ``ModelInput.deferred_tokens`` says which of its inputs they are."""
+        raise NotImplementedError(f"preparer {self.name!r} cannot defer sampled tokens (async scheduling)")
+
+    def cancel_deferred(self) -> None:
+        """Forget the deferred steps (they failed: their requests' rows are rebuilt)."""
+
+    def needs_known_tokens(self) -> bool:
+        """Whether the next step needs every earlier sampled token recorded first (none deferred)."""
+        return False
 
     # -- shared by the implementations -----------------------------------------------------------
     def model_input(self, host: dict[str, np.ndarray], req_ids: list[str], sample_req_ids: list[str],

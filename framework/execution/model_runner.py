@@ -1,13 +1,16 @@
 """Runs one step on the device: block copies, input preparation, forward pass, sampling."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from framework.execution.attention import AttentionBackend
 from framework.execution.cuda_graphs import PaddedDecode, is_graph_decode
 from framework.execution.executor import ExecutorOutput
-from framework.execution.input_preparer import InputPreparer
-from framework.execution.sampler import Sampler
+from framework.execution.host_memory import to_device
+from framework.execution.input_preparer import InputPreparer, ModelInput
+from framework.execution.sampler import LogprobsTensors, Sampler
 from framework.scheduling.output import SchedulerOutput
 
 
@@ -27,6 +30,7 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.decode = decode
         self._cpu_cache: torch.Tensor | None = None
+        self._last: LaunchedStep | None = None  # the last launched step, until collected
 
     @property
     def cpu_cache(self) -> torch.Tensor:
@@ -57,12 +61,40 @@ class ModelRunner:
         if copied is not None:
             self.kv_cache[:, :, copy_dst] = copied
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecutorOutput:
-        self.apply_block_ops(out)
-        inputs = self.preparer.prepare(out)
-        if inputs is None:
-            return ExecutorOutput()
+        """Run ``out`` and return its sampled tokens (``launch`` then ``collect``)."""
+        return self.collect(self.launch(out, defer=False))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, defer: bool = True) -> LaunchedStep:
+        """Queue ``out``'s forward pass and sampling on the device and return without waiting for them. With
+        ``defer`` its sampled tokens stay there until ``collect`` (the next step, launched before that, reads
+        them from the device); at most one launched step is left uncollected when the next is launched."""
+        prev = self._last
+        try:
+            if prev is not None and self.preparer.needs_known_tokens():
+                self.collect(prev)  # a penalised row reads its whole history on the host
+            self.apply_block_ops(out)
+            inputs = self.preparer.prepare(out)
+            if inputs is None:
+                return LaunchedStep(None, ExecutorOutput())
+            if inputs.deferred_tokens is not None:
+                if prev is None or prev.sampled is None:
+                    raise RuntimeError("a step reads deferred sampled tokens but none are in flight")
+                dst, src = (to_device(a, inputs.input_ids.device) for a in inputs.deferred_tokens)
+                inputs.input_ids[dst] = prev.sampled[src].to(inputs.input_ids.dtype)
+            step = self._run(inputs)
+            if defer and inputs.sample_req_ids:
+                self.preparer.defer_sampled(inputs)
+                step.deferred = True
+            self._last = step
+            return step
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _run(self, inputs: ModelInput) -> LaunchedStep:
+        """Queue the forward pass, logits and sampling of a prepared step."""
         if self.decode is not None and is_graph_decode(inputs, self.decode.sizes[-1]):
             hidden = self.decode.run(inputs)
         else:
@@ -74,17 +106,64 @@ class ModelRunner:
             # Logits of the prompt positions whose logprobs are asked for, besides the sampled rows.
             prompt_logits = self.model.compute_logits(hidden.index_select(0, prompt.indices))
             output.prompt_logprobs = dict(zip(prompt.req_ids, self.sampler.prompt_logprobs(prompt_logits, prompt)))
+        step = LaunchedStep(inputs, output)
         if not inputs.sample_req_ids:
-            return output
+            return step
         # index_select: 2.5x faster than advanced indexing for these rows on a CPU
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        sampling = inputs.sampling
-        sampler_output = self.sampler.sample(logits, sampling)
-        tokens = sampler_output.sampled.cpu().numpy()
-        self.preparer.record_sampled(inputs, tokens)
-        output.sampled = dict(zip(inputs.sample_req_ids, tokens.tolist()))
-        if sampler_output.logprobs is not None:
-            assert sampling.logprob_rows_cpu is not None and sampling.num_logprobs is not None
-            rids = map(inputs.sample_req_ids.__getitem__, sampling.logprob_rows_cpu.tolist())
-            output.logprobs = dict(zip(rids, sampler_output.logprobs.to_dicts(sampling.num_logprobs)))
+        sampler_output = self.sampler.sample(logits, inputs.sampling)
+        step.sampled, step.logprobs = sampler_output.sampled, sampler_output.logprobs
+        if step.sampled.device.type == "cuda":
+            # Copied as soon as sampled, into pinned memory: collect then waits for this copy alone.
+            step.host = torch.empty(step.sampled.shape, dtype=step.sampled.dtype, pin_memory=True)
+            step.host.copy_(step.sampled, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
+    def collect(self, step: LaunchedStep) -> ExecutorOutput:
+        """Wait for a launched step's sampled tokens and return its output (again, if collected before)."""
+        if step.collected:
+            return step.output
+        output, inputs = step.output, step.inputs
+        try:
+            if inputs is not None and step.sampled is not None:
+                if step.ready is not None:
+                    step.ready.synchronize()
+                    tokens = step.host.numpy()
+                else:
+                    tokens = step.sampled.cpu().numpy()
+                self.preparer.record_sampled(inputs, tokens)
+                output.sampled = dict(zip(inputs.sample_req_ids, tokens.tolist()))
+                if step.logprobs is not None:
+                    sampling = inputs.sampling
+                    assert sampling.logprob_rows_cpu is not None and sampling.num_logprobs is not None
+                    rids = map(inputs.sample_req_ids.__getitem__, sampling.logprob_rows_cpu.tolist())
+                    output.logprobs = dict(zip(rids, step.logprobs.to_dicts(sampling.num_logprobs)))
+        except BaseException:
+            self._abandon()
+            raise
+        step.collected = True
+        if self._last is step:
+            self._last = None
         return output
+
+    def _abandon(self) -> None:
+        """After a failure: no launched step's tokens will be collected (its requests are recomputed)."""
+        self._last = None
+        self.preparer.cancel_deferred()
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its input, output so far, and sampled tokens on the device (with their
+    pinned host copy and the event marking it complete, on CUDA); ``deferred``: the preparer waits for them."""
+
+    inputs: ModelInput | None
+    output: ExecutorOutput
+    sampled: torch.Tensor | None = None
+    logprobs: LogprobsTensors | None = None
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    deferred: bool = False
+    collected: bool = False

@@ -46,12 +46,13 @@ log = logging.getLogger(__name__)
 PARTS = {part: EngineConfig.__dataclass_fields__[part].default for part in PART_NAMES}
 #: ``EngineConfig`` fields the ``engine`` node may set (the others come from their own groups).
 ENGINE_KEYS = set(EngineConfig.__dataclass_fields__) - {*PART_NAMES, *(f"{p}_options" for p in PART_NAMES),
-                                                        "model", "model_seed", "check_invariants"}
+                                                        "model", "model_seed", "check_invariants",
+                                                        "async_scheduling"}
 
 
 #: Keys of the ``model`` node (``seed``: a preset's random weights) and of the ``scheduler`` node.
 MODEL_KEYS = ("name", "seed")
-SCHEDULER_KEYS = ("check_invariants",)
+SCHEDULER_KEYS = ("check_invariants", "async_scheduling")
 
 
 def _check_keys(node: str, options: Any, valid: tuple[str, ...]) -> None:
@@ -117,6 +118,9 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         _check_keys("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=True), SCHEDULER_KEYS)
     engine["check_invariants"] = OmegaConf.select(cfg, "scheduler.check_invariants", default=False)
     check_bool("scheduler.check_invariants", engine["check_invariants"])
+    engine["async_scheduling"] = OmegaConf.select(cfg, "scheduler.async_scheduling", default="auto")
+    if engine["async_scheduling"] not in (True, False, "auto"):
+        raise ValueError(f"scheduler.async_scheduling must be auto, true or false, got {engine['async_scheduling']!r}")
     return EngineConfig(model=model, model_seed=model_options.get("seed", 0), **kwargs, **engine)
 
 

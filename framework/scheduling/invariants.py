@@ -44,6 +44,6 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert not req.cpu_block_ids, f"{req.request_id} runs while holding swap blocks"
         assert len(req.block_ids) >= scheduler.allocator.blocks_needed(req.num_computed_tokens), (
             f"{req.request_id}: {len(req.block_ids)} blocks cannot hold its {req.num_computed_tokens} computed tokens")
-    live = len(scheduler.waiting) + len(scheduler.running) + len(scheduler.swapped)
+    live = len(scheduler.waiting) + len(scheduler.running) + len(scheduler.swapped) + len(scheduler._finishing)
     assert live == len(scheduler.requests), f"{live} queued requests but {len(scheduler.requests)} unfinished"
     scheduler.allocator.check_invariants(scheduler.requests.values())

@@ -44,6 +44,9 @@ class Scheduler:
         self._forked: list[Request] = []
         self._forks_waiting: list[Request] = []  # forked in this step to wait, the policy not told yet
         self._rebuilt: list[Request] = []  # rows to rebuild after a step the executor failed on
+        # Async scheduling: requests whose token in flight is their last (length), off the running queue
+        # but holding their blocks until update_from_output gives it.
+        self._finishing: list[Request] = []
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_steps = 0
@@ -84,13 +87,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
+        self._leave_queue(request)
         self.allocator.free(request)
+        request.drop_placeholder()  # its output ends at the tokens known
         request.status = RequestStatus.FINISHED_ABORTED
         request.finished_time = self.clock.now()
         self._dropped_rows.add(request_id)
@@ -195,6 +194,82 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return progressed
 
+    # -- async scheduling ------------------------------------------------------------------------
+    def commit(self, out: SchedulerOutput) -> None:
+        """Async scheduling: advance ``out``'s running requests as if its step had run, before its tokens are
+        known, so the next ``schedule`` can run while it does: a request that samples gets a placeholder
+        (``Request.append_placeholder``); one whose placeholder is its last token stops being scheduled."""
+        capped = False
+        for req in out.scheduled:
+            if req.status != RequestStatus.RUNNING:
+                continue  # finished or aborted since it was scheduled
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prompt chunk: it samples nothing
+            req.append_placeholder()
+            if req.num_output_tokens >= req.max_tokens or (
+                    req.max_model_len is not None and req.num_tokens >= req.max_model_len):
+                # Whatever the token, it is the last: the request leaves the batch, keeping its blocks
+                # (a failed step recomputes it) until update_from_output finishes it.
+                self._finishing.append(req)
+                self._dropped_rows.add(req.request_id)
+                capped = True
+        if capped:
+            self.running = [r for r in self.running if r not in self._finishing]
+
+    def uncommit(self, out: SchedulerOutput) -> None:
+        """Undo ``commit(out)`` for a step that failed (then ``step_failed(out)``): its requests back at their
+        state when it was scheduled."""
+        for req in out.scheduled:
+            if req.is_finished:
+                continue
+            req.drop_placeholder()
+            if req.status != RequestStatus.RUNNING:
+                continue  # taken off the device since (by a failed later step, say): its computed tokens are 0
+            req.num_computed_tokens -= out.num_scheduled_tokens[req.request_id]
+            if req in self._finishing:
+                self._finishing.remove(req)
+                self.running.append(req)
+                self._dropped_rows.discard(req.request_id)
+
+    def update_from_committed(self, out: SchedulerOutput, sampled: dict[str, int],
+                              now: float | None = None) -> list[Request]:
+        """Async scheduling's ``update_from_output``: the sampled tokens of committed ``out`` replace its
+        requests' placeholders (wherever the requests are now: running, preempted, swapped or finishing),
+        timed ``now``. Returns the requests that got a token."""
+        now = self.clock.now() if now is None else now
+        progressed: list[Request] = []
+        any_finished = False
+        for req in out.scheduled:
+            token = sampled.get(req.request_id)
+            if token is None or not req.num_placeholders:
+                continue  # a prompt chunk, or aborted since
+            req.resolve_placeholder(token, now)
+            progressed.append(req)
+            status = req.check_stop()
+            if status is None:
+                continue
+            any_finished |= self._leave_queue(req, leave_running=False)
+            self._finish(req, status, now)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return progressed
+
+    def _leave_queue(self, request: Request, leave_running: bool = True) -> bool:
+        """Take ``request`` off its queue (waiting, finishing, running or swapped); with ``leave_running=False``
+        a running one stays, for the caller to filter out with others. Whether it was running."""
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request in self._finishing:
+            self._finishing.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            if leave_running:
+                self.running.remove(request)
+            return True
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        return False
+
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
         request.status = status
         request.finished_time = now
@@ -206,7 +281,8 @@ class Scheduler:
     def find_prefix(self, request: Request) -> PrefixHit:
         """Cached blocks the request could start from; an empty hit for a request with blocks or computed
         tokens, or with prompt logprobs to come (as vLLM v1: a hit would skip the positions computing them)."""
-        if request.num_computed_tokens or request.block_ids or request.needs_prompt_logprobs:
+        if (request.num_computed_tokens or request.block_ids or request.needs_prompt_logprobs
+                or request.num_placeholders):
             return PrefixHit()
         return self.allocator.find_prefix(request)
 
@@ -217,7 +293,8 @@ class Scheduler:
         prefix_tokens = prefix.num_tokens if prefix else 0
         self._check_num_tokens(step, request, num_tokens, prefix_tokens)
         waiting = request.status == RequestStatus.WAITING
-        if waiting and len(self.running) >= self.max_num_seqs:
+        # A request preempted with a token in flight is prefilled once that token is known (next step).
+        if waiting and (len(self.running) >= self.max_num_seqs or request.num_placeholders):
             return False
         if not waiting and request.status != RequestStatus.RUNNING:
             raise ValueError(f"{request.request_id} is {request.status.name}; only waiting or running requests run")

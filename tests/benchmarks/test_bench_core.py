@@ -68,6 +68,25 @@ def test_step_loop_cpu_side(benchmark, running):
     engine.step()
 
 
+@pytest.mark.parametrize("running", [64, 256])
+def test_async_step_loop_cpu_side(benchmark, running):
+    """``test_step_loop_cpu_side`` with async scheduling: commit and placeholders instead of the update,
+    the runner's deferred tokens (read the ratio to that case: what the overlap has to hide)."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=2048, max_num_seqs=running,
+                                    max_num_batched_tokens=max(2048, running), async_scheduling=True))
+    cfg = engine.model_config
+    engine.executor.runner.model = NoModel(cfg.hidden_size, cfg.vocab_size, max(2048, running))
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(running):
+        engine.add_request(str(i), list(range(3, 3 + 16 + i % 32)), params)
+    while engine.scheduler.waiting or engine.scheduler.requests["0"].num_computed_tokens < 64:
+        engine.step()
+    benchmark(engine.step, final_only=True)
+    assert len(engine.scheduler.running) == running
+    engine.abort_request([str(i) for i in range(running)])
+    engine.step()
+
+
 @pytest.mark.parametrize("argmax", ["torch", "fused"])
 def test_greedy_sampling_at_a_llama3_vocabulary(benchmark, argmax):
     """Greedy sampling of 64 rows of a 128,256-token vocabulary: torch's argmax against the fused

@@ -20,7 +20,7 @@ from framework.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from framework.execution.host_memory import keep_freed_memory, lazy_zeros
 from framework.execution.input_preparer import PREPARERS
 from framework.execution.memory_profile import dummy_steps, peak_bytes, run_dummy_step
-from framework.execution.model_runner import ModelRunner
+from framework.execution.model_runner import LaunchedStep, ModelRunner
 from framework.execution.sampler import Sampler
 from framework.scheduling.output import SchedulerOutput
 from models.cpu_ops import fused_ops
@@ -112,6 +112,7 @@ class ModelExecutor(Executor):
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
+    supports_async = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_ops: bool = True,
                  float32_matmul: bool | str = "auto", cuda_graphs: bool | str = "auto") -> None:
@@ -238,3 +239,11 @@ class ModelExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> ExecutorOutput:
         assert self.runner is not None, "initialize() must be called before execute()"
         return self.runner.execute(out)
+
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        assert self.runner is not None, "initialize() must be called before launch()"
+        return self.runner.launch(out)
+
+    def collect(self, handle: LaunchedStep) -> ExecutorOutput:
+        assert self.runner is not None, "initialize() must be called before collect()"
+        return self.runner.collect(handle)

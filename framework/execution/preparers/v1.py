@@ -19,7 +19,7 @@ import torch
 
 from framework.execution.input_preparer import (PREPARERS, InputPreparer, ModelInput, Penalties, PromptLogprobsMetadata,
                                       SamplingMetadata)
-from framework.common.request import Request
+from framework.common.request import PLACEHOLDER, Request
 from framework.scheduling.output import SchedulerOutput
 
 _request_id = attrgetter("request_id")
@@ -59,8 +59,16 @@ class _HostArrays(dict):
         return value
 
 
+def _same_tokens(row: list[int], request: list[int]) -> bool:
+    """Whether a row's tokens are its request's, where a request's placeholder matches any token."""
+    return row == request or len(row) == len(request) and all(
+        a == b or b == PLACEHOLDER for a, b in zip(row, request))
+
+
 @PREPARERS.register("v1")
 class FlatBatchPreparer(InputPreparer):
+    defers_sampled = True
+
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
                  max_num_batched_tokens: int, device: torch.device | str = "cpu", check: bool = False) -> None:
         super().__init__(max_num_reqs, max_model_len, block_size, max_num_batched_tokens, device, check)
@@ -98,6 +106,14 @@ class FlatBatchPreparer(InputPreparer):
         self._pending: tuple[ModelInput, np.ndarray, np.ndarray, np.ndarray | None] | None = None
         # Whether a step's sampled tokens went unrecorded, so rows may lack tokens their requests have.
         self._rows_may_lag = False
+        # Steps whose sampled tokens stay on the device for now (defer_sampled), by id of their input: the
+        # token table slots, rows, their generations (bumped when a row is reused) and sampled indices.
+        self._deferred: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._row_gen = np.zeros(rows, dtype=np.int64)
+        # Of the last step deferred: each row's index in its sampled tokens (-1: none), and that token's position.
+        self._deferred_src = np.full(rows, -1, dtype=np.int64)
+        self._deferred_pos = np.zeros(rows, dtype=np.int64)
+        self._deferred_last: int | None = None
 
     # -- rows enter and leave --------------------------------------------------------------------
     def _add_rows(self, reqs: list[Request]) -> None:
@@ -106,6 +122,7 @@ class FlatBatchPreparer(InputPreparer):
             raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
         rows = [heapq.heappop(self._free_rows) for _ in reqs]
         self.row_of.update(zip(map(_request_id, reqs), rows))
+        self._row_gen[rows] += 1
         tokens, blocks, row_ints, row_floats = self.token_ids, self.block_table, self._row_ints, self._row_floats
         shift, width = self._shift, tokens.shape[1]
         for row, req in zip(rows, reqs):  # a few requests per step; their prompts are converted once
@@ -136,6 +153,7 @@ class FlatBatchPreparer(InputPreparer):
             # A reused row must read as the null block past its new request's blocks; its other
             # arrays are rewritten by _add_rows.
             self.block_table[freed] = 0
+            self._deferred_src[freed] = -1
 
     def _follow_requests(self, out: SchedulerOutput) -> None:
         new, resumed = out.new_requests, out.resumed_requests
@@ -209,7 +227,7 @@ class FlatBatchPreparer(InputPreparer):
             diverged = [
                 name for name, ok in (
                     ("computed tokens", self.row_num_computed[row] == req.num_computed_tokens),
-                    ("token ids", self.token_ids[row, :num_tokens].tolist() == req.token_ids),
+                    ("token ids", _same_tokens(self.token_ids[row, :num_tokens].tolist(), req.token_ids)),
                     ("block ids", self.block_table[row, :num_blocks].tolist() == req.block_ids[:num_blocks]),
                 ) if not ok]
             if diverged:
@@ -251,10 +269,23 @@ class FlatBatchPreparer(InputPreparer):
             self._check_rows(reqs, ids, rows)
         self.row_num_computed[rows] = seq_lens
         model_input = self.build(ids, rows, num_sched, computed, seq_lens, num_tokens, state[:, 4])
+        if self._deferred_last is not None:
+            model_input.deferred_tokens = self._reads_deferred(rows, computed, seq_lens,
+                                                               model_input.host["query_start_loc"])
         if self._live_flags() & _PROMPT_LOGPROBS:
             model_input.prompt_logprobs = self._prompt_logprobs(reqs, ids, rows, computed, seq_lens,
                                                                 model_input.host["query_start_loc"])
         return model_input
+
+    def _reads_deferred(self, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
+                        query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(flat token indices, indices into the last deferred step's sampled tokens) of the step's tokens
+        that step samples, or None if it reads none."""
+        src, pos = self._deferred_src.take(rows), self._deferred_pos.take(rows)
+        reads = ((src >= 0) & (pos >= computed) & (pos < seq_lens)).nonzero()[0]
+        if not len(reads):
+            return None
+        return query_start_loc.take(reads) + pos.take(reads) - computed.take(reads), src.take(reads)
 
     def _prompt_logprobs(self, reqs: list[Request], ids: list[str], rows: np.ndarray, computed: np.ndarray,
                          seq_lens: np.ndarray, query_start_loc: np.ndarray) -> PromptLogprobsMetadata | None:
@@ -361,9 +392,49 @@ class FlatBatchPreparer(InputPreparer):
         return self.penalties(idx.astype(np.int64), token_ids, self.row_num_prompt_tokens.take(rows),
                               *map(np.ascontiguousarray, floats))
 
+    def needs_known_tokens(self) -> bool:
+        """Whether a step must see every earlier step's sampled tokens on the host (a penalised row reads
+        its whole history): then no step's tokens may still be deferred when it is prepared."""
+        return bool(self._live_flags() & _PENALIZED)
+
+    def cancel_deferred(self) -> None:
+        self._deferred.clear()
+        self._deferred_last = None
+        self._deferred_src.fill(-1)
+
+    def defer_sampled(self, model_input: ModelInput) -> None:
+        """The step just prepared samples tokens that stay on the device for now (async scheduling): its rows
+        count them at once, the next step reads them from the device (``ModelInput.deferred_tokens``), and
+        ``record_sampled`` writes them into the token table once they are known."""
+        pending = self._pending
+        if pending is None or pending[0] is not model_input:
+            raise ValueError("defer_sampled takes the model input of the step prepared last, once")
+        self._pending = None
+        _, slots, rows, room = pending
+        index = np.arange(len(rows), dtype=np.int64)
+        if room is not None:
+            rows, index = rows[room], index[room]
+        self._token_ids_flat[slots] = PLACEHOLDER
+        self.row_num_tokens[rows] += 1
+        self._deferred[id(model_input)] = (slots, rows, self._row_gen.take(rows), index)
+        self._deferred_src.fill(-1)
+        self._deferred_src[rows] = index
+        self._deferred_pos[rows] = slots - rows * self.token_ids.shape[1]
+        self._deferred_last = id(model_input)
+
     def record_sampled(self, model_input: ModelInput, sampled: np.ndarray) -> None:
         """Append each sampled token to its row, as the request will append it: the next step
-        then finds the row up to date without reading the request."""
+        then finds the row up to date without reading the request. For a deferred step: write
+        them into the rows still holding its requests."""
+        deferred = self._deferred.pop(id(model_input), None)
+        if deferred is not None:
+            slots, rows, gens, index = deferred
+            if self._deferred_last == id(model_input):
+                self._deferred_last = None
+                self._deferred_src.fill(-1)
+            same = self._row_gen.take(rows) == gens
+            self._token_ids_flat[slots[same]] = sampled[index[same]]
+            return
         pending = self._pending
         if pending is None or pending[0] is not model_input:
             raise ValueError("record_sampled takes the model input of the step prepared last, once")

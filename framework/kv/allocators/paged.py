@@ -122,7 +122,7 @@ class PagedBlockAllocator(BlockAllocator):
                and blocks[held[start // bs]].ref_count > 1)
         if held and total <= len(held) * bs and not cow:
             # Its blocks take the new tokens (a decode, 31 steps in 32 at block size 32): nothing to take.
-            if self.enable_prefix_caching and total // bs > start // bs:
+            if self.enable_prefix_caching and total // bs > min(start // bs, len(request.block_hashes)):
                 self._seal(request, start // bs, total // bs)
             return True
         num_new_blocks = self._new_blocks(request, num_new_tokens, prefix)
@@ -258,13 +258,15 @@ class PagedBlockAllocator(BlockAllocator):
         return used
 
     def _seal(self, request: Request, first: int, end: int) -> None:
-        """Make full blocks [first, end) findable by later requests."""
-        if end <= first:
-            return
+        """Make full blocks [first, end) findable by later requests; one ending in a placeholder (async
+        scheduling) waits for a later call, which starts at the first block not yet hashed."""
         bs, tokens, blocks = self.block_size, request.token_ids, self._blocks
         hashes = request.block_hashes
-        if len(hashes) < first:
-            self._request_hashes(request, first)
+        if request.num_placeholders:
+            end = min(end, (len(tokens) - request.num_placeholders) // bs)
+        first = min(first, len(hashes))
+        if end <= first:
+            return
         # Hashes of blocks not yet hashed are computed here rather than by _request_hashes, so
         # each block's token tuple is built once (this runs for every block every request fills).
         block_ids, index = request.block_ids, self._hash_to_block
@@ -339,6 +341,10 @@ class PagedBlockAllocator(BlockAllocator):
         request.block_ids = []
 
     def free(self, request: Request) -> None:
+        if self.enable_prefix_caching and request.block_ids:
+            # Full blocks whose last token was a placeholder when computed (async scheduling) are sealed
+            # now: the request may not allocate again. Otherwise a no-op: sealed when allocated.
+            self._seal(request, len(request.block_hashes), request.num_computed_tokens // self.block_size)
         self._release_all(request)
         if request.cpu_block_ids:
             self._cpu_free.extend(request.cpu_block_ids)

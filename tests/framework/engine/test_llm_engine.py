@@ -310,12 +310,12 @@ def test_abort_frees_blocks_and_reports():
     assert finished["b"].outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 def test_rows_of_requests_that_end_before_an_empty_step_are_dropped(preparer):
     # An abort, or a finish followed by an idle step, leaves a step with nothing to run: the
     # engine skips the executor then, so the rows to drop must reach it with a later step, or
     # every such request keeps a persistent-batch row until the batch is full.
-    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, max_num_seqs=2, preparer=preparer,
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, max_num_seqs=2, **_preparer(preparer),
                                     check_invariants=True))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     for i in range(4):
@@ -328,7 +328,7 @@ def test_rows_of_requests_that_end_before_an_empty_step_are_dropped(preparer):
             engine.step()
         assert engine.step() == []  # idle
     runner = engine.executor.runner
-    rows = runner.preparer.row_of if preparer == "v1" else runner.preparer.seqs
+    rows = runner.preparer.row_of if preparer != "v0" else runner.preparer.seqs
     # Only the last request's row is left, to be dropped with the next step that runs.
     assert set(rows) <= {"done3"}, f"rows of finished requests kept: {sorted(rows)}"
 
@@ -342,11 +342,11 @@ def test_duplicate_request_id_is_rejected():
     engine.step()
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 @pytest.mark.parametrize("first, second", [("a#1", "a"), ("a", "a#1")])
 def test_a_request_id_clashing_with_a_parallel_sample_is_rejected_with_nothing_queued(preparer, first, second):
     # "a" with n=2 runs sequences "a#0" and "a#1" (v0 forks "a#1" only after the prompt).
-    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, preparer=preparer))
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, **_preparer(preparer)))
     params = {"a": SamplingParams(n=2, max_tokens=3, temperature=0.0, ignore_eos=True), "a#1": GREEDY}
     engine.add_request(first, [5, 6, 7], params[first])
     with pytest.raises(ValueError, match="'a#1'"):
@@ -394,12 +394,12 @@ def test_generation_stops_at_max_model_len():
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 @pytest.mark.parametrize("n", [1, 2])
 def test_max_tokens_none_generates_up_to_max_model_len_as_transformers(llama_ckpt, preparer, n):
     """vLLM's max_tokens=None: as many tokens as max_model_len leaves after each prompt."""
     path, hf_model = llama_ckpt
-    llm = LLM(model=str(path), preparer=preparer, backend="naive", block_size=4, max_model_len=24,
+    llm = LLM(model=str(path), **_preparer(preparer), backend="naive", block_size=4, max_model_len=24,
               max_num_batched_tokens=32, max_num_seqs=4, check_invariants=True)
     prompts = [list(range(10, 15)), list(range(40, 60))]
     outs = llm.generate(prompts, SamplingParams(n=n, max_tokens=None, temperature=0.0, ignore_eos=True))
@@ -533,13 +533,13 @@ def test_an_interrupted_generate_leaves_nothing_running():
     assert len(steps) == GREEDY.max_tokens and max(steps) == 1  # only its own request ran
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 @pytest.mark.parametrize("interrupted_forward", [1, 2])
 def test_prompts_rerun_after_a_forward_pass_interrupted_match_transformers(llama_ckpt, preparer, interrupted_forward):
     """Ctrl-C inside a forward pass: the step had already entered the blocks it was filling in the
     prefix cache, so running the same prompts again read their never-computed KV as cached."""
     path, hf_model = llama_ckpt
-    llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+    llm = LLM(model=str(path), **_preparer(preparer), backend="naive", policy="chunked", block_size=4,
               max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4, check_invariants=True)
     prompts = [list(range(10, 40)), list(range(40, 60)), list(range(60, 65)), list(range(70, 100))]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -548,6 +548,11 @@ def test_prompts_rerun_after_a_forward_pass_interrupted_match_transformers(llama
         llm.generate(prompts, params)
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 4) for p in prompts]
+
+
+def _preparer(name: str) -> dict:
+    """Engine arguments of a preparer parameter: ``v1-async`` is v1 with async scheduling."""
+    return {"preparer": "v1", "async_scheduling": True} if name == "v1-async" else {"preparer": name}
 
 
 def _interrupt(obj, method, when):
@@ -564,13 +569,13 @@ def _interrupt(obj, method, when):
     setattr(obj, method, interrupted)
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 def test_generate_works_after_steps_interrupted_again_and_again(llama_ckpt, preparer):
     """The rows a step interrupted before its inputs were prepared listed to drop never reached
     the runner: v1's persistent batch kept them, and after a few Ctrl-Cs failed with "persistent
     batch is full"."""
     path, hf_model = llama_ckpt
-    llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+    llm = LLM(model=str(path), **_preparer(preparer), backend="naive", policy="chunked", block_size=4,
               max_model_len=64, max_num_batched_tokens=32, max_num_seqs=2, enable_prefix_caching=False,
               check_invariants=True)
     prompts = [list(range(10, 13)), list(range(40, 60)), list(range(60, 65))]
@@ -585,12 +590,12 @@ def test_generate_works_after_steps_interrupted_again_and_again(llama_ckpt, prep
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, s.max_tokens) for p, s in zip(prompts, params)]
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 def test_stepping_on_after_a_failed_forward_pass_matches_transformers(llama_ckpt, preparer):
     """An engine whose step raised mid-forward can step on: the runner's rows, which the failed
     step had advanced, are rebuilt from their requests (whose computed tokens did not move)."""
     path, hf_model = llama_ckpt
-    llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+    llm = LLM(model=str(path), **_preparer(preparer), backend="naive", policy="chunked", block_size=4,
               max_model_len=64, max_num_batched_tokens=16, max_num_seqs=3, check_invariants=True)
     engine = llm.engine
     prompts = [list(range(10, 13)), list(range(40, 60)), list(range(60, 65)), list(range(40, 62))]
@@ -604,7 +609,7 @@ def test_stepping_on_after_a_failed_forward_pass_matches_transformers(llama_ckpt
         hf_greedy(hf_model, p, s.max_tokens) for p, s in zip(prompts, params)]
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 def test_seeded_samples_are_the_same_after_a_step_that_failed_once_it_had_sampled(llama_ckpt, preparer):
     """A step that failed after the sampler drew from the seeded requests' generators (a Ctrl-C
     landing as the sampled tokens come back) left those generators advanced: the recomputed
@@ -616,7 +621,7 @@ def test_seeded_samples_are_the_same_after_a_step_that_failed_once_it_had_sample
                              repetition_penalty=1.2, logprobs=1) for i in range(len(prompts))]
 
     def run(fail_at):
-        llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+        llm = LLM(model=str(path), **_preparer(preparer), backend="naive", policy="chunked", block_size=4,
                   max_model_len=64, max_num_batched_tokens=32, max_num_seqs=6, check_invariants=True)
         engine = llm.engine
         for i, (p, s) in enumerate(zip(prompts, params)):
@@ -649,7 +654,7 @@ def _interrupt_after(obj, method, when):
     setattr(obj, method, interrupted)
 
 
-@pytest.mark.parametrize("preparer, mode", [("v0", "swap"), ("v1", "swap"), ("v0", "recompute")])
+@pytest.mark.parametrize("preparer, mode", [("v0", "swap"), ("v1", "swap"), ("v0", "recompute"), ("v1-async", "swap")])
 def test_stepping_on_after_steps_that_failed_before_their_swaps_and_copies_matches_transformers(
         llama_ckpt, preparer, mode):
     """A step that failed before its swaps and copies were applied left the requests it swapped
@@ -657,7 +662,7 @@ def test_stepping_on_after_steps_that_failed_before_their_swaps_and_copies_match
     copy of a shared block (never copied) reading KV that was never written; they are now
     recomputed."""
     path, hf_model = llama_ckpt
-    llm = LLM(model=str(path), preparer=preparer, backend="naive", policy="chunked", block_size=4,
+    llm = LLM(model=str(path), **_preparer(preparer), backend="naive", policy="chunked", block_size=4,
               max_model_len=48, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=14,
               policy_options={"preemption_mode": mode}, check_invariants=True)
     engine, runner = llm.engine, llm.engine.executor.runner
@@ -679,7 +684,7 @@ def test_stepping_on_after_steps_that_failed_before_their_swaps_and_copies_match
     runner.apply_block_ops = fail_before_block_ops
     outs, _ = step_through_interrupts(engine)
     assert (failed[0] and failed[1]) if mode == "swap" else failed[2], failed
-    assert failed[2] or preparer == "v1"
+    assert failed[2] or preparer != "v0"
     assert [[c.token_ids for c in outs[str(i)].outputs] for i in range(4)] == [
         [hf_greedy(hf_model, p, s.max_tokens)] * s.n for p, s in zip(prompts, params)]
     alloc = engine.allocator
@@ -743,12 +748,12 @@ def _kind_requests(engine, kind, hf_model=None):
     return prompts
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 def test_delta_outputs_add_up_to_the_cumulative_output(llama_ckpt, preparer):
     # Same greedy / seeded requests: the deltas, joined per sample, are the cumulative run's final
     # token ids and text; the greedy ones are transformers' tokens, their text its decode.
     path, hf_model = llama_ckpt
-    config = dict(model=str(path), max_model_len=128, block_size=16, backend="naive", seed=0, preparer=preparer)
+    config = dict(model=str(path), max_model_len=128, block_size=16, backend="naive", seed=0, **_preparer(preparer))
     runs = {}
     for kind in ("cumulative", "delta"):
         engine = LLMEngine(EngineConfig(**config))
@@ -775,13 +780,13 @@ def test_delta_outputs_add_up_to_the_cumulative_output(llama_ckpt, preparer):
     assert _joined(runs["delta"]["1"])[0][2] == "stop"
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 def test_delta_outputs_with_stop_strings_and_logprobs_add_up_to_the_cumulative_output(llama_ckpt, preparer):
     # A stop string taken from the middle of the model's own text, and logprobs: the deltas'
     # text never runs past what the final text keeps, and joined, text, ids, stop reason and
     # logprobs are the cumulative output's.
     path, _ = llama_ckpt
-    config = dict(model=str(path), max_model_len=128, block_size=16, backend="naive", seed=0, preparer=preparer)
+    config = dict(model=str(path), max_model_len=128, block_size=16, backend="naive", seed=0, **_preparer(preparer))
     prompt = list(range(20, 31))
     engine = LLMEngine(EngineConfig(**config))
     engine.add_request("free", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
@@ -895,11 +900,11 @@ def test_delta_outputs_decode_a_window_not_the_whole_output_each_step(llama_ckpt
     assert sum(decoded) < 16 * n  # a cumulative output's decodes would total about n * n
 
 
-@pytest.mark.parametrize("preparer", ["v1", "v0"])
+@pytest.mark.parametrize("preparer", ["v1", "v0", "v1-async"])
 def test_a_request_of_parallel_samples_aborted_mid_prompt_is_finished_at_once(preparer):
     # v0 forks samples 1.. from sample 0 once its prompt completes: aborted before that, they
     # must finish with it, as every sample of a v1 request does, not only after the next step.
-    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, preparer=preparer, policy="chunked",
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, **_preparer(preparer), policy="chunked",
                                     max_num_batched_tokens=8, max_num_seqs=8))
     engine.add_request("a", list(range(10, 30)), SamplingParams(n=3, max_tokens=4, temperature=0.0))
     engine.step()  # 8 of the 20 prompt tokens

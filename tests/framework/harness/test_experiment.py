@@ -221,6 +221,8 @@ def cli(*args, cwd):
     (["+workload.top_p=5"], r"workload.top_p must be in \(0, 1\], got 5"),
     (["workload.ignore_eos=maybe"], "workload.ignore_eos must be True or False"),
     (["scheduler.check_invariants=maybe"], "scheduler.check_invariants must be true or false"),
+    (["scheduler.async_scheduling=maybe"], "scheduler.async_scheduling must be auto, true or false, got 'maybe'"),
+    (["executor=sim", "scheduler.async_scheduling=true"], r"async_scheduling=true needs an executor that runs steps"),
     (["executor=sim", "executor.fast_forward=maybe"], "executor.fast_forward must be true or false"),
     (["executor=sim", "cost_model=bogus"], "unknown cost model 'bogus'; registered cost models: .*roofline"),
     # A simulated device or cost model given to the real forward pass used to be ignored silently.
@@ -241,7 +243,8 @@ def cli(*args, cwd):
     (["+slo.ttft=100"], r"slo: unknown key\(s\) ttft; valid: ttft_ms, tpot_ms, e2el_ms"),
     # Read by nothing, these used to be dropped: the run went on in the default dtype, unchecked.
     (["+model.dtype=float16"], r"model: unknown key\(s\) dtype; valid: name, seed"),
-    (["+scheduler.check_invariant=true"], r"scheduler: unknown key\(s\) check_invariant; valid: check_invariants"),
+    (["+scheduler.check_invariant=true"], r"scheduler: unknown key\(s\) check_invariant; valid: check_invariants, "
+                                          r"async_scheduling"),
     # A list where a name goes (a sweep written as a list) used to crash: "unhashable type: 'list'".
     (["backend.name=[naive,triton]"], r"a backend name is a string, one of .*torch_paged.*; got \['naive', 'triton'\]"),
     (["workload.name=[synthetic]"], r"a workload name is a string, one of .*synthetic"),

@@ -296,3 +296,27 @@ def test_requests_of_a_failed_step_wait_in_the_order_they_ran(policy):
     assert [r.request_id for r in s.waiting] == ["0", "1", "2", "3", "4"]
     admitted = [r.request_id for r in s.schedule().scheduled]
     assert admitted == ["0", "1", "2"]
+
+
+def test_commit_stands_placeholders_for_tokens_in_flight_and_uncommit_undoes_it():
+    """Async scheduling: commit advances the scheduled requests and gives each that samples a placeholder;
+    one whose placeholder is its last token leaves the running queue, keeping its blocks; uncommit restores
+    all of it; the tokens, once known, replace the placeholders."""
+    s = make()
+    a, b = add(s, "a", 5), add(s, "b", 3)
+    a.max_tokens = 1
+    s.policy.plan = admit(a, b)
+    out = s.schedule()
+    before = [(r.num_computed_tokens, list(r.token_ids), list(r.block_ids)) for r in (a, b)]
+    s.commit(out)
+    assert [(r.num_computed_tokens, r.token_ids[-1], r.num_placeholders) for r in (a, b)] == [(5, -1, 1), (3, -1, 1)]
+    assert s.running == [b] and s._finishing == [a] and a.block_ids
+    s.uncommit(out)
+    assert [(r.num_computed_tokens, list(r.token_ids), list(r.block_ids)) for r in (a, b)] == before
+    assert sorted(r.request_id for r in s.running) == ["a", "b"] and not s._finishing  # step_failed follows
+    s.commit(out)
+    progressed = s.update_from_committed(out, {"a": 9, "b": 8})
+    assert progressed == [a, b] and a.output_token_ids == [9] and b.output_token_ids == [8]
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and not a.block_ids and s.running == [b]
+    assert not b.num_placeholders
+    s.abort_request("b")

@@ -173,3 +173,27 @@ def test_sampling_parameters_follow_the_rows_that_sample():
             assert got.logprob_rows.tolist() == got.logprob_rows_cpu.tolist() == want.logprob_rows_cpu.tolist()
         asking = [i for i, r in enumerate(sampled) if r.sampling_params.logprobs is not None]
         assert (got.logprob_rows_cpu.tolist() if asking else got.logprob_rows_cpu) == (asking or None)
+
+
+def test_deferred_tokens_feed_the_next_step_from_the_device_and_never_a_reused_row():
+    """Async scheduling: a deferred step's rows count its tokens at once; the next step says which of its
+    inputs they are; recorded later, a token whose row went to another request since is not written."""
+    prep = preparer()
+    a, b = make_req("a", 5, [1, 2]), make_req("b", 4, [3])
+    mi = prep.prepare(schedule([a, b], [5, 4], new=[a, b]))
+    prep.defer_sampled(mi)
+    for r in (a, b):  # as Scheduler.commit leaves them
+        r.num_computed_tokens = r.num_tokens
+        r.token_ids.append(-1)
+    b.block_ids.append(13)
+    a.status = RequestStatus.FINISHED_ABORTED
+    c = make_req("c", 6, [4, 5])
+    out = schedule([b, c], [1, 6], new=[c])
+    out.finished_req_ids = {"a"}
+    nxt = prep.prepare(out)  # c takes a's row
+    assert prep.row_of["c"] == 0
+    dst, src = nxt.deferred_tokens
+    assert dst.tolist() == [0] and src.tolist() == [1]  # b's one input is the deferred step's second token
+    prep.record_sampled(mi, np.array([900, 901]))
+    assert prep.token_ids[0, :6].tolist() == c.token_ids  # a's token not written into c's row
+    assert prep.token_ids[prep.row_of["b"], 4] == 901
