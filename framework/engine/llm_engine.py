@@ -324,20 +324,22 @@ class LLMEngine:
             self._async_step_failed(out, prev, seeded)
             raise
         progressed: list[Request] = []
-        if prev is not None and result is not None:
-            prev_out = prev[0]
-            if result.prompt_logprobs:
-                append_prompt_logprobs(self.scheduler.requests, result.prompt_logprobs, self.tokenizer,
-                                       self.config.executor)
-            progressed = self.scheduler.update_from_committed(prev_out, result.sampled, self.clock.now())
-            if result.logprobs:
-                append_logprobs(progressed, result.logprobs, self.tokenizer, self.config.executor)
-        done_elsewhere = self.scheduler.take_finished_outside_step()
-        self._check_progress(out, done_elsewhere, resolved=prev is not None)
-        outputs = self._outputs(done_elsewhere, progressed, final_only)
-        if handle is not None:  # after the outputs, which must not show its placeholders
-            self.scheduler.commit(out)
-            self._in_flight = (out, handle, seeded)
+        try:
+            if prev is not None and result is not None:
+                if result.prompt_logprobs:
+                    append_prompt_logprobs(self.scheduler.requests, result.prompt_logprobs, self.tokenizer,
+                                           self.config.executor)
+                progressed = self.scheduler.update_from_committed(prev[0], result.sampled, self.clock.now())
+                if result.logprobs:
+                    append_logprobs(progressed, result.logprobs, self.tokenizer, self.config.executor)
+            done_elsewhere = self.scheduler.take_finished_outside_step()
+            self._check_progress(out, done_elsewhere, resolved=prev is not None)
+            outputs = self._outputs(done_elsewhere, progressed, final_only)
+        finally:
+            # After the outputs, which must not show its placeholders; whatever happened, as the runner ran it.
+            if handle is not None:
+                self.scheduler.commit(out)
+                self._in_flight = (out, handle, seeded)
         self._count_step(out, start, outputs)
         return outputs
 

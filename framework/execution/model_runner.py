@@ -86,7 +86,6 @@ class ModelRunner:
             step = self._run(inputs)
             if defer and inputs.sample_req_ids:
                 self.preparer.defer_sampled(inputs)
-                step.deferred = True
             self._last = step
             return step
         except BaseException:
@@ -103,7 +102,8 @@ class ModelRunner:
         output = ExecutorOutput()
         prompt = inputs.prompt_logprobs
         if prompt is not None:
-            # Logits of the prompt positions whose logprobs are asked for, besides the sampled rows.
+            # Logits of the prompt positions whose logprobs are asked for, besides the sampled rows (read on
+            # the host here: such a step does not overlap the next one's scheduling).
             prompt_logits = self.model.compute_logits(hidden.index_select(0, prompt.indices))
             output.prompt_logprobs = dict(zip(prompt.req_ids, self.sampler.prompt_logprobs(prompt_logits, prompt)))
         step = LaunchedStep(inputs, output)
@@ -157,7 +157,7 @@ class ModelRunner:
 @dataclass
 class LaunchedStep:
     """A step queued on the device: its input, output so far, and sampled tokens on the device (with their
-    pinned host copy and the event marking it complete, on CUDA); ``deferred``: the preparer waits for them."""
+    pinned host copy and the event marking it complete, on CUDA)."""
 
     inputs: ModelInput | None
     output: ExecutorOutput
@@ -165,5 +165,4 @@ class LaunchedStep:
     logprobs: LogprobsTensors | None = None
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
-    deferred: bool = False
     collected: bool = False
