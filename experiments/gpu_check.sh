@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What a CPU cannot check, in one pass on a CUDA machine (about 4 minutes on an H200, 9 at most; steps 1-3 and 5
-# side by side, then 4 and 6 alone):
+# What a CPU cannot check, in one pass on a CUDA machine (about 5 minutes on an H200, 12 at most; steps 1-3 and 5
+# side by side, then 4, 6 and 7 alone):
 #   1. the gpu-marked tests: every backend against the float64 reference on CUDA, Triton's split-key
 #      path on long contexts, torch_paged's masked GQA groups with SDPA's math kernel off, flash_attn
 #      when installed, every backend on cuda:1 when there are two GPUs, async scheduling against synchronous;
@@ -11,8 +11,11 @@
 #   5. greedy parity with transformers on CUDA, every backend x bf16/fp16/fp32, CUDA graphs as by default
 #      (experiments/gpu_e2e.py parity);
 #   6. a random 1.1B Llama in bf16 at batch 32 and 128: LLM.generate against HF generate, CUDA graphs and
-#      the fused operators on and off, the decode step against the HBM roofline, and profiles of a step's host
-#      side and of its graph replay by kernel (experiments/gpu_e2e.py speed --profile).
+#      the fused operators and async scheduling on and off, the decode step against the HBM roofline, and
+#      profiles of a step's host side and of its graph replay by kernel (experiments/gpu_e2e.py speed --profile);
+#   7. that model's matrix products at 32 and 128 rows, cuBLAS against a split-K Triton kernel over a grid of
+#      tile sizes (experiments/bench_skinny_matmul.py): whether our own kernel would bring the decode step
+#      nearer the roofline.
 # Usage: bash experiments/gpu_check.sh [LOG_DIR]   (default: $OUT if set, else ./gpu_check_logs)
 # On the lent GPU machines (python3 with CUDA torch, no network) step 3 needs hydra-core and omegaconf: make
 # .whl here with experiments/gpu_wheels.sh and carry it; this script installs it (without, step 3 is skipped).
@@ -96,11 +99,12 @@ done
 step bench_attention 100 "$PY" experiments/bench_attention.py --iters 10 --decode-batches 1,64,256 \
     --decode-contexts 1024,16384 --prefill-batches 1,8 --prefill-lens 1024
 step e2e 240 "$PY" experiments/gpu_e2e.py speed --batches 32,128 --profile
+step skinny_matmul 180 "$PY" experiments/bench_skinny_matmul.py
 
 failed=$(cat "$LOG_DIR"/*.status 2>/dev/null | grep -cv '^0$')
 grep -hE "passed|failed" "$LOG_DIR/gpu_tests.log" 2>/dev/null | tail -n 1 >"$LOG_DIR/summary.txt"
-grep -hE "^(PARITY|E2E|KERNELS|device|decode|prefill)" "$LOG_DIR"/parity.log "$LOG_DIR"/e2e.log \
-    "$LOG_DIR"/bench_attention.log 2>/dev/null >>"$LOG_DIR/summary.txt"
+grep -hE "^(PARITY|E2E|KERNELS|MATMUL|device|decode|prefill)" "$LOG_DIR"/parity.log "$LOG_DIR"/e2e.log \
+    "$LOG_DIR"/bench_attention.log "$LOG_DIR"/skinny_matmul.log 2>/dev/null >>"$LOG_DIR/summary.txt"
 
 echo "== $failed step(s) failed; logs in $LOG_DIR"
 exit "$failed"
