@@ -49,10 +49,10 @@ def setups(draw, max_blocks=40):
                 threshold=draw(st.sampled_from([0, 0, 4, 12])), prefix_caching=draw(st.booleans()))
 
 
-def run_workload(policy, setup, arrivals, checks=(), **options):
+def run_workload(policy, setup, arrivals, checks=(), async_scheduling=False, **options):
     """Serve ``arrivals`` under ``policy`` (its ``options``) in a shadow engine of ``setup`` (a ``setups()`` draw),
     the scheduler's invariants and each of ``checks`` (``check(before, out, scheduler)``) asserted every step and
-    ``check_outcomes`` at the end. Returns the ``Run``."""
+    ``check_outcomes`` at the end; ``async_scheduling`` as the engine's. Returns the ``Run``."""
     if "long_prefill_token_threshold" in inspect.signature(POLICIES.get(policy)).parameters:  # chunked and kin
         options["long_prefill_token_threshold"] = setup["threshold"]
     # A prefill-first policy with a budget below MAX_MODEL_LEN is refused unless told its prompts fit the budget:
@@ -61,7 +61,8 @@ def run_workload(policy, setup, arrivals, checks=(), **options):
     engine = shadow_engine(policy, setup["num_blocks"], setup["num_cpu_blocks"], options,
                            setup["max_num_batched_tokens"] if prefill_first else None,
                            max_num_seqs=setup["max_num_seqs"], max_num_batched_tokens=setup["max_num_batched_tokens"],
-                           max_model_len=MAX_MODEL_LEN, enable_prefix_caching=setup["prefix_caching"])
+                           max_model_len=MAX_MODEL_LEN, enable_prefix_caching=setup["prefix_caching"],
+                           async_scheduling=async_scheduling)
     log = StepLog(engine, checks)
     total = sum(len(a.prompt) + a.params.max_tokens for a in arrivals)
     # "No request waits forever": a generous bound on steps, far above what any policy needs.

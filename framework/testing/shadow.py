@@ -7,7 +7,9 @@ with the real ``ModelRunner.apply_block_ops`` to a cache of shape ``[2, 1, block
 then writes the scheduled tokens into their slots, reads back every token the request attends
 to, and asserts they are the request's tokens in order. The next token is a function of what was
 read back (the last few tokens and the length), so a wrong cache also shows as a wrong output;
-``reference_output`` computes the same function without an engine.
+``reference_output`` computes the same function without an engine. With async scheduling it runs each
+step as it is launched, taking a token the scheduler still holds as a placeholder from the step before's
+samples, as the model runner takes it from the device.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from framework.common.clock import VirtualClock
 from framework.common.config import EngineConfig
+from framework.common.request import PLACEHOLDER
 from framework.common.sampling_params import SamplingParams
 from framework.engine.llm_engine import LLMEngine
 from framework.execution.executor import EXECUTORS, Executor, ExecutorOutput
@@ -50,11 +53,14 @@ def reference_output(prompt: list[int], params: SamplingParams, max_model_len: i
 class ShadowExecutor(Executor):
     """Options: ``num_blocks`` (device, the null block included) and ``num_cpu_blocks``."""
 
+    supports_async = True
+
     def __init__(self, config, source, clock, num_blocks: int = 64, num_cpu_blocks: int = 0) -> None:
         super().__init__(config, source, clock)
         self.counts = (num_blocks, num_cpu_blocks)
         self.runner: ModelRunner | None = None
         self.num_checked_tokens = 0
+        self._last_sampled: dict[str, int] = {}  # the last launched step's tokens, for placeholders
 
     def kv_block_counts(self) -> tuple[int, int]:
         return self.counts
@@ -63,6 +69,14 @@ class ShadowExecutor(Executor):
         cache = torch.full((2, 1, num_blocks, self.config.block_size, 1, 1), -1.0, dtype=torch.float64)
         # Only the runner's block-op code is used; the model, backend, preparer and sampler are not.
         self.runner = ModelRunner(None, None, None, None, cache, num_cpu_blocks)  # type: ignore[arg-type]
+
+    def launch(self, out: SchedulerOutput) -> ExecutorOutput:
+        output = self.execute(out)
+        self._last_sampled = output.sampled
+        return output
+
+    def collect(self, handle: ExecutorOutput) -> ExecutorOutput:
+        return handle
 
     def execute(self, out: SchedulerOutput) -> ExecutorOutput:
         assert self.runner is not None
@@ -76,10 +90,14 @@ class ShadowExecutor(Executor):
             positions = torch.arange(end)
             slots = torch.tensor(req.block_ids, dtype=torch.long)[positions // bs] * bs + positions % bs
             new = slots[start:]
-            cache[0, new] = torch.tensor(req.token_ids[start:end], dtype=torch.float64)
+            tokens = req.token_ids[:end]
+            if tokens and tokens[-1] == PLACEHOLDER:  # sampled by the step in flight
+                tokens = tokens[:-1] + [self._last_sampled[req.request_id]]
+            assert PLACEHOLDER not in tokens, f"{req.request_id} computes a placeholder not sampled by the step before"
+            cache[0, new] = torch.tensor(tokens[start:], dtype=torch.float64)
             cache[1, new] = positions[start:].double()
             seen = cache[0, slots].long().tolist()
-            assert seen == req.token_ids[:end], f"{req.request_id} reads a wrong KV cache: {seen} != {req.token_ids[:end]}"
+            assert seen == tokens, f"{req.request_id} reads a wrong KV cache: {seen} != {tokens}"
             assert cache[1, slots].long().tolist() == positions.tolist(), f"{req.request_id} reads wrong positions"
             self.num_checked_tokens += end
             if end == req.num_tokens:

@@ -24,6 +24,16 @@ def test_random_workloads_keep_every_invariant(policy, mode, setup, arrivals):
         run_workload(policy, setup, arrivals, POLICY_CHECKS[policy] + [swapped_return_first], preemption_mode=mode)
 
 
+@pytest.mark.parametrize("policy, mode", [("fcfs", ""), ("chunked", ""), ("chunked", "swap"), ("priority_swap", "swap")])
+@given(setup=setups(), arrivals=workloads())
+def test_random_workloads_under_async_scheduling_keep_every_invariant(policy, mode, setup, arrivals):
+    """Each step scheduled while the one before is in flight, its tokens placeholders: the same invariants,
+    the same KV reads and the same outputs, through aborts, stop tokens, preemption, swaps and prefix hits."""
+    options = {"preemption_mode": mode} if mode else {}
+    run = run_workload(policy, setup, arrivals, POLICY_CHECKS[policy], async_scheduling=True, **options)
+    assert run.engine.async_scheduling
+
+
 @given(setup=setups(), arrivals=workloads())
 def test_chunked_as_before_vllm_0_32_keeps_every_invariant(setup, arrivals):
     """The earlier behaviour, one option away: first-chunk admission, the cap applied to a request alone."""
