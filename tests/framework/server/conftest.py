@@ -18,6 +18,15 @@ def server(chat_ckpt, tmp_path_factory):
     running.stop()
 
 
+@pytest.fixture(scope="session")
+def async_server(chat_ckpt, tmp_path_factory):
+    """The same server with async scheduling (on by default only on CUDA)."""
+    running = ThreadServer(chat_ckpt, tmp_path_factory.mktemp("served-async"), f"server.api_key={API_KEY}",
+                           "scheduler.async_scheduling=true")
+    yield running
+    running.stop()
+
+
 @pytest.fixture
 def client(server, chat_ckpt):
     import openai

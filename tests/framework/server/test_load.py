@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import openai
+import pytest
 
 from tests.framework.server.support import API_KEY
 
@@ -31,8 +32,11 @@ async def one_client(url: str, model: str, i: int, leave_after: int | None) -> t
         return chunks, finish
 
 
-def test_concurrent_streams_with_disconnects_lose_nothing_and_leak_no_blocks(server, chat_ckpt):
+@pytest.mark.parametrize("which", ["server", "async_server"])
+def test_concurrent_streams_with_disconnects_lose_nothing_and_leak_no_blocks(which, chat_ckpt, request):
+    server = request.getfixturevalue(which)
     lab = server.server
+    assert lab.engine.async_scheduling == (which == "async_server")
     records_before = len(lab.run.records)
 
     async def all_clients():
