@@ -63,8 +63,11 @@ def workload(seed: int, vocab_size: int = 1024) -> list[WorkloadRequest]:
 
 
 def engine_config(executor: str, model: str = "tiny-llama", **options) -> EngineConfig:
+    # Synchronous steps on both sides: the cost models time a step's host side and forward pass one after
+    # the other, and async scheduling (on by default on CUDA) would overlap them in the real engine only.
     return EngineConfig(model=model, executor=executor, executor_options=options, max_model_len=512,
-                        max_num_seqs=32, max_num_batched_tokens=1024, num_threads=1 if executor == "model" else None)
+                        max_num_seqs=32, max_num_batched_tokens=1024, num_threads=1 if executor == "model" else None,
+                        async_scheduling=False)
 
 
 class PausableCPUClock(CPUClock):

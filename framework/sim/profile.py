@@ -84,6 +84,10 @@ class Profiler:
     off, so every prompt computes), keeping every duration per distinct ``BatchShape``."""
 
     def __init__(self, engine: Any, seed: int = 0, timer: Callable[[], float] = time.perf_counter) -> None:
+        if getattr(engine, "async_scheduling", False):
+            # Its steps run through launch and collect, overlapping the next step's host side: no step's own time.
+            raise ValueError("profile an engine with async_scheduling=false (profile_engine_config's): a cost model "
+                             "times each step's host side and forward pass one after the other")
         self.engine = engine
         self.timer = timer
         self.rng = random.Random(seed)
@@ -137,11 +141,12 @@ def measure(engine: Any, cells: list[tuple[int, int, int]], repeats: int, seed: 
 
 
 def profile_engine_config(cells: list[tuple[int, int, int]], model: str = "tiny-llama", **kw: Any) -> EngineConfig:
-    """The ``EngineConfig`` of a profiling engine big enough for ``cells`` (no prefix caching)."""
+    """The ``EngineConfig`` of a profiling engine big enough for ``cells`` (no prefix caching, synchronous steps:
+    a cost model times a step's host side and forward pass one after the other, as ``record_shapes`` sees them)."""
     max_len = max(length for _, length, _ in cells) + max(d for _, _, d in cells) + 2
     return EngineConfig(model=model, executor="model", max_num_seqs=max(m for m, _, _ in cells),
                         max_num_batched_tokens=max(2048, max_len), max_model_len=max_len,
-                        enable_prefix_caching=False, **kw)
+                        enable_prefix_caching=False, async_scheduling=False, **kw)
 
 
 def calibration_record(cost_model: str, model: str, hardware: Any, dtype_bytes: int, block_size: int,

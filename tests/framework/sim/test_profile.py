@@ -124,3 +124,14 @@ def test_a_broken_cost_model_plugin_does_not_hide_why_the_asked_one_cannot_be_ca
         main(["--cost-model", "replay", "--out", str(tmp_path / "c.yaml")])
     assert exc.value.code == 2
     assert "error: cost model 'replay' has no parameters to calibrate; calibratable: roofline\n" in capsys.readouterr().err
+
+
+def test_profiles_time_synchronous_steps_only():
+    """An engine with async scheduling (the default on CUDA) launches steps instead of executing them, each
+    overlapping the next one's host side: the profiling engine is synchronous, and an async one is refused."""
+    from framework.engine.llm_engine import LLMEngine
+
+    assert profile_engine_config([(3, 8, 4)]).async_scheduling is False
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, async_scheduling=True))
+    with pytest.raises(ValueError, match=r"^profile an engine with async_scheduling=false"):
+        Profiler(engine)
