@@ -177,12 +177,9 @@ class Request:
         self.num_placeholders = 1
 
     def resolve_placeholder(self, token_id: int, now: float) -> None:
-        """The placeholder's token became known: as ``append_output_token`` of it, at ``now``."""
-        self.token_ids[-1] = token_id
-        self.num_placeholders = 0
-        if self.first_token_time is None:
-            self.first_token_time = now
-        self.token_times.append(now)
+        """The placeholder's token became known: it replaces it, as ``append_output_token`` at ``now``."""
+        self.drop_placeholder()
+        self.append_output_token(token_id, now)
 
     def drop_placeholder(self) -> None:
         """Forget the token in flight (an aborted request's, or a failed step's)."""

@@ -77,9 +77,9 @@ class ModelInput:
     host: dict[str, np.ndarray] = field(default_factory=dict)
     req_ids: list[str] = field(default_factory=list)
     prompt_logprobs: PromptLogprobsMetadata | None = None
-    #: (flat token indices, indices into the previous step's sampled tokens): the input tokens that step
-    #: samples and the runner has not recorded (``InputPreparer.defer_sampled``); None when there are none.
-    deferred_tokens: tuple[np.ndarray, np.ndarray] | None = None
+    #: int64 ``[2, n]``: flat token indices, and indices into the previous step's sampled tokens, of the input
+    #: tokens that step samples and the runner has not recorded (``InputPreparer.defer_sampled``); or None.
+    deferred_tokens: np.ndarray | None = None
 
 
 class InputPreparer(ABC):

@@ -81,7 +81,7 @@ class ModelRunner:
             if inputs.deferred_tokens is not None:
                 if prev is None or prev.sampled is None:
                     raise RuntimeError("a step reads deferred sampled tokens but none are in flight")
-                dst, src = (to_device(a, inputs.input_ids.device) for a in inputs.deferred_tokens)
+                dst, src = to_device(inputs.deferred_tokens, inputs.input_ids.device)  # one transfer
                 inputs.input_ids[dst] = prev.sampled[src].to(inputs.input_ids.dtype)
             step = self._run(inputs)
             if defer and inputs.sample_req_ids:

@@ -278,14 +278,14 @@ class FlatBatchPreparer(InputPreparer):
         return model_input
 
     def _reads_deferred(self, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
-                        query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(flat token indices, indices into the last deferred step's sampled tokens) of the step's tokens
+                        query_start_loc: np.ndarray) -> np.ndarray | None:
+        """Rows (flat token indices, indices into the last deferred step's sampled tokens) of the step's tokens
         that step samples, or None if it reads none."""
         src, pos = self._deferred_src.take(rows), self._deferred_pos.take(rows)
         reads = ((src >= 0) & (pos >= computed) & (pos < seq_lens)).nonzero()[0]
         if not len(reads):
             return None
-        return query_start_loc.take(reads) + pos.take(reads) - computed.take(reads), src.take(reads)
+        return np.stack([query_start_loc.take(reads) + pos.take(reads) - computed.take(reads), src.take(reads)])
 
     def _prompt_logprobs(self, reqs: list[Request], ids: list[str], rows: np.ndarray, computed: np.ndarray,
                          seq_lens: np.ndarray, query_start_loc: np.ndarray) -> PromptLogprobsMetadata | None:
