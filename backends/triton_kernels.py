@@ -356,7 +356,8 @@ def decode_plan(seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_
                 max_seq_len: int) -> LaunchPlan:
     """The launch of a decode-only step (one query per request, request i's at row i) that reads its
     lengths ``seq_lens`` on the device: no host work per step, so a CUDA graph can capture it. Tile
-    sizes and key splits are fixed for any context up to ``max_seq_len``."""
+    sizes and key splits are fixed for any context up to ``max_seq_len`` (``decode_bounds`` lists those
+    worth capturing)."""
     num_reqs, device = seq_lens.shape[0], seq_lens.device
     kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
     block_q, block_n = tile_sizes(_pow2(num_heads // num_kv_heads), kv_heads, head_dim, np.ones(1, np.int64),
@@ -369,14 +370,31 @@ def decode_plan(seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_
     return LaunchPlan(block_q, block_n, kv_heads, splits, seq_lens[None], (seq_lens,) * 5, part, lse, decode=True)
 
 
+#: The fewest key tiles a split range gets (``num_splits``).
+SPLIT_TILES = 8
+
+
 def num_splits(num_programs: int, longest: int, block_n: int, device: torch.device) -> int:
     """Key ranges per tile: enough programs for about two per GPU multiprocessor when a few
-    long requests would leave most idle, at least 8 key tiles per range, at most 16 ranges.
-    Always 1 under the interpreter, where more programs only cost more."""
+    long requests would leave most idle, at least ``SPLIT_TILES`` key tiles per range, at most 16
+    ranges. Always 1 under the interpreter, where more programs only cost more."""
     if INTERPRETED or device.type != "cuda":
         return 1
     wanted = -(-2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device()) // num_programs)
-    return max(1, min(wanted, longest // (8 * block_n), 16))
+    return max(1, min(wanted, longest // (SPLIT_TILES * block_n), 16))
+
+
+def decode_bounds(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: int,
+                  device: torch.device) -> list[int]:
+    """The ``max_seq_len`` values worth a ``decode_plan`` (a CUDA graph each) for ``num_reqs`` decodes, ascending,
+    the last ``max_model_len``: one per split count among 1, 2, 4, 8 below the most ``num_splits`` gives them, and
+    that most. At the smallest bound at or above a step's longest sequence it gets at least its own split count."""
+    kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
+    _, block_n = tile_sizes(_pow2(num_heads // num_kv_heads), kv_heads, head_dim, np.ones(1, np.int64),
+                            np.array([max_model_len]))
+    most = num_splits(num_reqs * num_kv_heads // kv_heads, max_model_len, block_n, device)
+    # Bound (s + 1) * SPLIT_TILES * block_n - 1 is the longest sequence num_splits gives s splits (s < most).
+    return [(s + 1) * SPLIT_TILES * block_n - 1 for s in (1, 2, 4, 8) if s < most] + [max_model_len]
 
 
 def split_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, max_tokens: int, num_sms: int) -> int:

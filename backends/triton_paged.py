@@ -135,14 +135,22 @@ class TritonBackend(AttentionBackend):
                                           self.head_dim, meta.max_seq_len)
         return TritonMetadata(meta, launch)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def graph_max_seq_lens(self, num_reqs: int, max_model_len: int) -> list[int]:
+        return self.kernels.decode_bounds(num_reqs, self.num_heads, self.num_kv_heads, self.head_dim, max_model_len,
+                                          self.device)
+
+    def kv_slots(self, meta: TritonMetadata) -> torch.Tensor:
+        return meta.common.slot_mapping
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: TritonMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        if kv_cache.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        if kv_cache.stride(-1) != 1 or q.stride(-1) != 1 or any(t is not None and t.stride(-1) != 1 for t in (k, v)):
             raise ValueError("the triton backend needs q, k, v and kv_cache contiguous in head_dim")
         out = torch.empty_like(q) if out is None else out
         common = meta.common
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self.kernels.store_kv(k, v, k_cache, v_cache, common.slot_mapping)
+        if k is not None:
+            self.kernels.store_kv(k, v, k_cache, v_cache, common.slot_mapping)
         if meta.launch is None:
             return out
         return self.kernels.paged_attention(out, q, k_cache, v_cache, common.block_table, self.scale, meta.launch)

@@ -2,7 +2,8 @@
 
 In a batch-32 decode step of a 1.1B Llama on an H200 the matrix products take 0.84 of the graph replay's
 1.29 ms, at about 2.5 TB/s (docs/performance.md): this measures whether a kernel of our own, split along K
-so that enough programs stream the weights, moves them closer to the copy bandwidth. Each candidate runs
+so that enough programs stream the weights (``models/cuda_matmul.py``, which ``executor.decode_matmul=tuned``
+picks per shape at start-up), moves them closer to the copy bandwidth. Each candidate runs
 20 times back to back inside a CUDA graph (as in the decode graph: no launch gaps), its output checked
 against a float64 product first. Prints one MATMUL line per shape and M, then the projected decode step.
 
@@ -12,89 +13,15 @@ against a float64 product first. Prints one MATMUL line per shape and M, then th
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
-import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import copy_bandwidth  # noqa: E402  (experiments/ is on sys.path)
-
-
-@triton.jit
-def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_os, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr):
-    """Program (n tile, split) multiplies x[:, ks] by w[ns, ks].T over its K range; DIRECT (one split)
-    stores the result in x's dtype, else float32 partials ``out[split]`` for ``_sum_splits_kernel``."""
-    n_tile, split = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M).to(tl.int64)
-    rn = (n_tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros is jitted: see models/cuda_ops.py
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    for k in range(k_start, k_end, BLOCK_K):
-        rk = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < k_end),
-                    other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < k_end),
-                    other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if DIRECT:
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + split * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Element block ``program_id``: the sum of the SPLITS float32 partials, in the output's dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.full((BLOCK,), 0.0, tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@dataclass(frozen=True)
-class Config:
-    block_n: int
-    block_k: int
-    splits: int
-    num_warps: int = 4
-    num_stages: int = 4
-
-    def __str__(self) -> str:
-        return f"n{self.block_n} k{self.block_k} split{self.splits} w{self.num_warps} s{self.num_stages}"
-
-
-def splitk_linear(x: torch.Tensor, w: torch.Tensor, config: Config, out: torch.Tensor | None = None,
-                  part: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T`` (``x`` [M, K], ``w`` [N, K], both contiguous) by the split-K kernel; ``out`` and ``part``
-    (the float32 partials, [splits, M, N]) may be given to keep allocation out of a captured graph."""
-    (m, k), n = x.shape, w.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
-    k_per_split = triton.cdiv(triton.cdiv(k, config.splits), config.block_k) * config.block_k
-    splits = triton.cdiv(k, k_per_split)
-    direct = splits == 1
-    if not direct and part is None:
-        part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    target = out if direct else part
-    grid = (triton.cdiv(n, config.block_n), splits)
-    _splitk_kernel[grid](x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0),
-                         0 if direct else part.stride(0), n, BLOCK_M=max(16, triton.next_power_of_2(m)),
-                         BLOCK_N=config.block_n, BLOCK_K=config.block_k, DIRECT=direct,
-                         num_warps=config.num_warps, num_stages=config.num_stages)
-    if not direct:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block)
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments.bench_attention import copy_bandwidth  # noqa: E402
+from models.cuda_matmul import CANDIDATES, Config, graph_seconds, splitk_linear  # noqa: E402
 
 
 def shapes(tiny: bool) -> dict[str, tuple[int, int]]:
@@ -109,32 +36,7 @@ def shapes(tiny: bool) -> dict[str, tuple[int, int]]:
 def configs(tiny: bool) -> list[Config]:
     if tiny:
         return [Config(32, 32, 1), Config(32, 32, 3), Config(64, 64, 2)]
-    return [Config(n, k, s) for n, k, s in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8))]
-
-
-def graph_seconds(fn, device: torch.device, reps: int = 20, rounds: int = 10) -> float:
-    """Seconds per call of ``fn``, run ``reps`` times in one CUDA graph (eagerly on a CPU)."""
-    if device.type != "cuda":
-        fn()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            fn()
-        return (time.perf_counter() - start) / rounds
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (rounds * reps)
+    return CANDIDATES
 
 
 def max_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:

@@ -98,7 +98,7 @@ done
 # Phase 2, timing, one step at a time on an otherwise idle GPU.
 step bench_attention 100 "$PY" experiments/bench_attention.py --iters 10 --decode-batches 1,64,256 \
     --decode-contexts 1024,16384 --prefill-batches 1,8 --prefill-lens 1024
-step e2e 240 "$PY" experiments/gpu_e2e.py speed --batches 32,128 --profile
+step e2e 300 "$PY" experiments/gpu_e2e.py speed --batches 32,128 --profile
 step skinny_matmul 180 "$PY" experiments/bench_skinny_matmul.py
 
 failed=$(cat "$LOG_DIR"/*.status 2>/dev/null | grep -cv '^0$')

@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -59,19 +60,28 @@ def backends(device: str) -> list[str]:
     return names
 
 
-def cases(device: str) -> list[tuple[str, bool, bool, bool, bool]]:
-    """(backend, CUDA graphs, fused operators, async scheduling, whether that is the default) to time: every
-    backend as by default, and on CUDA the capturable ones also without async scheduling, with torch's
-    operators and with graphs off."""
+class Case(NamedTuple):
+    backend: str
+    graphs: bool
+    fused: bool
+    overlap: bool  # async scheduling
+    matmul: str    # executor.decode_matmul
+    default: bool  # the configuration an engine on this device runs by default
+
+
+def cases(device: str) -> list[Case]:
+    """What to time: every backend as by default, and on CUDA the capturable ones also without async
+    scheduling, with torch's operators, with graphs off, and with ``decode_matmul=tuned``."""
     out = []
     cuda = device == "cuda"
     for name in backends(device):
         if name == "naive":
             continue
         graphs = cuda and BACKENDS.get(name).graph_decode
-        out.append((name, graphs, True, cuda, True))
+        out.append(Case(name, graphs, True, cuda, "torch", True))
         if graphs:
-            out += [(name, True, True, False, False), (name, True, False, True, False), (name, False, True, True, False)]
+            out += [Case(name, True, True, False, "torch", False), Case(name, True, False, True, "torch", False),
+                    Case(name, False, True, True, "torch", False), Case(name, True, True, True, "tuned", False)]
     return out
 
 
@@ -141,30 +151,29 @@ def timed(fn, device: str):
     return result, time.perf_counter() - start
 
 
-def replay_ms(llm: LLM, num_reqs: int, device: str, rounds: int = 20) -> float | None:
-    """The mean time of the decode forward pass alone at ``num_reqs`` requests: its CUDA graph replayed over
-    the last decode step's inputs (it rewrites the K/V that step wrote). None without CUDA graphs."""
+def replay_ms(llm: LLM, key: tuple[int, int], device: str, rounds: int = 20) -> float | None:
+    """The mean time of the decode forward pass alone, its CUDA graph ``key`` (size, bound on the longest
+    sequence) replayed over the last decode step's inputs (it rewrites the K/V that step wrote). None without
+    CUDA graphs."""
     graphs = llm.engine.executor.runner.decode
     if graphs is None or device != "cuda":
         return None
-    size = graphs.size_for(num_reqs)
-    graphs.padded_forward(size)
-    _, seconds = timed(lambda: [graphs.padded_forward(size) for _ in range(rounds)], device)
+    graphs.padded_forward(key)
+    _, seconds = timed(lambda: [graphs.padded_forward(key) for _ in range(rounds)], device)
     return seconds / rounds * 1e3
 
 
-def kernel_times(llm: LLM, num_reqs: int, rounds: int = 5) -> None:
-    """Print the GPU time per replay of the decode graph at ``num_reqs`` requests by kernel (torch's
-    profiler over ``rounds`` replays), the 15 costliest and the total."""
+def kernel_times(llm: LLM, key: tuple[int, int], rounds: int = 5) -> None:
+    """Print the GPU time per replay of the decode graph ``key`` by kernel (torch's profiler over ``rounds``
+    replays), the 15 costliest and the total."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs = llm.engine.executor.runner.decode
-    size = graphs.size_for(num_reqs)
-    graphs.padded_forward(size)
+    graphs.padded_forward(key)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
-            graphs.padded_forward(size)
+            graphs.padded_forward(key)
         torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
@@ -172,7 +181,7 @@ def kernel_times(llm: LLM, num_reqs: int, rounds: int = 5) -> None:
             rows.append((event.self_device_time_total / rounds, event.count // rounds, event.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    print(f"KERNELS batch {num_reqs}: {sum(r[1] for r in rows)} launches, {total / 1e3:.3f} ms of GPU time a replay",
+    print(f"KERNELS batch {key[0]} (sequences up to {key[1]}): {sum(r[1] for r in rows)} launches, {total / 1e3:.3f} ms of GPU time a replay",
           flush=True)
     for us, count, name in rows[:15]:
         print(f"KERNELS   {us / 1e3:7.3f} ms {us / max(total, 1e-9):4.0%} x{count:<4d} {name[:110]}", flush=True)
@@ -205,13 +214,19 @@ def speed(args: argparse.Namespace) -> int:
         roofline = (weights + num_reqs * (args.prompt_len + args.tokens / 2) * kv_per_token) / bandwidth
         print(f"E2E batch {num_reqs}: hf_generate {num_reqs * args.tokens / t_hf:.0f} tok/s ({t_hf:.2f} s); copy "
               f"bandwidth {bandwidth / 1e9:.0f} GB/s; decode-step HBM roofline {roofline * 1e3:.3f} ms", flush=True)
-        for name, graphs, fused, overlap, default in cases(dev):
-            label = f"{name:11s} graphs={graphs!s:5s} fused_ops={fused!s:5s} async={overlap!s:5s}"
+        for name, graphs, fused, overlap, matmul, default in cases(dev):
+            label = f"{name:11s} graphs={graphs!s:5s} fused_ops={fused!s:5s} async={overlap!s:5s} matmul={matmul}"
             try:
+                start = time.perf_counter()
                 llm = LLM(model=path, backend=name, dtype=str(dtype).removeprefix("torch."), device=dev,
                           block_size=256 if name == "flash_attn" else 16, max_model_len=2048, max_num_seqs=num_reqs,
                           max_num_batched_tokens=8192, enable_prefix_caching=False, async_scheduling=overlap,
-                          executor_options={"cuda_graphs": graphs, "fused_ops": fused})
+                          executor_options={"cuda_graphs": graphs, "fused_ops": fused, "decode_matmul": matmul})
+                if matmul == "tuned":
+                    print(f"E2E batch {num_reqs} {label}: engine start {time.perf_counter() - start:.1f} s with "
+                          f"the products timed:", flush=True)
+                    for choice in llm.engine.executor.matmul_choices:
+                        print(f"E2E   {choice}", flush=True)
                 steps = []
                 llm.engine.step_callbacks.append(lambda s, o: steps.append(s))
                 reqs = [{"prompt_token_ids": p} for p in prompts]
@@ -222,16 +237,21 @@ def speed(args: argparse.Namespace) -> int:
                 decode = [s.duration for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens == num_reqs]
                 ms = statistics.median(decode) * 1e3 if decode else float("nan")
                 same = sum(o.outputs[0].token_ids == h for o, h in zip(outs, hf_tokens))
-                replay = replay_ms(llm, num_reqs, dev)
+                graphs = llm.engine.executor.runner.decode
+                key = None if graphs is None else graphs.key_for(num_reqs, args.prompt_len + args.tokens)
+                replay = None if key is None else replay_ms(llm, key, dev)
                 forward = "" if replay is None else (
                     f" (its graph replay {replay:.3f} ms = {roofline * 1e3 / replay:.0%}: the rest is the step's "
                     f"CPU side)")
+                if replay is not None and key[1] != graphs.bounds[key[0]][-1]:
+                    longest = replay_ms(llm, (key[0], graphs.bounds[key[0]][-1]), dev)
+                    forward += f"; the graph for sequences up to max_model_len (key splits) {longest:.3f} ms"
                 print(f"E2E batch {num_reqs} {label} {num_reqs * args.tokens / t:8.0f} tok/s "
                       f"= {t_hf / t:.2f}x hf_generate; decode step {ms:.3f} ms = {roofline * 1e3 / ms:.0%} of the "
                       f"roofline{forward}; greedy == HF for {same}/{num_reqs}", flush=True)
                 if args.profile and default and replay is not None:
                     try:
-                        kernel_times(llm, num_reqs)
+                        kernel_times(llm, key)
                     except Exception as exc:  # a figure left out, not a failed case
                         print(f"KERNELS batch {num_reqs}: not measured ({type(exc).__name__}: {exc})", flush=True)
                 if args.profile and default:

@@ -1,6 +1,7 @@
 """The model's fused elementwise operators for CUDA, in Triton: ``models.cpu_ops``' interface (``rms_norm``,
 ``add_rms_norm``, ``silu_and_mul``, ``qkv_rotary``), one launch each where torch runs 7-16 kernels, which
-bounds a decode step (graph-captured or not) more than its bytes do. Arithmetic in float32, each result
+bounds a decode step (graph-captured or not) more than its bytes do; and ``qkv_rotary_into_cache``, which
+also stores the keys and values in the paged cache (for backends that let the model do it). Arithmetic in float32, each result
 rounded to the tensor's dtype where transformers rounds it, no fused multiply-adds (as its separate kernels).
 """
 from __future__ import annotations
@@ -71,10 +72,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_out, BLOCK: tl.cons
 
 
 @triton.jit
-def _qkv_rotary_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_cos,
-                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
+def _qkv_rotary_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, stride_qkv, stride_cos,
+                       stride_kb, stride_ks, stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       SLOTS: tl.constexpr):
     """Program (row, head): query heads, then key heads rotated ("rotate half", each product and sum rounded
-    to the dtype, as transformers does) into q and k; the value heads copied into v."""
+    to the dtype, as transformers does) into q and k; the value heads copied into v. A key or value head goes
+    to ``(slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + head * stride_kh`` of k or v,
+    its slot read from ``slot_ptr`` with SLOTS (a paged cache), else the row itself."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = HEAD_DIM // 2
@@ -83,6 +88,11 @@ def _qkv_rotary_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, 
     src = qkv_ptr + row * stride_qkv + head * HEAD_DIM
     a = tl.load(src + cols, mask=mask, other=0.0)
     b = tl.load(src + half + cols, mask=mask, other=0.0)
+    slot = row
+    if SLOTS:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    kv_head = (head - HEADS) % KV_HEADS
+    kv_dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
     if head < HEADS + KV_HEADS:
         pos = tl.load(pos_ptr + row)
         c = tl.load(cos_ptr + pos * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
@@ -94,11 +104,11 @@ def _qkv_rotary_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, 
         if head < HEADS:
             dst = q_ptr + (row * HEADS + head) * HEAD_DIM
         else:
-            dst = k_ptr + (row * KV_HEADS + head - HEADS) * HEAD_DIM
+            dst = k_ptr + kv_dst
         tl.store(dst + cols, o1, mask=mask)
         tl.store(dst + half + cols, o2, mask=mask)
     else:
-        dst = v_ptr + (row * KV_HEADS + head - HEADS - KV_HEADS) * HEAD_DIM
+        dst = v_ptr + kv_dst
         tl.store(dst + cols, a, mask=mask)
         tl.store(dst + half + cols, b, mask=mask)
 
@@ -143,12 +153,37 @@ def qkv_rotary(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
                k: torch.Tensor, v: torch.Tensor) -> None:
     """Splits qkv [T, (H + 2 KVH) D] into contiguous q [T, H, D], k, v [T, KVH, D], rotating q and k at
     ``positions`` [T] (int64) by the ``cos``/``sin`` tables [positions, D / 2]."""
+    if not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape:
+        raise ValueError(f"k and v must be contiguous and of one shape: got {tuple(k.shape)}, {tuple(v.shape)}")
+    _qkv_rotary(qkv, positions, cos, sin, q, k, v, None)
+
+
+def qkv_rotary_into_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    """``qkv_rotary`` with the keys and values written straight into a layer's paged caches [blocks,
+    block_size, KVH, D] at ``slot_mapping`` [T] (int64; ``block * block_size + offset``) and nowhere else."""
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"k_cache and v_cache must have one layout, contiguous in head_dim: got shapes "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if slot_mapping.shape[0] != qkv.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {qkv.shape[0]} rows of qkv")
+    _qkv_rotary(qkv, positions, cos, sin, q, k_cache, v_cache, slot_mapping)
+
+
+def _qkv_rotary(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> None:
     _rows(qkv, "qkv")
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+    if not q.is_contiguous():
         raise ValueError("q, k and v must be contiguous")
     rows, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
+    if slots is None:  # k, v [T, KVH, D]: row t's head h at t * KVH * D + h * D
+        kv_heads, block_size, strides = k.shape[1], 1, (k.stride(0), 0, k.stride(1))
+    else:
+        kv_heads, block_size, strides = k.shape[2], k.shape[1], (k.stride(0), k.stride(1), k.stride(2))
     if rows:
         _qkv_rotary_kernel[(rows, heads + 2 * kv_heads)](
-            qkv, positions, cos, sin, q, k, v, qkv.stride(0), cos.stride(0), HEADS=heads, KV_HEADS=kv_heads,
-            HEAD_DIM=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2), **_EXACT)
+            qkv, positions, cos, sin, q, k, v, positions if slots is None else slots, qkv.stride(0), cos.stride(0),
+            *strides, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+            HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=block_size, SLOTS=slots is not None,
+            **_EXACT)

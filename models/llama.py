@@ -3,7 +3,8 @@
 Attention goes through the selected ``AttentionBackend``; q/k/v and gate/up projections are
 fused into one matrix each (fewer, larger matrix multiplies). Given ``fused_ops`` (``models.cpu_ops``
 or ``models.cuda_ops``), the residual add and norm, SiLU-and-multiply and the q/k/v split with RoPE
-each run as one pass (C++ or a Triton launch) instead of several torch operators.
+each run as one pass (C++ or a Triton launch) instead of several torch operators; the last also stores
+the keys and values in the cache where both the operators and the backend (``kv_slots``) allow.
 """
 from __future__ import annotations
 
@@ -73,10 +74,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.backend = backend
         self.rotary = rotary
+        # The fused operator that also stores K/V in the cache, where the backend lets the model store them.
+        self.into_cache = getattr(ops, "qkv_rotary_into_cache", None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if self.ops is not None:
+        slots = None if self.into_cache is None else self.backend.kv_slots(meta)
+        if slots is not None:
+            q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
+            self.into_cache(qkv, positions, self.rotary.cos, self.rotary.sin, q, kv_cache[0], kv_cache[1], slots)
+            k = v = None
+        elif self.ops is not None:
             q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
             k = qkv.new_empty(qkv.shape[0], self.num_kv_heads, self.head_dim)
             v = torch.empty_like(k)

@@ -77,6 +77,7 @@ class AttentionBackend(ABC):
     ``i`` attends to its first ``num_computed_tokens[i] + (t - query_start_loc[i]) + 1`` tokens.
     Returns ``[T, num_heads, head_dim]`` in ``q``'s dtype (``out`` itself when given). Writes only the
     slots in ``slot_mapping``; a cache slot past a request's ``seq_len`` never affects its output.
+    ``k`` and ``v`` are None when the model stored them already (``kv_slots``).
     """
 
     name: ClassVar[str] = ""
@@ -133,6 +134,18 @@ class AttentionBackend(ABC):
         capture and replayed with new values in ``meta``'s tensors: only device work on them, no host reads;
         ``meta.max_seq_len`` bounds every replay's lengths. Backends with ``graph_decode`` implement it."""
         raise NotImplementedError(f"attention backend {self.name!r} has no capturable decode")
+
+    def kv_slots(self, meta: Any) -> torch.Tensor | None:
+        """The cache slots [T] where the model may write this step's new K/V itself (this layer's ``kv_cache``
+        at ``[0]`` and ``[1]``) and then call ``forward(q, None, None, ...)``; None (the default): ``forward``
+        stores them."""
+        return None
+
+    def graph_max_seq_lens(self, num_reqs: int, max_model_len: int) -> list[int]:
+        """The ``max_seq_len`` bounds, ascending and the last ``max_model_len``, at which decode steps of
+        ``num_reqs`` rows are captured, one graph each: a step replays the smallest at or above its longest
+        sequence. Default one; a backend whose launch depends on the bound (key splits) lists more."""
+        return [max_model_len]
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -3,6 +3,9 @@
 A decode-only step of ``n`` requests runs at the smallest captured size ``>= n``: its inputs are copied
 into persistent buffers, the padding rows are dummy decodes of one key in the null block (slot 0, which
 no request owns), and the graph replays the whole forward pass; logits and sampling stay outside it.
+Each size has a graph per bound on the longest sequence the backend asks for
+(``AttentionBackend.graph_max_seq_lens``: short contexts need no key splits); a step takes the smallest
+bound at or above its own longest.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class PaddedDecode:
                  sizes: list[int], max_model_len: int, block_size: int) -> None:
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.sizes = sorted(sizes)
+        self.bounds = {size: backend.graph_max_seq_lens(size, max_model_len) for size in self.sizes}
         self.max_model_len = max_model_len
         self.block_size = block_size
         n, dev = self.sizes[-1], kv_cache.device
@@ -53,12 +57,22 @@ class PaddedDecode:
     def size_for(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
 
-    def metadata(self, size: int) -> AttentionMetadata:
-        """The common metadata of a ``size``-row step over the persistent buffers. Its host arrays
-        describe the padding (what the buffers hold before any step), not a step's values."""
+    def key_for(self, num_reqs: int, max_seq_len: int) -> tuple[int, int]:
+        """(padded size, bound on the longest sequence) of the forward pass a step of these runs at."""
+        size = self.size_for(num_reqs)
+        return size, next(b for b in self.bounds[size] if b >= max_seq_len)
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (size, bound), largest first."""
+        return sorted(((size, bound) for size, bounds in self.bounds.items() for bound in bounds), reverse=True)
+
+    def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
+        """The common metadata of a ``size``-row step over the persistent buffers, its sequences at most
+        ``max_seq_len`` long. Its host arrays describe the padding (what the buffers hold before any
+        step), not a step's values."""
         host_seq = np.ones(size, dtype=np.int64)
         return AttentionMetadata(
-            num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=self.max_model_len,
+            num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=max_seq_len,
             block_size=self.block_size, query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size], num_computed_tokens=self.num_computed_tokens[:size],
             block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
@@ -83,44 +97,45 @@ class PaddedDecode:
             self.seq_lens[n:size].fill_(1)
         torch.sub(self.seq_lens[:size], 1, out=self.num_computed_tokens[:size])  # one new token each
 
-    def forward(self, size: int) -> torch.Tensor:
+    def forward(self, size: int, max_seq_len: int) -> torch.Tensor:
         """The model's hidden states ``[size, hidden]`` for the buffers' first ``size`` rows."""
-        meta = self.backend.build_graph_metadata(self.metadata(size))
+        meta = self.backend.build_graph_metadata(self.metadata(size, max_seq_len))
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
 
     def run(self, inputs: ModelInput) -> torch.Tensor:
         """Hidden states ``[num_reqs, hidden]`` of a decode-only step (``is_graph_decode``)."""
-        n = inputs.attn_metadata.num_reqs
-        size = self.size_for(n)
-        self.fill(inputs, size)
-        return self.padded_forward(size)[:n]
+        meta = inputs.attn_metadata
+        key = self.key_for(meta.num_reqs, meta.max_seq_len)
+        self.fill(inputs, key[0])
+        return self.padded_forward(key)[: meta.num_reqs]
 
-    def padded_forward(self, size: int) -> torch.Tensor:
-        """The hidden states of the filled buffers' first ``size`` rows (here: computed eagerly)."""
-        return self.forward(size)
+    def padded_forward(self, key: tuple[int, int]) -> torch.Tensor:
+        """The hidden states of the filled buffers' first ``size`` rows, ``key`` = (size, bound) (here:
+        computed eagerly)."""
+        return self.forward(*key)
 
 
 class DecodeGraphs(PaddedDecode):
-    """``PaddedDecode`` whose forward passes are CUDA graphs, one per size, captured largest first in one
-    memory pool; a step replays one. The graphs read and write ``kv_cache`` where it lies."""
+    """``PaddedDecode`` whose forward passes are CUDA graphs, one per (size, bound), captured largest first
+    in one memory pool; a step replays one. The graphs read and write ``kv_cache`` where it lies."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
                  sizes: list[int], max_model_len: int, block_size: int) -> None:
         super().__init__(model, backend, kv_cache, sizes, max_model_len, block_size)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), torch.cuda.device(kv_cache.device):
-            for size in reversed(self.sizes):
-                self.forward(size)  # compiles the kernels and sets up cuBLAS outside the capture
+            for key in self.keys():
+                self.forward(*key)  # compiles the kernels and sets up cuBLAS outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.forward(size)
-                self.graphs[size] = (graph, hidden)
+                    hidden = self.forward(*key)
+                self.graphs[key] = (graph, hidden)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs of decode steps at batch sizes %s", self.sizes)
+        logger.info("captured %d CUDA graphs of decode steps at batch sizes %s", len(self.graphs), self.sizes)
 
-    def padded_forward(self, size: int) -> torch.Tensor:
-        graph, hidden = self.graphs[size]
+    def padded_forward(self, key: tuple[int, int]) -> torch.Tensor:
+        graph, hidden = self.graphs[key]
         graph.replay()
         return hidden

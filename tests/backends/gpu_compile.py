@@ -5,7 +5,8 @@ ships in Triton's wheel; no GPU needed. Run in a process where Triton is not int
 
 Each configuration is compiled as ``tile_sizes`` tiles it on a GPU for a decode step and for a
 prefill step (the first also with key splits and their combine kernel, and as a graph-captured decode
-reading its lengths on the device), with the K/V store and the model's fused operators (``models.cuda_ops``).
+reading its lengths on the device), with the K/V store, the model's fused operators (``models.cuda_ops``) and
+the split-K matrix product (``models.cuda_matmul``).
 Prints one line per kernel and exits non-zero on the first that fails to compile.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import backends.triton_kernels as tk
+import models.cuda_matmul as mm
 import models.cuda_ops as ops
 
 # (dtype, head_dim, query heads per K/V head)
@@ -71,12 +73,29 @@ def model_ops(dtype: str, head_dim: int, group: int) -> dict[str, ASTSource]:
     return {
         "add_rms_norm": signature(ops._rms_norm_kernel, norm, {"eps": "fp32"}, dict(ADD=True, BLOCK=2048)),
         "silu_and_mul": signature(ops._silu_and_mul_kernel, {"x_ptr": ptr, "out_ptr": ptr}, {}, dict(BLOCK=1024)),
-        "qkv_rotary": signature(ops._qkv_rotary_kernel,
-                                {name: ptr for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")},
-                                {},
-                                dict(HEADS=8 * group, KV_HEADS=8, HEAD_DIM=head_dim,
-                                     HALF_PAD=triton.next_power_of_2(head_dim // 2))),
+        **{name: signature(ops._qkv_rotary_kernel,
+                           {name: ptr for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")},
+                           {}, dict(HEADS=8 * group, KV_HEADS=8, HEAD_DIM=head_dim,
+                                    HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=block_size,
+                                    SLOTS=slots))
+           for name, block_size, slots in (("qkv_rotary", 1, False), ("qkv_rotary_into_cache", 16, True))},
     }
+
+
+def matmuls(dtype: str) -> dict[str, ASTSource]:
+    """``models.cuda_matmul``'s split-K kernel for every candidate tile at 32 rows (as float32 partials), every
+    other row tile at one (stored directly), both operand orders, and the partials' sum."""
+    tiles = {(c.block_n, c.block_k, c.swap) for c in mm.CANDIDATES}
+    shapes = [(32, n, k, swap, False) for n, k, swap in sorted(tiles)]
+    shapes += [(rows, 64, 256, swap, True) for rows in (16, 64, 128) for swap in (False, True)]
+    sources = {}
+    for rows, n, k, swap, direct in shapes:
+        pointers = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}" if direct else "*fp32"}
+        sources[f"splitk rows={rows} n={n} k={k} swap={swap} direct={direct}"] = signature(
+            mm._splitk_kernel, pointers, {}, dict(BLOCK_M=rows, BLOCK_N=n, BLOCK_K=k, DIRECT=direct, SWAP=swap))
+    sources["sum_splits"] = signature(mm._sum_splits_kernel, {"part_ptr": "*fp32", "out_ptr": f"*{dtype}"}, {},
+                                      dict(SPLITS=4, BLOCK=1024))
+    return sources
 
 
 def main(arch: int = 90) -> None:
@@ -103,6 +122,9 @@ def main(arch: int = 90) -> None:
         for name, source in model_ops(dtype, head_dim, group).items():
             triton.compile(source, target=target, options=ops._EXACT)
         print(f"model ops {dtype} head_dim={head_dim}: ok", flush=True)
+    for name, source in matmuls("bf16").items():
+        kernel = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 4})
+        print(f"matmul bf16 {name}: {kernel.metadata.shared} B shared", flush=True)
 
 
 if __name__ == "__main__":

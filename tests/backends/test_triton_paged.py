@@ -252,6 +252,33 @@ def test_the_declared_workspace_covers_the_key_splits_a_gpu_step_allocates(monke
         assert allocated <= declared, (q_lens, splits)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, max_model_len", [(32, 4, 64, 2048), (32, 8, 128, 16384),
+                                                                            (8, 1, 256, 4096), (16, 16, 64, 300)])
+def test_decode_graph_bounds_give_each_step_at_least_its_own_key_splits(monkeypatch, num_heads, num_kv_heads,
+                                                                        head_dim, max_model_len):
+    """``decode_bounds`` on a stand-in GPU (132 SMs), for every capture size: ascending, ending at max_model_len,
+    at most 5 graphs; a step of any longest sequence runs at the smallest bound at or above it, where the split
+    count is at least what ``num_splits`` gives that sequence, and is 1 where that is 1."""
+    from framework.execution.cuda_graphs import capture_sizes
+
+    kernels = load_kernels(torch.device("cpu"))
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    monkeypatch.setattr(kernels, "_num_sms", lambda index: 132)
+    gpu = SimpleNamespace(type="cuda", index=0)
+    block_n = kernels.tile_sizes(kernels._pow2(num_heads // num_kv_heads), 1, head_dim, np.ones(1, np.int64),
+                                 np.array([max_model_len]))[1]
+    for size in capture_sizes(256):
+        bounds = kernels.decode_bounds(size, num_heads, num_kv_heads, head_dim, max_model_len, gpu)
+        assert bounds == sorted(set(bounds)) and bounds[-1] == max_model_len and len(bounds) <= 5
+        for longest in range(1, max_model_len + 1, 7):
+            bound = next(b for b in bounds if b >= longest)
+            own = kernels.num_splits(size * num_kv_heads, longest, block_n, gpu)
+            got = kernels.num_splits(size * num_kv_heads, bound, block_n, gpu)
+            assert got >= own and (own > 1 or got == 1), (size, longest, bound)
+    short = kernels.decode_bounds(32, 32, 4, 64, 2048, gpu)
+    assert short == [1023, 1535, 2048], "batch 32 of TinyLlama: no splits up to 1023 keys, 2 to 1535, then 3"
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

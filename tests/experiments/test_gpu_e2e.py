@@ -30,7 +30,8 @@ def test_the_speed_dry_run_compares_each_backend_with_transformers():
     lines = [line for line in done.stdout.splitlines() if line.startswith("E2E")]
     assert re.match(r"E2E batch 3: hf_generate \d+ tok/s .* roofline [\d.]+ ms$", lines[0])
     for backend, line in zip(["torch_paged", "triton"], lines[1:], strict=True):
-        assert re.match(rf"E2E batch 3 {backend} +graphs=False fused_ops=True +async=False +\d+ tok/s = [\d.]+x hf_generate; "
+        assert re.match(rf"E2E batch 3 {backend} +graphs=False fused_ops=True +async=False matmul=torch +\d+ tok/s = "
+                        rf"[\d.]+x hf_generate; "
                         rf"decode step [\d.]+ ms = \d+% of the roofline; greedy == HF for 3/3$", line), line
 
 

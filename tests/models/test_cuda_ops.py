@@ -1,6 +1,7 @@
 """The Triton operators for CUDA compute what the torch operators they replace compute: on a CPU through
 Triton's interpreter (the same kernel source), on a GPU compiled (``gpu`` cases); and a model on a GPU samples
 the same with them as without."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,3 +99,84 @@ def test_on_a_gpu_the_model_samples_the_same_with_and_without_the_fused_operator
         assert tokens == ref_tokens
         for got, want in zip(logprobs, ref_logprobs):
             assert all(abs(got[t].logprob - want[t].logprob) < tol for t in got.keys() & want.keys())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(6, 2, 32, 8), (4, 4, 80, 16)])
+def test_qkv_rotary_into_cache_writes_the_keys_and_values_at_their_slots_only(device, dtype, heads, kv_heads,
+                                                                              head_dim, block_size):
+    """The fused store: q as ``qkv_rotary`` gives it, the rotated keys and the values at each row's slot of a
+    paged cache (blocks out of order, slots mid-block), every other slot as it was."""
+    ops = ops_for(device)
+    rows, blocks = 9, 5
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, 512, dtype).to(device)
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    qkv = randn(rows, (heads + 2 * kv_heads) * head_dim, gen=gen, dtype=dtype, device=device)
+    positions = torch.randint(0, 512, (rows,), generator=gen).to(device)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:rows].to(device)
+    q, k = torch.empty(rows, heads, head_dim, dtype=dtype, device=device), torch.empty(rows, kv_heads, head_dim,
+                                                                                         dtype=dtype, device=device)
+    v = torch.empty_like(k)
+    ops.qkv_rotary(qkv, positions, rotary.cos, rotary.sin, q, k, v)
+    cache = randn(2, blocks, block_size, kv_heads, head_dim, gen=gen, dtype=dtype, device=device)
+    before = cache.clone()
+    fused_q = torch.empty_like(q)
+    ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, fused_q, cache[0], cache[1], slots)
+    assert torch.equal(fused_q, q)
+    flat, flat_before = cache.view(2, -1, kv_heads, head_dim), before.view(2, -1, kv_heads, head_dim)
+    assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched])
+
+
+def test_qkv_rotary_into_cache_refuses_mismatched_caches_and_slots():
+    ops = ops_for("cpu")
+    rotary = RotaryEmbedding(32, 64, 10000.0, None, 64, torch.float32)
+    qkv, positions, q = torch.randn(3, 4 * 32), torch.arange(3), torch.empty(3, 2, 32)
+    cache = torch.zeros(2, 4, 8, 1, 32)
+    with pytest.raises(ValueError, match="slot_mapping has 2 slots for 3 rows of qkv"):
+        ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q, cache[0], cache[1], torch.arange(2))
+    with pytest.raises(ValueError, match="k_cache and v_cache must have one layout"):
+        ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q, cache[0], cache[1, :2], torch.arange(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_model_stores_kv_in_the_rotary_pass_where_the_backend_lets_it(dtype):
+    """A Llama layer stack with the Triton backend and these operators (interpreted) writes K/V in the RoPE
+    pass and calls the backend without them: hidden states and cache equal the separate store's, on a step
+    of prefills, a chunk on a cached context and decodes."""
+    from framework import BACKENDS
+    from models.config import ModelConfig
+    from models.llama import LlamaForCausalLM
+    from tests.backends.batches import random_batch
+
+    ops = ops_for("cpu")
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    backend = BACKENDS.create("triton", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=8,
+                              dtype=dtype, device="cpu")
+    model = LlamaForCausalLM.empty_on(torch.device("cpu"), cfg, backend, 256, dtype, ops)
+    model.init_random(0, 0.2)
+    batch = random_batch([(0, 11), (16, 5), (30, 1), (7, 1)], 4, 2, 16, 8, dtype, seed=5)
+    meta = backend.build_metadata(batch.meta)
+    tokens = batch.meta.num_actual_tokens
+    ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(1))
+    positions = torch.from_numpy(
+        np.concatenate([np.arange(c, s) for c, s in zip(batch.meta.num_computed_tokens_cpu, batch.meta.seq_lens_cpu)]))
+    cache = batch.kv_cache[:, None].expand(2, 2, *batch.kv_cache.shape[1:]).contiguous()
+    results = {}
+    for fused in (True, False):
+        for layer in model.layers:
+            layer.self_attn.into_cache = ops.qkv_rotary_into_cache if fused else None
+        stored = []
+        forward = backend.forward
+        backend.forward = lambda q, k, v, *rest, **kw: (stored.append(k is None), forward(q, k, v, *rest, **kw))[1]
+        kv = cache.clone()
+        with torch.no_grad():
+            results[fused] = (model(ids, positions, kv, meta), kv)
+        del backend.forward
+        assert stored == [fused] * 2
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])

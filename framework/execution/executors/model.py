@@ -94,6 +94,17 @@ def _fused_ops(device: torch.device) -> ModuleType | None:
         return None
 
 
+def tune_decode_matmuls(model: torch.nn.Module, rows: list[int]) -> list:
+    """``models.cuda_matmul.tune``: its table of choices (UnavailableError without triton)."""
+    try:
+        cuda_matmul = importlib.import_module("models.cuda_matmul")
+    except ImportError as exc:
+        raise UnavailableError(f"executor.decode_matmul=tuned needs the triton package ({exc}); install it with "
+                               f"`pip install triton`, or use decode_matmul=torch") from exc
+    with torch.inference_mode():
+        return cuda_matmul.tune(model, rows)
+
+
 def graph_backends() -> list[str]:
     """The registered attention backends that can capture decode steps in CUDA graphs."""
     return [name for name in BACKENDS.list() if BACKENDS.get(name).graph_decode]
@@ -108,14 +119,17 @@ class ModelExecutor(Executor):
     multiply in float32 (``compute_linears_in_float32``); ``auto``: on a CPU whose flags
     (``/proc/cpuinfo``) show no matrix instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``,
     ``false``): decode steps replay CUDA graphs captured at padded batch sizes
-    (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can."""
+    (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can. ``decode_matmul``
+    (``torch``, ``tuned``): ``tuned`` (CUDA) times torch's product against a split-K Triton kernel per linear
+    layer shape at start-up and runs the faster at up to 128 rows (``models.cuda_matmul``)."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
     supports_async = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_ops: bool = True,
-                 float32_matmul: bool | str = "auto", cuda_graphs: bool | str = "auto") -> None:
+                 float32_matmul: bool | str = "auto", cuda_graphs: bool | str = "auto",
+                 decode_matmul: str = "torch") -> None:
         super().__init__(config, source, clock)
         if not isinstance(fused_ops, bool):
             raise ValueError(f"executor.fused_ops must be true or false, got {fused_ops!r}")
@@ -123,6 +137,8 @@ class ModelExecutor(Executor):
             raise ValueError(f"executor.float32_matmul must be auto, true or false, got {float32_matmul!r}")
         if cuda_graphs not in (True, False, "auto"):
             raise ValueError(f"executor.cuda_graphs must be auto, true or false, got {cuda_graphs!r}")
+        if decode_matmul not in ("torch", "tuned"):
+            raise ValueError(f"executor.decode_matmul must be torch or tuned, got {decode_matmul!r}")
         if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
             raise ValueError(
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
@@ -133,6 +149,9 @@ class ModelExecutor(Executor):
         if self._device.type == "cpu":
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, cfg.torch_dtype, self._device)
+        if decode_matmul == "tuned" and self._device.type != "cuda":
+            raise ValueError(f"executor.decode_matmul=tuned needs a CUDA device (its kernels are timed there), not "
+                             f"{self._device}; use decode_matmul=torch")
         assert config.max_model_len is not None
         self.backend = BACKENDS.create_with(
             config.backend, config.backend_options, num_heads=cfg.num_attention_heads,
@@ -150,6 +169,9 @@ class ModelExecutor(Executor):
                               and not cpu_has_matmul_instructions(self.dtype))
         if float32_matmul and self.dtype != torch.float32:
             compute_linears_in_float32(self.model)
+        #: ``models.cuda_matmul.Choice`` per weight shape and row bucket, with ``decode_matmul=tuned``.
+        self.matmul_choices = tune_decode_matmuls(self.model, capture_sizes(config.max_num_seqs)) \
+            if decode_matmul == "tuned" else []
         self.model.eval()
         self._tokenizer = load_tokenizer(source)
         self.runner: ModelRunner | None = None

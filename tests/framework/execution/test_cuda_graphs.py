@@ -4,7 +4,7 @@ and replay the CUDA graphs themselves."""
 import pytest
 import torch
 
-from framework import LLM, SamplingParams
+from framework import BACKENDS, LLM, SamplingParams
 from framework.execution.cuda_graphs import PaddedDecode, capture_sizes, is_graph_decode
 from tests.models.test_parity import parity_prompts
 
@@ -63,6 +63,37 @@ def test_padded_decode_steps_give_the_eager_steps_tokens_and_cache(llama_ckpt, f
     assert torch.allclose(padded_cache[:, :, 1:], eager_cache[:, :, 1:], atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_each_step_runs_the_graph_bound_by_its_longest_sequence(llama_ckpt, monkeypatch, device):
+    """With several bounds per size (``graph_max_seq_lens``), each padded step (on a GPU: each replayed graph)
+    runs at the smallest bound at or above its longest sequence, where the Triton launch splits keys by that
+    bound (1, 2 or 3 ranges here): the tokens and cache are the eager run's, and every bound is used."""
+    from backends.triton_paged import load_kernels
+
+    path, _ = llama_ckpt
+    bounds = [44, 72, 128]
+    monkeypatch.setattr(load_kernels(torch.device(device)), "num_splits",
+                        lambda programs, longest, block_n, device: 1 + sum(longest > b for b in bounds))
+    common = dict(device=device, dtype="float32")
+    eager, _, eager_cache = generate(path, executor_options={"cuda_graphs": False}, **common)
+    monkeypatch.setattr(BACKENDS.get("triton"), "graph_max_seq_lens", lambda self, num_reqs, max_len: bounds)
+    used = []
+    key_for = PaddedDecode.key_for
+
+    def recorded(self, num_reqs, max_seq_len):
+        key = key_for(self, num_reqs, max_seq_len)
+        used.append((max_seq_len, key[1]))
+        return key
+
+    monkeypatch.setattr(PaddedDecode, "key_for", recorded)
+    padded, _, padded_cache = generate(path, padded=device == "cpu", **common)
+    assert padded == eager
+    assert torch.allclose(padded_cache[:, :, 1:], eager_cache[:, :, 1:], atol=1e-5)
+    assert all(bound == min(b for b in bounds if b >= longest) for longest, bound in used)
+    assert {bound for _, bound in used} == set(bounds)
+
+
 def test_only_decode_only_steps_within_the_largest_size_are_padded(llama_ckpt):
     path, _ = llama_ckpt
     llm = LLM(model=str(path), backend="triton", block_size=8, max_model_len=64, num_gpu_blocks_override=32,
@@ -95,8 +126,6 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(llama_ckpt):
 
 
 def test_a_backend_without_a_capturable_decode_says_so():
-    from framework import BACKENDS
-
     backend = BACKENDS.create("torch_paged", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=8,
                               dtype=torch.float32, device="cpu")
     assert not backend.graph_decode

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from framework import EngineConfig, LLMEngine
+from framework import LLM, EngineConfig, LLMEngine, SamplingParams
 
 
 @pytest.fixture
@@ -99,3 +99,31 @@ def test_float32_matmul_multiplies_bf16_activations_by_float32_weights_and_round
 def test_float32_matmul_is_auto_true_or_false(llama_ckpt):
     with pytest.raises(ValueError, match="executor.float32_matmul must be auto, true or false, got 'always'"):
         bf16_engine(llama_ckpt[0], "always")
+
+
+def test_decode_matmul_is_torch_or_tuned_and_tuned_needs_cuda(llama_ckpt):
+    common = dict(model=str(llama_ckpt[0]), max_model_len=64, num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="executor.decode_matmul must be torch or tuned, got 'fast'"):
+        LLM(executor_options={"decode_matmul": "fast"}, **common)
+    with pytest.raises(ValueError, match="executor.decode_matmul=tuned needs a CUDA device .* not cpu; use "
+                                         "decode_matmul=torch"):
+        LLM(executor_options={"decode_matmul": "tuned"}, **common)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_tuned_decode_matmuls_sample_what_torchs_do(llama_ckpt):
+    """``decode_matmul=tuned`` times every bias-free layer shape at start-up; in float32 (where the kernel's tf32
+    products are refused, as off torch's by more than 1e-4) and in bf16 the greedy tokens stay torch's."""
+    prompts = [[5, 9, 33, 2, 7, 120, 64] * 3, [300, 4, 17], list(range(3, 60))]
+    for dtype in ("float32", "bfloat16"):
+        outs = {}
+        for matmul in ("torch", "tuned"):
+            llm = LLM(model=str(llama_ckpt[0]), device="cuda", dtype=dtype, backend="triton", max_model_len=128,
+                      num_gpu_blocks_override=64, max_num_seqs=8, executor_options={"decode_matmul": matmul})
+            layer = llm.engine.executor.model.layers[0].mlp.down_proj
+            assert hasattr(layer, "matmul_configs") == (matmul == "tuned")
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            outs[matmul] = [o.outputs[0].token_ids for o in got]
+        assert outs["tuned"] == outs["torch"], dtype

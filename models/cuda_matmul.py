@@ -1,0 +1,231 @@
+"""Decode's skinny matrix products (up to 128 rows) by a split-K Triton kernel, where it beats torch's.
+
+At 32 rows a decode step's products read every weight once and are bound by memory; cuBLAS leaves part of
+the bandwidth unused there (docs/performance.md). ``tune`` times torch's product against ``CANDIDATES`` for
+each bias-free linear layer's weight shape and each row bucket (16, 32, 64, 128) on the device, in CUDA
+graphs, and makes each layer run the fastest: a layer's choice per bucket is None (torch's) or a ``Config``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: The most rows the kernel takes (one tile of rows per program).
+MAX_ROWS = 128
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_os, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                   SWAP: tl.constexpr):
+    """Program (n tile, split) multiplies x[:, ks] by w[ns, ks].T over its K range; DIRECT (one split)
+    stores the result in x's dtype, else float32 partials ``out[split]`` for ``_sum_splits_kernel``. SWAP
+    computes the transposed tile, w by x.T, so the weight rows fill the tensor cores' larger dimension."""
+    n_tile, split = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M).to(tl.int64)
+    rn = (n_tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    # tl.zeros is jitted: see models/cuda_ops.py
+    acc = tl.full((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k in range(k_start, k_end, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < k_end),
+                    other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < k_end),
+                    other=0.0)
+        if SWAP:
+            acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if SWAP:  # acc[n, m]: stored through transposed offsets
+        offs = rm[None, :] * stride_om + rn[:, None]
+        mask = (rm[None, :] < M) & (rn[:, None] < N)
+    else:
+        offs = rm[:, None] * stride_om + rn[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if DIRECT:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + split * stride_os + offs, acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Element block ``program_id``: the sum of the SPLITS float32 partials, in the output's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int
+    block_k: int
+    splits: int
+    swap: bool = False  # w by x.T: the weight tile as the tensor cores' M (64 or more rows)
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __str__(self) -> str:
+        swap = " swap" if self.swap else ""
+        return f"n{self.block_n} k{self.block_k} split{self.splits}{swap} w{self.num_warps} s{self.num_stages}"
+
+
+#: What ``tune`` tries: tiles of 32-128 output columns and 128-256 of K, 1-8 K splits; and tiles of 64-128
+#: weight rows as the product's first operand (Hopper's warpgroup products take 64 rows or more).
+CANDIDATES = ([Config(n, k, s) for n, k, s in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8))]
+              + [Config(n, k, s, swap=True) for n, k, s in itertools.product((64, 128), (128, 256), (1, 2, 4, 8))])
+
+
+def splitk_linear(x: torch.Tensor, w: torch.Tensor, config: Config, out: torch.Tensor | None = None,
+                  part: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T`` (``x`` [M <= 128, K] with contiguous rows, ``w`` [N, K] contiguous) by the split-K kernel;
+    ``out`` and ``part`` (the float32 partials, [splits, M, N]) may be given to keep allocation out of a timing."""
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    k_per_split = triton.cdiv(triton.cdiv(k, config.splits), config.block_k) * config.block_k
+    splits = triton.cdiv(k, k_per_split)
+    direct = splits == 1
+    if not direct and part is None:
+        part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    target = out if direct else part
+    grid = (triton.cdiv(n, config.block_n), splits)
+    _splitk_kernel[grid](x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0),
+                         0 if direct else part.stride(0), n, BLOCK_M=rows_bucket(m),
+                         BLOCK_N=config.block_n, BLOCK_K=config.block_k, DIRECT=direct, SWAP=config.swap,
+                         num_warps=config.num_warps, num_stages=config.num_stages)
+    if not direct:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block)
+    return out
+
+
+def rows_bucket(m: int) -> int:
+    """The kernel's row tile for ``m`` rows: the next power of two, at least 16 (``tl.dot``'s minimum)."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def graph_seconds(fn: Callable[[], object], device: torch.device, reps: int = 20, rounds: int = 10) -> float:
+    """Seconds per call of ``fn``, run ``reps`` times in one CUDA graph (as in a decode graph: no launch gaps;
+    eagerly on a CPU)."""
+    if device.type != "cuda":
+        fn()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        return (time.perf_counter() - start) / rounds
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (rounds * reps)
+
+
+@dataclass
+class Choice:
+    """The product of one weight shape at one row bucket: torch's time, and the fastest kernel config and its
+    time (None when torch's is the fastest)."""
+
+    n: int
+    k: int
+    bucket: int
+    torch_seconds: float
+    config: Config | None
+    seconds: float
+
+    def __str__(self) -> str:
+        which = "torch" if self.config is None else f"triton {self.config}"
+        return (f"[{self.n} x {self.k}] at <= {self.bucket} rows: {which} ({self.seconds * 1e6:.1f} us; torch "
+                f"{self.torch_seconds * 1e6:.1f} us)")
+
+
+#: ``timer(x, w, config)``: seconds per product of ``x`` by ``w.T``, torch's (config None) or the kernel's.
+Timer = Callable[[torch.Tensor, torch.Tensor, "Config | None"], float]
+
+
+def time_product(x: torch.Tensor, w: torch.Tensor, config: Config | None) -> float:
+    """``Timer`` by ``graph_seconds``."""
+    if config is None:
+        return graph_seconds(lambda: F.linear(x, w), x.device)
+    return graph_seconds(lambda: splitk_linear(x, w, config), x.device)
+
+
+def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATES,
+         timer: Timer = time_product) -> list[Choice]:
+    """Time each bias-free ``nn.Linear`` weight shape of ``model`` at each row bucket of ``rows`` (at the bucket's
+    largest row count there, up to ``MAX_ROWS``), torch's product against each candidate whose output matches
+    it, and make those layers run the fastest at up to 128 rows (``forward``: torch's above, and for other rows)."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None and m.weight.is_contiguous()]
+    largest: dict[int, int] = {}
+    for r in rows:
+        if r <= MAX_ROWS:
+            largest[rows_bucket(r)] = max(largest.get(rows_bucket(r), 0), r)
+    choices: dict[tuple[int, int, torch.dtype], dict[int, Choice]] = {}
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for layer in layers:
+        w = layer.weight.detach()
+        key = (w.shape[0], w.shape[1], w.dtype)
+        if key not in choices:
+            choices[key] = {bucket: _fastest(w, m, candidates, timer, gen) for bucket, m in sorted(largest.items())}
+        layer.matmul_configs = {bucket: choice.config for bucket, choice in choices[key].items()}
+        layer.forward = MethodType(_tuned_forward, layer)
+    table = [choice for per_bucket in choices.values() for choice in per_bucket.values()]
+    for choice in table:
+        logger.info("decode matmul %s", choice)
+    return table
+
+
+def _fastest(w: torch.Tensor, m: int, candidates: list[Config], timer: Timer, gen: torch.Generator) -> Choice:
+    x = torch.randn((m, w.shape[1]), generator=gen, device=w.device).to(w.dtype)
+    want = F.linear(x, w).float()
+    tolerance = 1e-4 if w.dtype == torch.float32 else 2e-2
+    scale = want.abs().max().clamp_min(1e-30)
+    baseline = timer(x, w, None)
+    best: tuple[float, Config | None] = (baseline, None)
+    for config in candidates:
+        try:
+            got = splitk_linear(x, w, config)
+        except Exception as exc:  # a config this device cannot run (shared memory): left out
+            logger.debug("decode matmul %s cannot run: %s", config, exc)
+            continue
+        if float((got.float() - want).abs().max() / scale) > tolerance:
+            logger.warning("decode matmul %s disagrees with torch's product for [%d x %d]: left out", config,
+                           *w.shape)
+            continue
+        seconds = timer(x, w, config)
+        if seconds < best[0]:
+            best = (seconds, config)
+    return Choice(w.shape[0], w.shape[1], rows_bucket(m), baseline, best[1], best[0])
+
+
+def _tuned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    config = self.matmul_configs.get(rows_bucket(x.shape[0])) if x.dim() == 2 and x.shape[0] <= MAX_ROWS else None
+    if config is None or x.stride(-1) != 1 or not x.shape[0]:
+        return F.linear(x, self.weight)
+    return splitk_linear(x, self.weight, config)
