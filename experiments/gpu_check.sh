@@ -11,11 +11,12 @@
 #   5. greedy parity with transformers on CUDA, every backend x bf16/fp16/fp32, CUDA graphs as by default
 #      (experiments/gpu_e2e.py parity);
 #   6. a random 1.1B Llama in bf16 at batch 32 and 128: LLM.generate against HF generate, CUDA graphs and
-#      the fused operators and async scheduling on and off, the decode step against the HBM roofline, and
-#      profiles of a step's host side and of its graph replay by kernel (experiments/gpu_e2e.py speed --profile);
-#   7. that model's matrix products at 32 and 128 rows, cuBLAS against a split-K Triton kernel over a grid of
-#      tile sizes (experiments/bench_skinny_matmul.py): whether our own kernel would bring the decode step
-#      nearer the roofline.
+#      the fused operators and async scheduling on and off, executor.decode_matmul=tuned (with its table of
+#      timed products), the decode step against the HBM roofline, the graph replay at the step's own context
+#      bound and at max_model_len's (key splits), and profiles of a step's host side and of its graph replay
+#      by kernel (experiments/gpu_e2e.py speed --profile);
+#   7. that model's matrix products at 32 and 128 rows, cuBLAS against the split-K Triton kernel of
+#      models/cuda_matmul.py over its 40 configurations (experiments/bench_skinny_matmul.py).
 # Usage: bash experiments/gpu_check.sh [LOG_DIR]   (default: $OUT if set, else ./gpu_check_logs)
 # On the lent GPU machines (python3 with CUDA torch, no network) step 3 needs hydra-core and omegaconf: make
 # .whl here with experiments/gpu_wheels.sh and carry it; this script installs it (without, step 3 is skipped).
