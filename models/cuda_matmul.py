@@ -29,7 +29,7 @@ MAX_ROWS = 128
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_os, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
-                   SWAP: tl.constexpr):
+                   SWAP: tl.constexpr, PRECISION: tl.constexpr):
     """Program (n tile, split) multiplies x[:, ks] by w[ns, ks].T over its K range; DIRECT (one split)
     stores the result in x's dtype, else float32 partials ``out[split]`` for ``_sum_splits_kernel``. SWAP
     computes the transposed tile, w by x.T, so the weight rows fill the tensor cores' larger dimension."""
@@ -47,9 +47,9 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, strid
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < k_end),
                     other=0.0)
         if SWAP:
-            acc += tl.dot(w, tl.trans(x))
+            acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
         else:
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     if SWAP:  # acc[n, m]: stored through transposed offsets
         offs = rm[None, :] * stride_om + rn[:, None]
         mask = (rm[None, :] < M) & (rn[:, None] < N)
@@ -109,6 +109,7 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, config: Config, out: torch.T
     _splitk_kernel[grid](x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0),
                          0 if direct else part.stride(0), n, BLOCK_M=rows_bucket(m),
                          BLOCK_N=config.block_n, BLOCK_K=config.block_k, DIRECT=direct, SWAP=config.swap,
+                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 exact, as torch's
                          num_warps=config.num_warps, num_stages=config.num_stages)
     if not direct:
         block = 1024

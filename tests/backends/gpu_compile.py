@@ -92,7 +92,8 @@ def matmuls(dtype: str) -> dict[str, ASTSource]:
     for rows, n, k, swap, direct in shapes:
         pointers = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}" if direct else "*fp32"}
         sources[f"splitk rows={rows} n={n} k={k} swap={swap} direct={direct}"] = signature(
-            mm._splitk_kernel, pointers, {}, dict(BLOCK_M=rows, BLOCK_N=n, BLOCK_K=k, DIRECT=direct, SWAP=swap))
+            mm._splitk_kernel, pointers, {}, dict(BLOCK_M=rows, BLOCK_N=n, BLOCK_K=k, DIRECT=direct, SWAP=swap,
+                                                     PRECISION="tf32"))
     sources["sum_splits"] = signature(mm._sum_splits_kernel, {"part_ptr": "*fp32", "out_ptr": f"*{dtype}"}, {},
                                       dict(SPLITS=4, BLOCK=1024))
     return sources
