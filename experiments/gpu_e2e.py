@@ -181,7 +181,8 @@ def kernel_times(llm: LLM, key: tuple[int, int], rounds: int = 5) -> None:
             rows.append((event.self_device_time_total / rounds, event.count // rounds, event.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    print(f"KERNELS batch {key[0]} (sequences up to {key[1]}): {sum(r[1] for r in rows)} launches, {total / 1e3:.3f} ms of GPU time a replay",
+    print(f"KERNELS batch {key[0]} (sequences up to {key[1]}): {sum(r[1] for r in rows)} launches, "
+          f"{total / 1e3:.3f} ms of GPU time a replay",
           flush=True)
     for us, count, name in rows[:15]:
         print(f"KERNELS   {us / 1e3:7.3f} ms {us / max(total, 1e-9):4.0%} x{count:<4d} {name[:110]}", flush=True)

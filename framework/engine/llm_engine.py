@@ -94,8 +94,8 @@ class LLMEngine:
             preparer_defers = PREPARERS.get(config.preparer).defers_sampled
         async_capable = EXECUTORS.get(config.executor).supports_async and preparer_defers
         if config.async_scheduling is True and not async_capable:
-            raise ValueError(f"async_scheduling=true needs an executor that runs steps without waiting (model) and "
-                             f"a preparer that defers sampled tokens (v1); executor={config.executor} and "
+            raise ValueError(f"async_scheduling=true needs an executor that runs steps without waiting (model, "
+                             f"sim) and a preparer that defers sampled tokens (v1); executor={config.executor} and "
                              f"preparer={config.preparer} cannot: set async_scheduling to auto or false")
         self.policy = POLICIES.create_with(config.policy, config.policy_options)
         self.executor = EXECUTORS.create_with(config.executor, config.executor_options, config, self.source, self.clock)

@@ -127,6 +127,12 @@ class CostModel(ABC):
         return self.step_time(BatchShape(num_seqs=num_seqs, num_tokens=num_seqs, num_sampled=num_seqs,
                                          num_decode_seqs=num_seqs, decode_context=context))
 
+    def host_time(self, batch: BatchShape) -> float:
+        """The part of ``step_time(batch)`` the host spends (scheduling, input preparation, sampling's
+        bookkeeping), which async scheduling overlaps with the step before's device time. Default none: the
+        whole step is device time, so async scheduling changes no step's length."""
+        return 0.0
+
     @classmethod
     def calibrate(cls, samples: list[tuple[BatchShape, float]], model: ModelConfig, hardware: Hardware,
                   dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 16, *,

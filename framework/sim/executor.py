@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from framework.common.clock import Clock, VirtualClock
@@ -31,11 +32,14 @@ class SimExecutor(Executor):
     - ``sampled_token``: the token every request samples (default: the highest id that is not an
       EOS id). Requests never stop on it: output lengths are the requests' ``max_tokens``.
 
-    Its tokens have no text: a request with stop strings (``SamplingParams.stop``) is refused.
+    Its tokens have no text: a request with stop strings (``SamplingParams.stop``) is refused. With async
+    scheduling (``async_scheduling=true``; ``auto`` leaves it off) a step lasts the longer of its host time and
+    the step before's device time, once the pipeline is full.
     """
 
     samples_forks = True  # an n > 1 request under preparer v0 prefills once and forks, as for real
     produces_text = False  # its tokens are synthetic: a stop string could never match, so it is refused
+    supports_async = True  # async scheduling overlaps each step's host time with the step before's device time
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock,
                  hardware: str | dict[str, Any] | Hardware = "a100-80gb", tensor_parallel_size: int = 1,
@@ -70,6 +74,7 @@ class SimExecutor(Executor):
         #: One KV block on one device: what the budget is divided into.
         self.bytes_per_block = config.block_size * model.kv_bytes_per_token(self.dtype_bytes, self.tp)
         self.num_steps = 0
+        self._device_free = 0.0  # when the device finishes the last launched step (async scheduling)
 
     @classmethod
     def make_clock(cls) -> Clock:
@@ -121,11 +126,30 @@ class SimExecutor(Executor):
         shape = BatchShape.from_scheduler_output(out, sampling)
         self.clock.advance(self.cost_model.step_time(shape))  # type: ignore[attr-defined]
         self.num_steps += 1
+        return ExecutorOutput(self._sampled(sampling))
+
+    def launch(self, out: SchedulerOutput) -> SimStep:
+        """Async scheduling: the step's host time (``CostModel.host_time``) passes on the clock, then its
+        device time runs on the device once the step before's is done, while the engine goes on."""
+        sampling: list[Request] = []
+        shape = BatchShape.from_scheduler_output(out, sampling)
+        total = self.cost_model.step_time(shape)
+        host = min(self.cost_model.host_time(shape), total)
+        self.clock.advance(host)  # type: ignore[attr-defined]
+        self._device_free = max(self.clock.now(), self._device_free) + (total - host)
+        self.num_steps += 1
+        return SimStep(self._device_free, self._sampled(sampling))
+
+    def collect(self, handle: SimStep) -> ExecutorOutput:
+        self.clock.wait_until(handle.done)
+        return ExecutorOutput(handle.sampled)
+
+    def _sampled(self, sampling: list[Request]) -> dict[str, int]:
         sampled = {req.request_id: self.token_for(req) for req in sampling}
         for req in sampling:  # a v0 leader completing its prompt samples for its forks too
             for child in req.forks:
                 sampled[child.request_id] = self.token_for(child)
-        return ExecutorOutput(sampled)
+        return sampled
 
     def plan_decode_run(self, segments: list[tuple[int, int, int]], until: float = math.inf) -> list[float]:
         """End times of consecutive pure-decode steps, bit for bit those stepping gives: segment ``(steps,
@@ -150,3 +174,11 @@ class SimExecutor(Executor):
     def commit_decode_run(self, times: list[float]) -> None:
         self.clock.wait_until(times[-1])
         self.num_steps += len(times)
+
+
+@dataclass
+class SimStep:
+    """A launched simulated step: when the device finishes it, and the tokens it samples."""
+
+    done: float
+    sampled: dict[str, int]

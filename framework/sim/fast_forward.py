@@ -187,7 +187,8 @@ def plan_decode_run(engine: LLMEngine, until: float = math.inf, through_finishes
     (``through_finishes``) or the first, none starting at or after ``until`` (the next arrival) or
     needing a block the pool lacks. None when no step qualifies: take an ordinary ``engine.step()``."""
     executor = engine.executor
-    if not getattr(executor, "fast_forward", False):
+    # Under async scheduling a step is in flight, its tokens placeholders the plan does not follow.
+    if not getattr(executor, "fast_forward", False) or engine.async_scheduling:
         return None
     scheduler = engine.scheduler
     running = scheduler.running

@@ -158,6 +158,12 @@ class RooflineCostModel(CostModel):
             base = self._decode_base[num_seqs] = self._base(num_seqs, num_seqs, num_seqs)
         return base + context * self._decode_slope
 
+    def host_time(self, batch: BatchShape) -> float:
+        """The overheads (``step_overhead_us``, ``seq_overhead_us``, ``token_overhead_us``)."""
+        if not batch.num_tokens:
+            return self._step
+        return self._step + self._seq * batch.num_seqs + self._tok * batch.num_tokens
+
     def step_time(self, batch: BatchShape) -> float:
         if batch.is_pure_decode:
             return self.decode_step_time(batch.num_seqs, batch.decode_context)

@@ -222,7 +222,8 @@ def cli(*args, cwd):
     (["workload.ignore_eos=maybe"], "workload.ignore_eos must be True or False"),
     (["scheduler.check_invariants=maybe"], "scheduler.check_invariants must be true or false"),
     (["scheduler.async_scheduling=maybe"], "scheduler.async_scheduling must be auto, true or false, got 'maybe'"),
-    (["executor=sim", "scheduler.async_scheduling=true"], r"async_scheduling=true needs an executor that runs steps"),
+    (["executor=sim", "preparer=v0", "scheduler.async_scheduling=true"],
+     r"async_scheduling=true needs an executor that runs steps"),
     (["executor=sim", "executor.fast_forward=maybe"], "executor.fast_forward must be true or false"),
     (["executor=sim", "cost_model=bogus"], "unknown cost model 'bogus'; registered cost models: .*roofline"),
     # A simulated device or cost model given to the real forward pass used to be ignored silently.
