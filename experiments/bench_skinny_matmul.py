@@ -1,4 +1,4 @@
-"""Decode's matrix products at 32-128 rows: torch's (cuBLAS on a GPU) against a split-K Triton kernel.
+"""Decode's matrix products at 32-128 rows: torch's (cuBLAS on a GPU, and cuBLASLt) against a split-K Triton kernel.
 
 In a batch-32 decode step of a 1.1B Llama on an H200 the matrix products take 0.84 of the graph replay's
 1.29 ms, at about 2.5 TB/s (docs/performance.md): this measures whether a kernel of our own, split along K
@@ -39,6 +39,20 @@ def configs(tiny: bool) -> list[Config]:
     return CANDIDATES
 
 
+def cublaslt_seconds(fn, device: torch.device) -> float | None:
+    """``graph_seconds`` with cuBLASLt as torch's BLAS library (None on a CPU or where it cannot run)."""
+    if device.type != "cuda":
+        return None
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        return graph_seconds(fn, device)
+    except Exception:  # a build without it: the figure is left out
+        return None
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def max_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     """The largest error against the float64 product, in units of the largest output."""
     want = x.double() @ w.double().T
@@ -66,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     bad = 0
     for m in args.rows:
-        totals = {"torch": 0.0, "triton": 0.0}
+        totals = {"torch": 0.0, "triton": 0.0, "cublaslt": 0.0}
         for name, (n, k) in shapes(args.tiny).items():
             x = torch.randn((m, k), generator=gen, device=device).to(dtype)
             w = (torch.randn((n, k), generator=gen, device=device) / k ** 0.5).to(dtype)
             out = torch.empty((m, n), dtype=dtype, device=device)
             baseline = graph_seconds(lambda: torch.matmul(x, w.T, out=out), device)
+            lt = cublaslt_seconds(lambda: torch.matmul(x, w.T, out=out), device)
             best: tuple[float, Config | None] = (float("inf"), None)
             skipped = 0
             for config in configs(args.tiny):
@@ -88,16 +103,20 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 best = min(best, (seconds, config), key=lambda b: b[0])
             weight_bytes = n * k * dtype.itemsize
-            times = {"torch": baseline, "triton": best[0]}
+            times = {"torch": baseline, "triton": best[0], "cublaslt": baseline if lt is None else lt}
             count = 1 if name == "lm_head" else args.layers
             for key in totals:
                 totals[key] += count * times[key]
+            lt_text = "n/a" if lt is None else f"{lt * 1e6:.2f} us ({weight_bytes / lt / bandwidth:.0%})"
             print(f"MATMUL M={m:<4d} {name:8s} N={n:<6d} K={k:<5d} torch {baseline * 1e6:8.2f} us "
-                  f"({weight_bytes / baseline / bandwidth:4.0%} of copy bandwidth); triton {best[0] * 1e6:8.2f} us "
+                  f"({weight_bytes / baseline / bandwidth:4.0%} of copy bandwidth); cuBLASLt {lt_text}; "
+                  f"triton {best[0] * 1e6:8.2f} us "
                   f"({weight_bytes / best[0] / bandwidth:4.0%}) with {best[1]}; triton/torch "
                   f"{best[0] / baseline:.2f}{f'; {skipped} configs could not run' if skipped else ''}", flush=True)
+        lt_total = "n/a" if lt is None else f"{totals['cublaslt'] * 1e3:.3f} ms"
         print(f"MATMUL M={m}: a decode step's products ({args.layers} layers and the LM head) torch "
-              f"{totals['torch'] * 1e3:.3f} ms, best triton per shape {totals['triton'] * 1e3:.3f} ms", flush=True)
+              f"{totals['torch'] * 1e3:.3f} ms, cuBLASLt {lt_total}, best triton per shape "
+              f"{totals['triton'] * 1e3:.3f} ms", flush=True)
     return bad
 
 

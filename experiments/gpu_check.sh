@@ -15,7 +15,7 @@
 #      timed products), the decode step against the HBM roofline, the graph replay at the step's own context
 #      bound and at max_model_len's (key splits), and profiles of a step's host side and of its graph replay
 #      by kernel (experiments/gpu_e2e.py speed --profile);
-#   7. that model's matrix products at 32 and 128 rows, cuBLAS against the split-K Triton kernel of
+#   7. that model's matrix products at 32 and 128 rows, cuBLAS and cuBLASLt against the split-K Triton kernel of
 #      models/cuda_matmul.py over its 40 configurations (experiments/bench_skinny_matmul.py).
 # Usage: bash experiments/gpu_check.sh [LOG_DIR]   (default: $OUT if set, else ./gpu_check_logs)
 # On the lent GPU machines (python3 with CUDA torch, no network) step 3 needs hydra-core and omegaconf: make

@@ -250,7 +250,7 @@ def speed(args: argparse.Namespace) -> int:
                 print(f"E2E batch {num_reqs} {label} {num_reqs * args.tokens / t:8.0f} tok/s "
                       f"= {t_hf / t:.2f}x hf_generate; decode step {ms:.3f} ms = {roofline * 1e3 / ms:.0%} of the "
                       f"roofline{forward}; greedy == HF for {same}/{num_reqs}", flush=True)
-                if args.profile and default and replay is not None:
+                if args.profile and (default or matmul == "tuned") and replay is not None:
                     try:
                         kernel_times(llm, key)
                     except Exception as exc:  # a figure left out, not a failed case
