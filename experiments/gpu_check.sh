@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# What a CPU cannot check, in one pass on a CUDA machine (about 5 minutes on an H200, 12 at most; steps 1-3 and 5
-# side by side, then 4, 6 and 7 alone):
+# What a CPU cannot check, in one pass on a CUDA machine (about 4 minutes on an H200 before the tuned products were
+# added to step 6 and step 7 was added, which may take 3-4 more; 16 at most; steps 1-3 and 5 side by side, then
+# 4, 6 and 7 alone). Where one call may run 10 minutes at most, split it: STEPS="gpu_tests compile run parity
+# bench_attention", then STEPS="e2e skinny".
 #   1. the gpu-marked tests: every backend against the float64 reference on CUDA, Triton's split-key
 #      path on long contexts, torch_paged's masked GQA groups with SDPA's math kernel off, flash_attn
 #      when installed, every backend on cuda:1 when there are two GPUs, async scheduling against synchronous;
@@ -99,7 +101,7 @@ done
 # Phase 2, timing, one step at a time on an otherwise idle GPU.
 step bench_attention 100 "$PY" experiments/bench_attention.py --iters 10 --decode-batches 1,64,256 \
     --decode-contexts 1024,16384 --prefill-batches 1,8 --prefill-lens 1024
-step e2e 300 "$PY" experiments/gpu_e2e.py speed --batches 32,128 --profile
+step e2e 420 "$PY" experiments/gpu_e2e.py speed --batches 32,128 --profile
 step skinny_matmul 180 "$PY" experiments/bench_skinny_matmul.py
 
 failed=$(cat "$LOG_DIR"/*.status 2>/dev/null | grep -cv '^0$')

@@ -40,7 +40,7 @@ class Toy(nn.Module):
 def test_tune_installs_the_fastest_per_shape_and_bucket_and_keeps_torch_elsewhere(monkeypatch):
     """A stand-in timer makes the kernel fastest for [48 x 32] at <= 16 rows only, and there the first config:
     that layer (and a2, its shape, timed once) runs it at up to 16 rows, torch's product at 17-32 rows, above 128
-    rows and for 3-D inputs; [32 x 48] stays torch's; the biased layer is untouched. Every product is torch's."""
+    rows and for 3-D inputs; [32 x 48] stays torch's; the biased layer is untouched. Every product equals torch's."""
     mm = kernels()
     candidates = [mm.Config(32, 16, 1), mm.Config(16, 16, 2)]
     timed = []
