@@ -7,11 +7,15 @@ graphs, and makes each layer run the fastest: a layer's choice per bucket is Non
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import MethodType
 
 import torch
@@ -177,29 +181,87 @@ def time_product(x: torch.Tensor, w: torch.Tensor, config: Config | None) -> flo
     return graph_seconds(lambda: splitk_linear(x, w, config), x.device)
 
 
-def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATES,
-         timer: Timer = time_product) -> list[Choice]:
+def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATES, timer: Timer = time_product,
+         cache: Path | None = None) -> list[Choice]:
     """Time each bias-free ``nn.Linear`` weight shape of ``model`` at each row bucket of ``rows`` (at the bucket's
     largest row count there, up to ``MAX_ROWS``), torch's product against each candidate whose output matches
-    it, and make those layers run the fastest at up to 128 rows (``forward``: torch's above, and for other rows)."""
+    it, and make those layers run the fastest at up to 128 rows (``forward``: torch's above, and for other rows).
+    ``cache``: a JSON file of earlier choices on this device and software (read, then updated): those are not
+    timed again."""
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None and m.weight.is_contiguous()]
     largest: dict[int, int] = {}
     for r in rows:
         if r <= MAX_ROWS:
             largest[rows_bucket(r)] = max(largest.get(rows_bucket(r), 0), r)
+    known = _read_cache(cache)
+    before = len(known)
     choices: dict[tuple[int, int, torch.dtype], dict[int, Choice]] = {}
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for layer in layers:
         w = layer.weight.detach()
         key = (w.shape[0], w.shape[1], w.dtype)
         if key not in choices:
-            choices[key] = {bucket: _fastest(w, m, candidates, timer, gen) for bucket, m in sorted(largest.items())}
+            choices[key] = {}
+            for bucket, m in sorted(largest.items()):
+                name = _cache_key(w, bucket, candidates)
+                if name not in known:
+                    known[name] = asdict(_fastest(w, m, candidates, timer, gen))
+                choices[key][bucket] = _choice(known[name])
         layer.matmul_configs = {bucket: choice.config for bucket, choice in choices[key].items()}
         layer.forward = MethodType(_tuned_forward, layer)
+    if cache is not None and len(known) > before:
+        _write_cache(cache, known)
     table = [choice for per_bucket in choices.values() for choice in per_bucket.values()]
     for choice in table:
         logger.info("decode matmul %s", choice)
     return table
+
+
+#: Environment variable naming the folder of caches kept between runs (default ``~/.cache/servelab``).
+CACHE_ENV = "SERVELAB_CACHE_DIR"
+
+
+def cache_path() -> Path:
+    """The file of ``tune``'s choices kept between runs: ``decode_matmul.json`` in ``$SERVELAB_CACHE_DIR`` or
+    ``~/.cache/servelab`` (delete it to time again)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "servelab") / "decode_matmul.json"
+
+
+def _cache_key(w: torch.Tensor, bucket: int, candidates: list[Config]) -> str:
+    """What a choice depends on: the device, torch, Triton, the weight's shape and dtype, the rows, the candidates."""
+    device = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else w.device.type
+    tried = hashlib.sha1(repr(candidates).encode()).hexdigest()[:12]
+    return (f"{device} | torch {torch.__version__} | triton {triton.__version__} | {str(w.dtype).removeprefix('torch.')} "
+            f"[{w.shape[0]} x {w.shape[1]}] <= {bucket} rows | candidates {tried}")
+
+
+def _choice(entry: dict) -> Choice:
+    config = entry["config"]
+    return Choice(**{**entry, "config": None if config is None else Config(**config)})
+
+
+def _read_cache(path: Path | None) -> dict[str, dict]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        entries = json.loads(path.read_text())
+        for entry in entries.values():
+            _choice(entry)  # a malformed entry fails here, not later
+        return entries
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        logger.warning("decode matmul cache %s is unreadable (%s): timing again", path, exc)
+        return {}
+
+
+def _write_cache(path: Path, entries: dict[str, dict]) -> None:
+    """Written whole to a temporary file, then renamed over ``path``: a reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home: the choices hold for this run
+        logger.warning("decode matmul cache %s cannot be written (%s)", path, exc)
 
 
 def _fastest(w: torch.Tensor, m: int, candidates: list[Config], timer: Timer, gen: torch.Generator) -> Choice:

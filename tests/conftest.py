@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -10,6 +11,8 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # against do, also on a machine with a GPU (and in the subprocesses tests start); `gpu`-marked
 # tests get the real "auto" back (`unpinned_device_for_gpu_tests`).
 os.environ["SERVELAB_DEVICE"] = "cpu"
+# Caches the engine keeps between runs (the tuned matrix products' choices) go to a folder of this session.
+os.environ["SERVELAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="servelab-cache-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,5 +1,8 @@
 """The split-K product of ``models/cuda_matmul.py`` against float64 under Triton's interpreter, and ``tune``: each
 bias-free linear layer runs what was timed fastest for its shape and row bucket, torch's product elsewhere."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -79,3 +82,40 @@ def test_a_config_whose_product_disagrees_is_left_out(monkeypatch):
         1.5 if config == bad else 1.0))
     table = mm.tune(Toy(), [8], [bad, good], lambda x, w, config: {None: 3.0, good: 2.0, bad: 1.0}[config])
     assert all(choice.config == good for choice in table)
+
+
+def test_choices_are_kept_between_runs_and_timed_again_only_when_new(tmp_path, caplog):
+    """A second ``tune`` with the cache times nothing and installs the same choices; other candidates, another
+    dtype or more row buckets are timed (those alone); an unreadable cache is timed again and rewritten."""
+    mm = kernels()
+    cache = tmp_path / "sub" / "decode_matmul.json"
+    candidates = [mm.Config(32, 16, 1), mm.Config(16, 16, 2)]
+    timed = []
+
+    def timer(x, w, config):
+        timed.append((tuple(w.shape), x.shape[0], config))
+        return {None: 2.0, candidates[0]: 1.0}.get(config, 3.0)
+
+    first = mm.tune(Toy(), [8], candidates, timer, cache)
+    assert len(timed) == 2 * 3 and cache.exists()
+    timed.clear()
+    toy = Toy()
+    again = mm.tune(toy, [8], candidates, timer, cache)
+    assert timed == [] and [str(c) for c in again] == [str(c) for c in first]
+    assert toy.a.matmul_configs == {16: candidates[0]}
+    mm.tune(Toy(), [8, 32], candidates, timer, cache)
+    assert sorted({m for _, m, _ in timed}) == [32], "only the new bucket is timed"
+    timed.clear()
+    mm.tune(Toy(), [8], candidates[:1], timer, cache)
+    assert len(timed) == 2 * 2, "other candidates: timed again"
+    timed.clear()
+    mm.tune(Toy().double(), [8], candidates, timer, cache)
+    assert len(timed) == 2 * 3, "another dtype: timed again"
+    cache.write_text("{not json")
+    timed.clear()
+    mm.tune(Toy(), [8], candidates, timer, cache)
+    assert len(timed) == 2 * 3 and "unreadable" in caplog.text
+    timed.clear()
+    mm.tune(Toy(), [8], candidates, timer, cache)
+    assert timed == [], "rewritten after the unreadable one"
+    assert mm.cache_path().parent == Path(os.environ["SERVELAB_CACHE_DIR"])

@@ -102,7 +102,7 @@ def tune_decode_matmuls(model: torch.nn.Module, rows: list[int]) -> list:
         raise UnavailableError(f"executor.decode_matmul=tuned needs the triton package ({exc}); install it with "
                                f"`pip install triton`, or use decode_matmul=torch") from exc
     with torch.inference_mode():
-        return cuda_matmul.tune(model, rows)
+        return cuda_matmul.tune(model, rows, cache=cuda_matmul.cache_path())
 
 
 def graph_backends() -> list[str]:
