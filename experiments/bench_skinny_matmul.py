@@ -4,8 +4,9 @@ In a batch-32 decode step of a 1.1B Llama on an H200 the matrix products take 0.
 1.29 ms, at about 2.5 TB/s (docs/performance.md): this measures whether a kernel of our own, split along K
 so that enough programs stream the weights (``models/cuda_matmul.py``, which ``executor.decode_matmul=tuned``
 picks per shape at start-up), moves them closer to the copy bandwidth. Each candidate runs
-20 times back to back inside a CUDA graph (as in the decode graph: no launch gaps), its output checked
-against a float64 product first. Prints one MATMUL line per shape and M, then the projected decode step.
+20 times back to back inside a CUDA graph (as in the decode graph: no launch gaps), after its output is checked
+against torch's (``models.cuda_matmul.fastest``, what ``decode_matmul=tuned`` runs); the fastest is checked against
+a float64 product too. Prints one MATMUL line per shape and M, then the projected decode step.
 
     python experiments/bench_skinny_matmul.py                      # on a GPU (experiments/gpu_check.sh)
     TRITON_INTERPRET=1 python experiments/bench_skinny_matmul.py --device cpu --tiny   # a dry run
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.bench_attention import copy_bandwidth  # noqa: E402
-from models.cuda_matmul import CANDIDATES, Config, graph_seconds, splitk_linear  # noqa: E402
+from models.cuda_matmul import CANDIDATES, Config, fastest, graph_seconds, splitk_linear, time_product  # noqa: E402
 
 
 def shapes(tiny: bool) -> dict[str, tuple[int, int]]:
@@ -82,26 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.rows:
         totals = {"torch": 0.0, "triton": 0.0, "cublaslt": 0.0}
         for name, (n, k) in shapes(args.tiny).items():
-            x = torch.randn((m, k), generator=gen, device=device).to(dtype)
             w = (torch.randn((n, k), generator=gen, device=device) / k ** 0.5).to(dtype)
-            out = torch.empty((m, n), dtype=dtype, device=device)
-            baseline = graph_seconds(lambda: torch.matmul(x, w.T, out=out), device)
-            lt = cublaslt_seconds(lambda: torch.matmul(x, w.T, out=out), device)
-            best: tuple[float, Config | None] = (float("inf"), None)
-            skipped = 0
-            for config in configs(args.tiny):
-                part = torch.empty((config.splits, m, n), dtype=torch.float32, device=device)
-                try:
-                    err = max_error(splitk_linear(x, w, config, out, part), x, w)
-                    if err > (2e-2 if dtype != torch.float32 else 1e-5):
-                        bad += 1
-                        print(f"MATMUL M={m} {name} {config}: WRONG, error {err:.2e}", flush=True)
-                        continue
-                    seconds = graph_seconds(lambda: splitk_linear(x, w, config, out, part), device)
-                except Exception:  # a config the card cannot run (too much shared memory) is left out
-                    skipped += 1
-                    continue
-                best = min(best, (seconds, config), key=lambda b: b[0])
+            # Every candidate checked against torch's product, then timed, as decode_matmul=tuned does.
+            timed: dict[Config | None, float] = {}
+
+            def timer(x: torch.Tensor, w: torch.Tensor, config: Config | None) -> float:
+                timed[config] = time_product(x, w, config)
+                return timed[config]
+
+            fastest(w, m, configs(args.tiny), timer, gen)
+            baseline = timed.pop(None)
+            best = min(((t, c) for c, t in timed.items()), key=lambda b: b[0], default=(float("inf"), None))
+            x = torch.randn((m, k), generator=gen, device=device).to(dtype)
+            lt = cublaslt_seconds(lambda: torch.matmul(x, w.T), device)
+            if best[1] is not None:
+                err = max_error(splitk_linear(x, w, best[1]), x, w)
+                if err > (2e-2 if dtype != torch.float32 else 1e-5):
+                    bad += 1
+                    print(f"MATMUL M={m} {name} {best[1]}: WRONG, error {err:.2e}", flush=True)
             weight_bytes = n * k * dtype.itemsize
             times = {"torch": baseline, "triton": best[0], "cublaslt": baseline if lt is None else lt}
             count = 1 if name == "lm_head" else args.layers
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({weight_bytes / baseline / bandwidth:4.0%} of copy bandwidth); cuBLASLt {lt_text}; "
                   f"triton {best[0] * 1e6:8.2f} us "
                   f"({weight_bytes / best[0] / bandwidth:4.0%}) with {best[1]}; triton/torch "
-                  f"{best[0] / baseline:.2f}{f'; {skipped} configs could not run' if skipped else ''}", flush=True)
+                  f"{best[0] / baseline:.2f}", flush=True)
         lt_total = "n/a" if lt is None else f"{totals['cublaslt'] * 1e3:.3f} ms"
         print(f"MATMUL M={m}: a decode step's products ({args.layers} layers and the LM head) torch "
               f"{totals['torch'] * 1e3:.3f} ms, cuBLASLt {lt_total}, best triton per shape "

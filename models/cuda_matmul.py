@@ -97,17 +97,14 @@ CANDIDATES = ([Config(n, k, s) for n, k, s in itertools.product((32, 64, 128), (
               + [Config(n, k, s, swap=True) for n, k, s in itertools.product((64, 128), (128, 256), (1, 2, 4, 8))])
 
 
-def splitk_linear(x: torch.Tensor, w: torch.Tensor, config: Config, out: torch.Tensor | None = None,
-                  part: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T`` (``x`` [M <= 128, K] with contiguous rows, ``w`` [N, K] contiguous) by the split-K kernel;
-    ``out`` and ``part`` (the float32 partials, [splits, M, N]) may be given to keep allocation out of a timing."""
+def splitk_linear(x: torch.Tensor, w: torch.Tensor, config: Config) -> torch.Tensor:
+    """``x @ w.T`` (``x`` [M <= 128, K] with contiguous rows, ``w`` [N, K] contiguous) by the split-K kernel."""
     (m, k), n = x.shape, w.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, config.splits), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)
     direct = splits == 1
-    if not direct and part is None:
-        part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    part = None if direct else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     target = out if direct else part
     grid = (triton.cdiv(n, config.block_n), splits)
     _splitk_kernel[grid](x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0),
@@ -205,7 +202,7 @@ def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATE
             for bucket, m in sorted(largest.items()):
                 name = _cache_key(w, bucket, candidates)
                 if name not in known:
-                    known[name] = asdict(_fastest(w, m, candidates, timer, gen))
+                    known[name] = asdict(fastest(w, m, candidates, timer, gen))
                 choices[key][bucket] = _choice(known[name])
         layer.matmul_configs = {bucket: choice.config for bucket, choice in choices[key].items()}
         layer.forward = MethodType(_tuned_forward, layer)
@@ -264,7 +261,8 @@ def _write_cache(path: Path, entries: dict[str, dict]) -> None:
         logger.warning("decode matmul cache %s cannot be written (%s)", path, exc)
 
 
-def _fastest(w: torch.Tensor, m: int, candidates: list[Config], timer: Timer, gen: torch.Generator) -> Choice:
+def fastest(w: torch.Tensor, m: int, candidates: list[Config], timer: Timer, gen: torch.Generator) -> Choice:
+    """The fastest of torch's product and each candidate that matches it, on ``m`` random rows by ``w``."""
     x = torch.randn((m, w.shape[1]), generator=gen, device=w.device).to(w.dtype)
     want = F.linear(x, w).float()
     tolerance = 1e-4 if w.dtype == torch.float32 else 2e-2

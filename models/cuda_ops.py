@@ -1,8 +1,9 @@
 """The model's fused elementwise operators for CUDA, in Triton: ``models.cpu_ops``' interface (``rms_norm``,
 ``add_rms_norm``, ``silu_and_mul``, ``qkv_rotary``), one launch each where torch runs 7-16 kernels, which
 bounds a decode step (graph-captured or not) more than its bytes do; and ``qkv_rotary_into_cache``, which
-also stores the keys and values in the paged cache (for backends that let the model do it). Arithmetic in float32, each result
-rounded to the tensor's dtype where transformers rounds it, no fused multiply-adds (as its separate kernels).
+also stores the keys and values in the paged cache (for backends that let the model do it). Arithmetic in
+float32, each result rounded to the tensor's dtype where transformers rounds it, no fused multiply-adds (as
+its separate kernels).
 """
 from __future__ import annotations
 
@@ -175,7 +176,7 @@ def _qkv_rotary(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, s
                 k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> None:
     _rows(qkv, "qkv")
     if not q.is_contiguous():
-        raise ValueError("q, k and v must be contiguous")
+        raise ValueError("q must be contiguous")
     rows, heads, head_dim = q.shape
     if slots is None:  # k, v [T, KVH, D]: row t's head h at t * KVH * D + h * D
         kv_heads, block_size, strides = k.shape[1], 1, (k.stride(0), 0, k.stride(1))
