@@ -49,22 +49,32 @@ def load_kernels(device: torch.device) -> ModuleType:
 INTERPRETED_SUFFIX = "_interpreted"
 
 
-def import_interpreted(name: str) -> ModuleType:
+def import_interpreted(name: str, uses: tuple[str, ...] = ()) -> ModuleType:
     """Module ``name`` executed once more as ``name + INTERPRETED_SUFFIX`` with the interpreter on (cached):
-    ``triton.jit`` picks the interpreter when a kernel is decorated, so the switch need not outlive the import."""
+    ``triton.jit`` picks the interpreter when a kernel is decorated, so the switch need not outlive the import.
+    ``uses``: modules whose Triton functions its kernels call; it imports their interpreted copies instead."""
     alias = name + INTERPRETED_SUFFIX
     if alias in sys.modules:
         return sys.modules[alias]
+    copies = {dep: import_interpreted(dep) for dep in uses}
+    originals = {dep: sys.modules.get(dep) for dep in uses}
     origin = importlib.util.find_spec(name).origin
     spec = importlib.util.spec_from_file_location(alias, origin)
     module = importlib.util.module_from_spec(spec)
     sys.modules[alias] = module  # dataclasses look their module up while it executes
+    sys.modules.update(copies)
     try:
         with _interpreter_switched_on():
             spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[alias]
         raise
+    finally:
+        for dep, original in originals.items():
+            if original is None:
+                sys.modules.pop(dep, None)
+            else:
+                sys.modules[dep] = original
     return module
 
 

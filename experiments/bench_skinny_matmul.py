@@ -6,7 +6,8 @@ so that enough programs stream the weights (``models/cuda_matmul.py``, which ``e
 picks per shape at start-up), moves them closer to the copy bandwidth. Each candidate runs
 20 times back to back inside a CUDA graph (as in the decode graph: no launch gaps), after its output is checked
 against torch's (``models.cuda_matmul.fastest``, what ``decode_matmul=tuned`` runs); the fastest is checked against
-a float64 product too. Prints one MATMUL line per shape and M, then the projected decode step.
+a float64 product too, and, where it splits K, timed with its splits summed by a second kernel rather than by
+each tile's last program. Prints one MATMUL line per shape and M, then the projected decode step.
 
     python experiments/bench_skinny_matmul.py                      # on a GPU (experiments/gpu_check.sh)
     TRITON_INTERPRET=1 python experiments/bench_skinny_matmul.py --device cpu --tiny   # a dry run
@@ -14,6 +15,7 @@ a float64 product too. Prints one MATMUL line per shape and M, then the projecte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -96,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             best = min(((t, c) for c, t in timed.items()), key=lambda b: b[0], default=(float("inf"), None))
             x = torch.randn((m, k), generator=gen, device=device).to(dtype)
             lt = cublaslt_seconds(lambda: torch.matmul(x, w.T), device)
+            summed = ""
+            if best[1] is not None and best[1].splits > 1:  # the same tiles, the splits summed by a second kernel
+                two = time_product(x, w, dataclasses.replace(best[1], serial=False))
+                summed = f", {two * 1e6:.2f} us with a second kernel summing the splits"
             if best[1] is not None:
                 err = max_error(splitk_linear(x, w, best[1]), x, w)
                 if err > (2e-2 if dtype != torch.float32 else 1e-5):
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"MATMUL M={m:<4d} {name:8s} N={n:<6d} K={k:<5d} torch {baseline * 1e6:8.2f} us "
                   f"({weight_bytes / baseline / bandwidth:4.0%} of copy bandwidth); cuBLASLt {lt_text}; "
                   f"triton {best[0] * 1e6:8.2f} us "
-                  f"({weight_bytes / best[0] / bandwidth:4.0%}) with {best[1]}; triton/torch "
+                  f"({weight_bytes / best[0] / bandwidth:4.0%}) with {best[1]}{summed}; triton/torch "
                   f"{best[0] / baseline:.2f}", flush=True)
         lt_total = "n/a" if lt is None else f"{totals['cublaslt'] * 1e3:.3f} ms"
         print(f"MATMUL M={m}: a decode step's products ({args.layers} layers and the LM head) torch "

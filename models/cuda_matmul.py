@@ -4,6 +4,7 @@ At 32 rows a decode step's products read every weight once and are bound by memo
 the bandwidth unused there (docs/performance.md). ``tune`` times torch's product against ``CANDIDATES`` for
 each bias-free linear layer's weight shape and each row bucket (16, 32, 64, 128) on the device, in CUDA
 graphs, and makes each layer run the fastest: a layer's choice per bucket is None (torch's) or a ``Config``.
+A layer fed by SiLU-and-multiply can take that operator's input and apply it as it loads its rows.
 """
 from __future__ import annotations
 
@@ -24,19 +25,28 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from models.cuda_ops import _EXACT, silu_mul
+
 logger = logging.getLogger(__name__)
 
 #: The most rows the kernel takes (one tile of rows per program).
 MAX_ROWS = 128
 
+# Triton's interpreter (the CPU tests) multiplies bfloat16 as raw integers: there the kernel multiplies in float32.
+_INTERPRETED: bool = (bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs")
+                      else os.environ.get("TRITON_INTERPRET", "0") == "1")
+
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_os, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
-                   SWAP: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (n tile, split) multiplies x[:, ks] by w[ns, ks].T over its K range; DIRECT (one split)
-    stores the result in x's dtype, else float32 partials ``out[split]`` for ``_sum_splits_kernel``. SWAP
-    computes the transposed tile, w by x.T, so the weight rows fill the tensor cores' larger dimension."""
+def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ps,
+                   stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DIRECT: tl.constexpr, SERIAL: tl.constexpr, SWAP: tl.constexpr, GLU: tl.constexpr,
+                   PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Program (n tile, split) multiplies x[:, ks] by w[ns, ks].T over its K range; GLU: x is silu(gate) * up
+    of the input's halves [M, 2K]. DIRECT (one split) stores it in ``out``; else it stores float32 partials
+    ``part[split]``, summed by ``_sum_splits_kernel`` or, SERIAL, by the tile's last program to finish
+    (``lock[n_tile]`` counts them, and is left at 0 for the next product). SWAP computes the transposed tile,
+    w by x.T, so the weight rows fill the tensor cores' larger dimension."""
     n_tile, split = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M).to(tl.int64)
     rn = (n_tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -46,10 +56,14 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, strid
     k_end = tl.minimum(k_start + k_per_split, K)
     for k in range(k_start, k_end, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < k_end),
-                    other=0.0)
+        x_mask = (rm[:, None] < M) & (rk[None, :] < k_end)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=x_mask, other=0.0)
+        if GLU:
+            x = silu_mul(x, tl.load(x_ptr + rm[:, None] * stride_xm + K + rk[None, :], mask=x_mask, other=0.0))
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < k_end),
                     other=0.0)
+        if DOT_FP32:
+            x, w = x.to(tl.float32), w.to(tl.float32)
         if SWAP:
             acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
         else:
@@ -63,7 +77,17 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, strid
     if DIRECT:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptr + split * stride_os + offs, acc, mask=mask)
+        tl.store(part_ptr + split * stride_ps + offs, acc, mask=mask)
+        if SERIAL:
+            splits = tl.num_programs(1)
+            tl.debug_barrier()  # every thread's partial is stored before the count (acq_rel) says so
+            if tl.atomic_add(lock_ptr + n_tile, 1) == splits - 1:
+                # Summed in split order from float32 partials: the same bits whichever program is last.
+                total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, splits):
+                    total += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr + n_tile, 0)
 
 
 @triton.jit
@@ -83,12 +107,15 @@ class Config:
     block_k: int
     splits: int
     swap: bool = False  # w by x.T: the weight tile as the tensor cores' M (64 or more rows)
+    serial: bool = True  # splits summed by each tile's last program, not by a second kernel
     num_warps: int = 4
     num_stages: int = 4
 
     def __str__(self) -> str:
         swap = " swap" if self.swap else ""
-        return f"n{self.block_n} k{self.block_k} split{self.splits}{swap} w{self.num_warps} s{self.num_stages}"
+        summed = "" if self.serial or self.splits == 1 else " +sum"
+        return (f"n{self.block_n} k{self.block_k} split{self.splits}{summed}{swap} w{self.num_warps} "
+                f"s{self.num_stages}")
 
 
 #: What ``tune`` tries: tiles of 32-128 output columns and 128-256 of K, 1-8 K splits; and tiles of 64-128
@@ -97,25 +124,46 @@ CANDIDATES = ([Config(n, k, s) for n, k, s in itertools.product((32, 64, 128), (
               + [Config(n, k, s, swap=True) for n, k, s in itertools.product((64, 128), (128, 256), (1, 2, 4, 8))])
 
 
-def splitk_linear(x: torch.Tensor, w: torch.Tensor, config: Config) -> torch.Tensor:
-    """``x @ w.T`` (``x`` [M <= 128, K] with contiguous rows, ``w`` [N, K] contiguous) by the split-K kernel."""
-    (m, k), n = x.shape, w.shape[0]
+def splitk_linear(x: torch.Tensor, w: torch.Tensor, config: Config, glu: bool = False) -> torch.Tensor:
+    """``x @ w.T`` (``x`` [M <= 128, K] with contiguous rows, ``w`` [N, K] contiguous) by the split-K kernel;
+    ``glu``: ``silu_and_mul(x) @ w.T`` for ``x`` [M, 2K], bit for bit. Serial splits share one counter buffer
+    per device: products on one stream at a time."""
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    if x.shape[1] != (2 * k if glu else k):
+        raise ValueError(f"x must be [M, {2 * k if glu else k}] for w {tuple(w.shape)}{' with glu' if glu else ''}: "
+                         f"got {tuple(x.shape)}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, config.splits), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)
     direct = splits == 1
-    part = None if direct else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    target = out if direct else part
+    part = out if direct else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, config.block_n), splits)
-    _splitk_kernel[grid](x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0),
+    locks = _locks(x.device, grid[0]) if config.serial and not direct else out
+    dot_fp32 = _INTERPRETED and x.dtype != torch.float32
+    _splitk_kernel[grid](x, w, out, part, locks, m, n, k, k_per_split, x.stride(0), w.stride(0),
                          0 if direct else part.stride(0), n, BLOCK_M=rows_bucket(m),
-                         BLOCK_N=config.block_n, BLOCK_K=config.block_k, DIRECT=direct, SWAP=config.swap,
-                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 exact, as torch's
-                         num_warps=config.num_warps, num_stages=config.num_stages)
-    if not direct:
+                         BLOCK_N=config.block_n, BLOCK_K=config.block_k, DIRECT=direct, SERIAL=config.serial,
+                         SWAP=config.swap, GLU=glu, DOT_FP32=dot_fp32,
+                         PRECISION="ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32", num_warps=config.num_warps, num_stages=config.num_stages, **_EXACT)
+    if not direct and not config.serial:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block)
     return out
+
+
+_LOCKS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _locks(device: torch.device, count: int) -> torch.Tensor:
+    """A zeroed int32 counter per n tile, at least ``count``, that the kernel leaves zeroed. A larger buffer is
+    added beside, never in place of, a smaller one: a captured CUDA graph keeps its address."""
+    held = _LOCKS.setdefault(device, [])
+    if not held or held[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"split-K counters for {count} tiles were first asked for inside a CUDA graph "
+                               "capture: run the product once before capturing")
+        held.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def rows_bucket(m: int) -> int:
@@ -206,6 +254,7 @@ def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATE
                 choices[key][bucket] = _choice(known[name])
         layer.matmul_configs = {bucket: choice.config for bucket, choice in choices[key].items()}
         layer.forward = MethodType(_tuned_forward, layer)
+        layer.silu_and_mul_forward = MethodType(_tuned_silu_and_mul_forward, layer)
     if cache is not None and len(known) > before:
         _write_cache(cache, known)
     table = [choice for per_bucket in choices.values() for choice in per_bucket.values()]
@@ -285,8 +334,19 @@ def fastest(w: torch.Tensor, m: int, candidates: list[Config], timer: Timer, gen
     return Choice(w.shape[0], w.shape[1], rows_bucket(m), baseline, best[1], best[0])
 
 
+def _config_for(layer: nn.Linear, x: torch.Tensor) -> Config | None:
+    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or x.stride(-1) != 1:
+        return None
+    return layer.matmul_configs.get(rows_bucket(x.shape[0]))
+
+
 def _tuned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    config = self.matmul_configs.get(rows_bucket(x.shape[0])) if x.dim() == 2 and x.shape[0] <= MAX_ROWS else None
-    if config is None or x.stride(-1) != 1 or not x.shape[0]:
-        return F.linear(x, self.weight)
-    return splitk_linear(x, self.weight, config)
+    config = _config_for(self, x)
+    return F.linear(x, self.weight) if config is None else splitk_linear(x, self.weight, config)
+
+
+def _tuned_silu_and_mul_forward(self: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """This layer of ``silu_and_mul(gate_up)`` in one launch where the kernel was timed fastest for these rows;
+    None where torch's product was (the caller multiplies then)."""
+    config = _config_for(self, gate_up)
+    return None if config is None else splitk_linear(gate_up, self.weight, config, glu=True)

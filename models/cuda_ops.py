@@ -60,16 +60,23 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, stride_x, stride_res, st
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in gate's dtype, silu(gate) rounded to it first, as torch's two operators round
+    (``models.cuda_matmul`` applies it to its input too)."""
+    g = gate.to(tl.float32)
+    act = _rounded(g / (1.0 + tl.exp(-g)), gate.dtype).to(tl.float32)
+    return _rounded(act * up.to(tl.float32), gate.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_out, BLOCK: tl.constexpr):
-    """out[row, cols] = silu(gate) * up, gate and up the halves of x's row, each rounded to the dtype."""
+    """out[row, cols] = silu(gate) * up, gate and up the halves of x's row."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    act = _rounded(g / (1.0 + tl.exp(-g)), gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, _rounded(act * up, gate.dtype), mask=mask)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up), mask=mask)
 
 
 @triton.jit

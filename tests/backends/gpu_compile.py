@@ -83,17 +83,20 @@ def model_ops(dtype: str, head_dim: int, group: int) -> dict[str, ASTSource]:
 
 
 def matmuls(dtype: str) -> dict[str, ASTSource]:
-    """``models.cuda_matmul``'s split-K kernel for every candidate tile at 32 rows (as float32 partials), every
-    other row tile at one (stored directly), both operand orders, and the partials' sum."""
+    """``models.cuda_matmul``'s split-K kernel for every candidate tile at 32 rows (summed by the last program,
+    and one also by the second kernel and one with SiLU-and-multiply on its input), every other row tile at one
+    split (stored directly), both operand orders, and the partials' sum."""
     tiles = {(c.block_n, c.block_k, c.swap) for c in mm.CANDIDATES}
-    shapes = [(32, n, k, swap, False) for n, k, swap in sorted(tiles)]
-    shapes += [(rows, 64, 256, swap, True) for rows in (16, 64, 128) for swap in (False, True)]
+    shapes = [(32, n, k, swap, False, True, False) for n, k, swap in sorted(tiles)]
+    shapes += [(32, 64, 256, False, False, False, False), (32, 64, 256, True, False, True, True)]
+    shapes += [(rows, 64, 256, swap, True, False, False) for rows in (16, 64, 128) for swap in (False, True)]
     sources = {}
-    for rows, n, k, swap, direct in shapes:
-        pointers = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}" if direct else "*fp32"}
-        sources[f"splitk rows={rows} n={n} k={k} swap={swap} direct={direct}"] = signature(
-            mm._splitk_kernel, pointers, {}, dict(BLOCK_M=rows, BLOCK_N=n, BLOCK_K=k, DIRECT=direct, SWAP=swap,
-                                                     PRECISION="tf32"))
+    for rows, n, k, swap, direct, serial, glu in shapes:
+        pointers = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
+                    "lock_ptr": "*i32"}
+        sources[f"splitk rows={rows} n={n} k={k} swap={swap} direct={direct} serial={serial} glu={glu}"] = signature(
+            mm._splitk_kernel, pointers, {}, dict(BLOCK_M=rows, BLOCK_N=n, BLOCK_K=k, DIRECT=direct, SERIAL=serial,
+                                                     SWAP=swap, GLU=glu, PRECISION="tf32", DOT_FP32=False))
     sources["sum_splits"] = signature(mm._sum_splits_kernel, {"part_ptr": "*fp32", "out_ptr": f"*{dtype}"}, {},
                                       dict(SPLITS=4, BLOCK=1024))
     return sources
@@ -124,7 +127,7 @@ def main(arch: int = 90) -> None:
             triton.compile(source, target=target, options=ops._EXACT)
         print(f"model ops {dtype} head_dim={head_dim}: ok", flush=True)
     for name, source in matmuls("bf16").items():
-        kernel = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 4})
+        kernel = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 4, **ops._EXACT})
         print(f"matmul bf16 {name}: {kernel.metadata.shared} B shared", flush=True)
 
 

@@ -157,6 +157,24 @@ def test_on_a_cpu_it_runs_interpreted_with_one_notice():
     assert out.stderr.count(INTERPRETER_NOTICE) == 1
 
 
+@pytest.mark.parametrize("imported_before", [True, False])
+def test_an_interpreted_module_calls_the_interpreted_copies_of_the_modules_it_uses(imported_before):
+    """``import_interpreted(name, uses)``: the Triton helpers ``name`` imports from ``uses`` are their interpreted
+    copies (a compiled one cannot be called from an interpreted kernel), and ``uses`` stay as they were after."""
+    code = ("import sys\n"
+            + ("import models.cuda_ops as compiled\n" if imported_before else "")
+            + "from backends.triton_paged import import_interpreted\n"
+            "mm = import_interpreted('models.cuda_matmul', uses=('models.cuda_ops',))\n"
+            "copy = sys.modules['models.cuda_ops_interpreted']\n"
+            "print(mm.silu_mul is copy.silu_mul, type(mm.silu_mul).__name__,\n"
+            + ("      sys.modules['models.cuda_ops'] is compiled)\n" if imported_before else
+               "      'models.cuda_ops' in sys.modules)\n"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "InterpretedFunction", str(imported_before)]
+
+
 @pytest.mark.parametrize("value", [None, "0", "false", "Off", "1"])
 def test_the_interpreter_does_not_leak_out_of_a_cpu_backend(value):
     """Building a CPU backend leaves TRITON_INTERPRET and Triton's knob as they were, whatever they

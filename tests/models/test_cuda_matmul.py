@@ -2,6 +2,7 @@
 bias-free linear layer runs what was timed fastest for its shape and row bucket, torch's product elsewhere."""
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,22 +14,120 @@ pytest.importorskip("triton")
 
 
 def kernels():
-    return import_interpreted("models.cuda_matmul")
+    return import_interpreted("models.cuda_matmul", uses=("models.cuda_ops",))
 
 
+@pytest.mark.parametrize("serial", [True, False])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("m, n, k, block_n, block_k, splits", [
     (5, 40, 100, 32, 32, 1),   # partial tiles everywhere, one split (stored directly)
     (5, 40, 100, 32, 32, 3),   # three splits summed; the last split shorter
     (17, 64, 64, 64, 16, 8),   # more splits than K holds: fewer run
 ])
-def test_split_k_products_equal_a_float64_product(m, n, k, block_n, block_k, splits, swap):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_products_equal_a_float64_product(m, n, k, block_n, block_k, splits, swap, serial, dtype):
     mm = kernels()
     gen = torch.Generator().manual_seed(m + n + k)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-    got = mm.splitk_linear(x, w, mm.Config(block_n, block_k, splits, swap))
-    assert got.shape == (m, n)
-    torch.testing.assert_close(got.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    got = mm.splitk_linear(x, w, mm.Config(block_n, block_k, splits, swap, serial))
+    assert got.shape == (m, n) and got.dtype == dtype
+    want = x.double() @ w.double().T
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    else:  # float32 sums, rounded once (truncated by the interpreter): within a bfloat16 step of the largest
+        assert (got.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+def summed_by_both_paths(mm, device: torch.device, repeats: int):
+    """A bf16 product of 3 splits over 5 n tiles, ``repeats`` times by each tile's last program and once by a
+    second kernel, and the counters after."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(24, 300, generator=gen, device=device).bfloat16()
+    w = torch.randn(140, 300, generator=gen, device=device).bfloat16()
+    serial = [mm.splitk_linear(x, w, mm.Config(32, 64, 3)) for _ in range(repeats)]
+    return serial, mm.splitk_linear(x, w, mm.Config(32, 64, 3, serial=False)), mm._locks(device, 5)
+
+
+def test_the_last_program_sums_the_splits_as_the_second_kernel_does_and_leaves_its_counters_zeroed():
+    serial, summed, locks = summed_by_both_paths(kernels(), torch.device("cpu"), 2)
+    for got in serial:
+        assert torch.equal(got, summed), "the same float32 partials in the same order: the same bits"
+    assert not locks.any(), "every counter back at 0 for the next product"
+
+
+@pytest.mark.gpu
+def test_serial_split_k_on_a_gpu_equals_the_summed_product_in_every_graph_replay():
+    """Programs finish in any order on a GPU: a race between a partial's store and the last program's read would
+    show as a replay whose bits differ from the two-kernel sum."""
+    import models.cuda_matmul as mm
+
+    device = torch.device("cuda")
+    serial, summed, locks = summed_by_both_paths(mm, device, 20)
+    assert all(torch.equal(got, summed) for got in serial) and not locks.any()
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(32, 2048, generator=gen, device=device).bfloat16()
+    w = torch.randn(2048, 2048, generator=gen, device=device).bfloat16()
+    config = mm.Config(32, 128, 8)
+    want = mm.splitk_linear(x, w, mm.Config(32, 128, 8, serial=False))
+    outs = []
+    graph = torch.cuda.CUDAGraph()
+    mm.splitk_linear(x, w, config)
+    with torch.cuda.graph(graph):
+        for _ in range(50):
+            outs.append(mm.splitk_linear(x, w, config))
+    for _ in range(4):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, want) for out in outs)
+    assert not mm._locks(device, 64).any()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [(32, 32, 1, False), (32, 32, 3, False), (64, 16, 2, True)])
+def test_a_product_of_silu_and_mul_equals_the_operator_then_the_product_bit_for_bit(device, dtype, config):
+    if device == "cuda":
+        import models.cuda_matmul as mm
+        import models.cuda_ops as ops
+    else:
+        mm, ops = kernels(), import_interpreted("models.cuda_ops")
+    gen = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(6, 2 * 90, generator=gen) * 4).to(device=device, dtype=dtype)
+    w = torch.randn(40, 90, generator=gen).to(device=device, dtype=dtype)
+    act = torch.empty(6, 90, dtype=dtype, device=device)
+    ops.silu_and_mul(gate_up, act)
+    config = mm.Config(*config)
+    assert torch.equal(mm.splitk_linear(gate_up, w, config, glu=True), mm.splitk_linear(act, w, config))
+    with pytest.raises(ValueError, match=r"x must be \[M, 180\] for w \(40, 90\) with glu: got \(6, 90\)"):
+        mm.splitk_linear(act, w, config, glu=True)
+
+
+def test_a_tuned_down_projection_applies_silu_and_mul_in_its_kernel_where_it_runs_the_kernel(monkeypatch):
+    """The Llama MLP with the fused operators: where the down projection's kernel runs (<= 16 rows here) the
+    operator's own launch is skipped and the output is the bits of the operator then the kernel; elsewhere the
+    operator runs."""
+    from models.llama import MLP
+
+    mm, ops = kernels(), import_interpreted("models.cuda_ops")
+    cfg = SimpleNamespace(hidden_act="silu", hidden_size=32, intermediate_size=48, mlp_bias=False)
+    torch.manual_seed(0)
+    mlp = MLP(cfg, ops).bfloat16().requires_grad_(False)
+    down = mlp.down_proj.weight.shape
+    mm.tune(mlp, [16, 32], [mm.Config(32, 16, 2)],
+            lambda x, w, config: 1.0 if config is not None and tuple(w.shape) == down and x.shape[0] <= 16 else 2.0)
+    gen = torch.Generator().manual_seed(1)
+    xs = {rows: torch.randn(rows, 32, generator=gen).bfloat16() for rows in (3, 16, 17)}
+    fused = mlp.down_proj.silu_and_mul_forward
+    del mlp.down_proj.silu_and_mul_forward
+    want = {rows: mlp(x) for rows, x in xs.items()}
+    mlp.down_proj.silu_and_mul_forward = fused
+    launched = []
+    silu_and_mul = ops.silu_and_mul
+    monkeypatch.setattr(ops, "silu_and_mul", lambda *a: (launched.append(a[0].shape[0]), silu_and_mul(*a)))
+    for rows, x in xs.items():
+        assert torch.equal(mlp(x), want[rows])
+    assert launched == [17]
 
 
 class Toy(nn.Module):
