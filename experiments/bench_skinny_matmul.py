@@ -7,7 +7,8 @@ picks per shape at start-up), moves them closer to the copy bandwidth. Each cand
 20 times back to back inside a CUDA graph (as in the decode graph: no launch gaps), after its output is checked
 against torch's (``models.cuda_matmul.fastest``, what ``decode_matmul=tuned`` runs); the fastest is checked against
 a float64 product too, and, where it splits K, timed with its splits summed by a second kernel rather than by
-each tile's last program. Prints one MATMUL line per shape and M, then the projected decode step.
+each tile's last program; the down projection's also applying SiLU-and-multiply to its input, as
+``decode_matmul=tuned`` times it. Prints one MATMUL line per shape and M, then the projected decode step.
 
     python experiments/bench_skinny_matmul.py                      # on a GPU (experiments/gpu_check.sh)
     TRITON_INTERPRET=1 python experiments/bench_skinny_matmul.py --device cpu --tiny   # a dry run
@@ -99,9 +100,13 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn((m, k), generator=gen, device=device).to(dtype)
             lt = cublaslt_seconds(lambda: torch.matmul(x, w.T), device)
             summed = ""
+            if best[1] is not None and name == "down":  # as tune times a layer fed by SiLU-and-multiply
+                gate_up = torch.randn((m, 2 * k), generator=gen, device=device).to(dtype)
+                summed = (f", {time_product(gate_up, w, best[1], True) * 1e6:.2f} us applying SiLU-and-multiply to "
+                          f"its input (that operator's own launch: {time_product(gate_up, w, None, True) * 1e6:.2f} us)")
             if best[1] is not None and best[1].splits > 1:  # the same tiles, the splits summed by a second kernel
                 two = time_product(x, w, dataclasses.replace(best[1], serial=False))
-                summed = f", {two * 1e6:.2f} us with a second kernel summing the splits"
+                summed += f", {two * 1e6:.2f} us with a second kernel summing the splits"
             if best[1] is not None:
                 err = max_error(splitk_linear(x, w, best[1]), x, w)
                 if err > (2e-2 if dtype != torch.float32 else 1e-5):

@@ -18,11 +18,13 @@
 #      bound and at max_model_len's (key splits), and profiles of a step's host side and of its graph replay
 #      by kernel (experiments/gpu_e2e.py speed --profile);
 #   7. that model's matrix products at 32 and 128 rows, cuBLAS and cuBLASLt against the split-K Triton kernel of
-#      models/cuda_matmul.py over its 40 configurations (experiments/bench_skinny_matmul.py).
+#      models/cuda_matmul.py over its 40 configurations, the fastest also with its K splits summed by a second
+#      launch (experiments/bench_skinny_matmul.py).
 # Usage: bash experiments/gpu_check.sh [LOG_DIR]   (default: $OUT if set, else ./gpu_check_logs)
 # On the lent GPU machines (python3 with CUDA torch, no network) step 3 needs hydra-core and omegaconf: make
 # .whl here with experiments/gpu_wheels.sh and carry it; this script installs it (without, step 3 is skipped).
 # STEPS="parity e2e" runs only the steps whose names contain one of those words (two device calls, say).
+# E2E_CASES="default,tuned" and E2E_BATCHES=32 narrow step 6 (gpu_e2e.py speed --cases/--batches) when time is short.
 # Each step is time-limited, logs to LOG_DIR/<step>.log, and a failed step does not stop the others;
 # the exit status is the number of failed steps; LOG_DIR/summary.txt has the figures. The device tool brings
 # back at most 8 files from $OUT: there, log to another folder and put it in $OUT as one archive.
@@ -101,7 +103,8 @@ done
 # Phase 2, timing, one step at a time on an otherwise idle GPU.
 step bench_attention 100 "$PY" experiments/bench_attention.py --iters 10 --decode-batches 1,64,256 \
     --decode-contexts 1024,16384 --prefill-batches 1,8 --prefill-lens 1024
-step e2e 420 "$PY" experiments/gpu_e2e.py speed --batches 32,128 --profile
+step e2e 420 "$PY" experiments/gpu_e2e.py speed --batches "${E2E_BATCHES:-32,128}" --profile \
+    ${E2E_CASES:+--cases "$E2E_CASES"}
 step skinny_matmul 180 "$PY" experiments/bench_skinny_matmul.py
 
 failed=$(cat "$LOG_DIR"/*.status 2>/dev/null | grep -cv '^0$')

@@ -66,23 +66,27 @@ class Case(NamedTuple):
     fused: bool
     overlap: bool  # async scheduling
     matmul: str    # executor.decode_matmul
-    default: bool  # the configuration an engine on this device runs by default
+    kind: str      # one of KINDS: "default" is the configuration an engine on this device runs by default
 
 
-def cases(device: str) -> list[Case]:
+#: The speed cases' kinds, in the order they run for each backend (``--cases`` picks among them).
+KINDS = ("default", "sync", "torch-ops", "eager", "tuned")
+
+
+def cases(device: str, kinds: tuple[str, ...] = KINDS) -> list[Case]:
     """What to time: every backend as by default, and on CUDA the capturable ones also without async
-    scheduling, with torch's operators, with graphs off, and with ``decode_matmul=tuned``."""
+    scheduling (sync), with torch's operators, with graphs off (eager), and with ``decode_matmul=tuned``."""
     out = []
     cuda = device == "cuda"
     for name in backends(device):
         if name == "naive":
             continue
         graphs = cuda and BACKENDS.get(name).graph_decode
-        out.append(Case(name, graphs, True, cuda, "torch", True))
+        out.append(Case(name, graphs, True, cuda, "torch", "default"))
         if graphs:
-            out += [Case(name, True, True, False, "torch", False), Case(name, True, False, True, "torch", False),
-                    Case(name, False, True, True, "torch", False), Case(name, True, True, True, "tuned", False)]
-    return out
+            out += [Case(name, True, True, False, "torch", "sync"), Case(name, True, False, True, "torch", "torch-ops"),
+                    Case(name, False, True, True, "torch", "eager"), Case(name, True, True, True, "tuned", "tuned")]
+    return [case for case in out if case.kind in kinds]
 
 
 def synced(device: str) -> None:
@@ -215,7 +219,8 @@ def speed(args: argparse.Namespace) -> int:
         roofline = (weights + num_reqs * (args.prompt_len + args.tokens / 2) * kv_per_token) / bandwidth
         print(f"E2E batch {num_reqs}: hf_generate {num_reqs * args.tokens / t_hf:.0f} tok/s ({t_hf:.2f} s); copy "
               f"bandwidth {bandwidth / 1e9:.0f} GB/s; decode-step HBM roofline {roofline * 1e3:.3f} ms", flush=True)
-        for name, graphs, fused, overlap, matmul, default in cases(dev):
+        for name, graphs, fused, overlap, matmul, kind in cases(dev, args.cases):
+            default = kind == "default"
             label = f"{name:11s} graphs={graphs!s:5s} fused_ops={fused!s:5s} async={overlap!s:5s} matmul={matmul}"
             try:
                 start = time.perf_counter()
@@ -282,7 +287,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=None,
                         help="parity: each engine's KV cache in GiB (default: sized from free memory, as engines are)")
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128])
+    parser.add_argument("--cases", type=lambda s: tuple(s.split(",")), default=KINDS,
+                        help=f"speed: the kinds of case to time, comma-separated (default: all of {','.join(KINDS)})")
     args = parser.parse_args()
+    unknown = [kind for kind in args.cases if kind not in KINDS]
+    if unknown:
+        parser.error(f"--cases: unknown kind {','.join(unknown)}; choose among {','.join(KINDS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu --tiny for a dry run")
     args.tokens = args.tokens or (32 if args.what == "parity" else 128)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from models.cuda_ops import _EXACT, silu_mul
+# Names, not the module: an interpreted copy of this one gets them from the interpreted copy of cuda_ops.
+from models.cuda_ops import _EXACT, silu_and_mul, silu_mul
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ def graph_seconds(fn: Callable[[], object], device: torch.device, reps: int = 20
 @dataclass
 class Choice:
     """The product of one weight shape at one row bucket: torch's time, and the fastest kernel config and its
-    time (None when torch's is the fastest)."""
+    time (None when torch's is the fastest). For a layer fed by SiLU-and-multiply where the kernel is the
+    fastest: that kernel's time applying the operator to its input, and the operator's own launch's."""
 
     n: int
     k: int
@@ -208,22 +210,37 @@ class Choice:
     torch_seconds: float
     config: Config | None
     seconds: float
+    fused_seconds: float | None = None
+    silu_and_mul_seconds: float | None = None
+
+    @property
+    def fuses_silu_and_mul(self) -> bool:
+        """Whether the kernel applying the operator beats the operator's launch then the kernel."""
+        return self.fused_seconds is not None and self.fused_seconds < self.seconds + self.silu_and_mul_seconds
 
     def __str__(self) -> str:
         which = "torch" if self.config is None else f"triton {self.config}"
+        fused = "" if self.fused_seconds is None else (
+            f"; SiLU-and-multiply {'in' if self.fuses_silu_and_mul else 'not in'} it ({self.fused_seconds * 1e6:.1f} "
+            f"us against {self.silu_and_mul_seconds * 1e6:.1f} us more)")
         return (f"[{self.n} x {self.k}] at <= {self.bucket} rows: {which} ({self.seconds * 1e6:.1f} us; torch "
-                f"{self.torch_seconds * 1e6:.1f} us)")
+                f"{self.torch_seconds * 1e6:.1f} us){fused}")
 
 
-#: ``timer(x, w, config)``: seconds per product of ``x`` by ``w.T``, torch's (config None) or the kernel's.
-Timer = Callable[[torch.Tensor, torch.Tensor, "Config | None"], float]
+#: ``timer(x, w, config, glu=False)``: seconds per product of ``x`` by ``w.T``, torch's (config None) or the
+#: kernel's; ``glu``: of ``silu_and_mul(x)`` (``x`` [M, 2K]), applied by the kernel as it loads ``x`` (config),
+#: or the operator's own launch alone (config None).
+Timer = Callable[..., float]
 
 
-def time_product(x: torch.Tensor, w: torch.Tensor, config: Config | None) -> float:
+def time_product(x: torch.Tensor, w: torch.Tensor, config: Config | None, glu: bool = False) -> float:
     """``Timer`` by ``graph_seconds``."""
+    if glu and config is None:
+        act = x.new_empty(x.shape[0], x.shape[1] // 2)
+        return graph_seconds(lambda: silu_and_mul(x, act), x.device)
     if config is None:
         return graph_seconds(lambda: F.linear(x, w), x.device)
-    return graph_seconds(lambda: splitk_linear(x, w, config), x.device)
+    return graph_seconds(lambda: splitk_linear(x, w, config, glu=glu), x.device)
 
 
 def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATES, timer: Timer = time_product,
@@ -231,6 +248,8 @@ def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATE
     """Time each bias-free ``nn.Linear`` weight shape of ``model`` at each row bucket of ``rows`` (at the bucket's
     largest row count there, up to ``MAX_ROWS``), torch's product against each candidate whose output matches
     it, and make those layers run the fastest at up to 128 rows (``forward``: torch's above, and for other rows).
+    A layer whose ``fed_by_silu_and_mul`` is true (a model's down projection) gets ``silu_and_mul_forward``
+    where the kernel applying that operator to its input is timed faster than the operator then the kernel.
     ``cache``: a JSON file of earlier choices on this device and software (read, then updated): those are not
     timed again."""
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None and m.weight.is_contiguous()]
@@ -240,21 +259,25 @@ def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATE
             largest[rows_bucket(r)] = max(largest.get(rows_bucket(r), 0), r)
     known = _read_cache(cache)
     before = len(known)
-    choices: dict[tuple[int, int, torch.dtype], dict[int, Choice]] = {}
+    choices: dict[tuple[int, int, torch.dtype, bool], dict[int, Choice]] = {}
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for layer in layers:
         w = layer.weight.detach()
-        key = (w.shape[0], w.shape[1], w.dtype)
+        fed = bool(getattr(layer, "fed_by_silu_and_mul", False))
+        key = (w.shape[0], w.shape[1], w.dtype, fed)
         if key not in choices:
             choices[key] = {}
             for bucket, m in sorted(largest.items()):
-                name = _cache_key(w, bucket, candidates)
+                name = _cache_key(w, bucket, candidates) + (" | fed by silu_and_mul" if fed else "")
                 if name not in known:
-                    known[name] = asdict(fastest(w, m, candidates, timer, gen))
+                    known[name] = asdict(fastest(w, m, candidates, timer, gen, fed))
                 choices[key][bucket] = _choice(known[name])
         layer.matmul_configs = {bucket: choice.config for bucket, choice in choices[key].items()}
         layer.forward = MethodType(_tuned_forward, layer)
-        layer.silu_and_mul_forward = MethodType(_tuned_silu_and_mul_forward, layer)
+        if fed:
+            layer.silu_and_mul_configs = {bucket: choice.config for bucket, choice in choices[key].items()
+                                          if choice.fuses_silu_and_mul}
+            layer.silu_and_mul_forward = MethodType(_tuned_silu_and_mul_forward, layer)
     if cache is not None and len(known) > before:
         _write_cache(cache, known)
     table = [choice for per_bucket in choices.values() for choice in per_bucket.values()]
@@ -310,8 +333,10 @@ def _write_cache(path: Path, entries: dict[str, dict]) -> None:
         logger.warning("decode matmul cache %s cannot be written (%s)", path, exc)
 
 
-def fastest(w: torch.Tensor, m: int, candidates: list[Config], timer: Timer, gen: torch.Generator) -> Choice:
-    """The fastest of torch's product and each candidate that matches it, on ``m`` random rows by ``w``."""
+def fastest(w: torch.Tensor, m: int, candidates: list[Config], timer: Timer, gen: torch.Generator,
+            fed_by_silu_and_mul: bool = False) -> Choice:
+    """The fastest of torch's product and each candidate that matches it, on ``m`` random rows by ``w``; with
+    ``fed_by_silu_and_mul`` and a kernel fastest, also that kernel applying the operator, and the operator."""
     x = torch.randn((m, w.shape[1]), generator=gen, device=w.device).to(w.dtype)
     want = F.linear(x, w).float()
     tolerance = 1e-4 if w.dtype == torch.float32 else 2e-2
@@ -331,22 +356,27 @@ def fastest(w: torch.Tensor, m: int, candidates: list[Config], timer: Timer, gen
         seconds = timer(x, w, config)
         if seconds < best[0]:
             best = (seconds, config)
-    return Choice(w.shape[0], w.shape[1], rows_bucket(m), baseline, best[1], best[0])
+    choice = Choice(w.shape[0], w.shape[1], rows_bucket(m), baseline, best[1], best[0])
+    if fed_by_silu_and_mul and choice.config is not None:
+        gate_up = torch.randn((m, 2 * w.shape[1]), generator=gen, device=w.device).to(w.dtype)
+        choice.fused_seconds = timer(gate_up, w, choice.config, True)
+        choice.silu_and_mul_seconds = timer(gate_up, w, None, True)
+    return choice
 
 
-def _config_for(layer: nn.Linear, x: torch.Tensor) -> Config | None:
+def _config_for(configs: dict[int, Config | None], x: torch.Tensor) -> Config | None:
     if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or x.stride(-1) != 1:
         return None
-    return layer.matmul_configs.get(rows_bucket(x.shape[0]))
+    return configs.get(rows_bucket(x.shape[0]))
 
 
 def _tuned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    config = _config_for(self, x)
+    config = _config_for(self.matmul_configs, x)
     return F.linear(x, self.weight) if config is None else splitk_linear(x, self.weight, config)
 
 
 def _tuned_silu_and_mul_forward(self: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor | None:
-    """This layer of ``silu_and_mul(gate_up)`` in one launch where the kernel was timed fastest for these rows;
-    None where torch's product was (the caller multiplies then)."""
-    config = _config_for(self, gate_up)
+    """This layer of ``silu_and_mul(gate_up)`` in one launch where that was timed fastest for these rows; None
+    elsewhere (the caller runs the operator, then the layer)."""
+    config = _config_for(self.silu_and_mul_configs, gate_up)
     return None if config is None else splitk_linear(gate_up, self.weight, config, glu=True)

@@ -35,6 +35,22 @@ def test_the_speed_dry_run_compares_each_backend_with_transformers():
                         rf"decode step [\d.]+ ms = \d+% of the roofline; greedy == HF for 3/3$", line), line
 
 
+def test_cases_picks_the_kinds_asked_for_and_refuses_others():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        from gpu_e2e import cases
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    picked = cases("cuda", ("default", "tuned"))
+    assert {(c.backend, c.kind) for c in picked} >= {("triton", "default"), ("triton", "tuned"),
+                                                     ("torch_paged", "default")}
+    assert {c.kind for c in picked} == {"default", "tuned"} and [c.matmul for c in picked if c.kind == "tuned"] == ["tuned"]
+    assert {c.kind for c in cases("cuda")} == {"default", "sync", "torch-ops", "eager", "tuned"}
+    done = run("speed", "--device", "cpu", "--tiny", "--cases", "default,fast")
+    assert done.returncode == 2 and ("--cases: unknown kind fast; choose among default,sync,torch-ops,eager,tuned"
+                                     in done.stderr)
+
+
 def test_a_parity_difference_is_judged_by_the_float32_models_logits():
     """The arbiter of a low-precision mismatch: how far a token's float32 logit falls short of the best."""
     import transformers

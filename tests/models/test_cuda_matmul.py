@@ -103,19 +103,32 @@ def test_a_product_of_silu_and_mul_equals_the_operator_then_the_product_bit_for_
         mm.splitk_linear(act, w, config, glu=True)
 
 
-def test_a_tuned_down_projection_applies_silu_and_mul_in_its_kernel_where_it_runs_the_kernel(monkeypatch):
-    """The Llama MLP with the fused operators: where the down projection's kernel runs (<= 16 rows here) the
-    operator's own launch is skipped and the output is the bits of the operator then the kernel; elsewhere the
-    operator runs."""
+@pytest.mark.parametrize("fused_faster", [True, False])
+def test_a_tuned_down_projection_applies_silu_and_mul_in_its_kernel_where_that_was_timed_faster(monkeypatch,
+                                                                                                 fused_faster):
+    """The Llama MLP with the fused operators. The down projection's kernel is fastest at <= 16 rows; there the
+    kernel applying SiLU-and-multiply is timed against the operator's launch then the kernel. Where it wins the
+    operator's own launch is skipped, with the same bits as the operator then the kernel; elsewhere it runs."""
     from models.llama import MLP
 
     mm, ops = kernels(), import_interpreted("models.cuda_ops")
     cfg = SimpleNamespace(hidden_act="silu", hidden_size=32, intermediate_size=48, mlp_bias=False)
     torch.manual_seed(0)
     mlp = MLP(cfg, ops).bfloat16().requires_grad_(False)
-    down = mlp.down_proj.weight.shape
-    mm.tune(mlp, [16, 32], [mm.Config(32, 16, 2)],
-            lambda x, w, config: 1.0 if config is not None and tuple(w.shape) == down and x.shape[0] <= 16 else 2.0)
+    down = tuple(mlp.down_proj.weight.shape)
+    config = mm.Config(32, 16, 2)
+    timed = []
+
+    def timer(x, w, config, glu=False):
+        if glu:
+            timed.append((tuple(x.shape), config))
+            return 0.3 if config is None else (1.1 if fused_faster else 1.6)  # against 1.0 + 0.3
+        return 2.0 if config is None else (1.0 if tuple(w.shape) == down and x.shape[0] <= 16 else 3.0)
+
+    table = mm.tune(mlp, [16, 32], [config], timer)
+    assert timed == [((16, 96), config), ((16, 96), None)], "timed where the down projection runs the kernel"
+    assert [c.fuses_silu_and_mul for c in table if (c.n, c.k) == down] == [fused_faster, False]
+    assert not hasattr(mlp.gate_up_proj, "silu_and_mul_forward")
     gen = torch.Generator().manual_seed(1)
     xs = {rows: torch.randn(rows, 32, generator=gen).bfloat16() for rows in (3, 16, 17)}
     fused = mlp.down_proj.silu_and_mul_forward
@@ -127,7 +140,29 @@ def test_a_tuned_down_projection_applies_silu_and_mul_in_its_kernel_where_it_run
     monkeypatch.setattr(ops, "silu_and_mul", lambda *a: (launched.append(a[0].shape[0]), silu_and_mul(*a)))
     for rows, x in xs.items():
         assert torch.equal(mlp(x), want[rows])
-    assert launched == [17]
+    assert launched == ([17] if fused_faster else [3, 16, 17])
+
+
+def test_the_fusion_choice_is_kept_between_runs(tmp_path):
+    from models.llama import MLP
+
+    mm = kernels()
+    cfg = SimpleNamespace(hidden_act="silu", hidden_size=32, intermediate_size=48, mlp_bias=False)
+    config, timed = mm.Config(32, 16, 2), []
+
+    def timer(x, w, config, glu=False):
+        timed.append(glu)
+        return (0.1 if config is None else 1.0) if glu else (2.0 if config is None else 1.0)
+
+    cache = tmp_path / "decode_matmul.json"
+    first = MLP(cfg, None)
+    mm.tune(first, [8], [config], timer, cache)
+    assert timed.count(True) == 2 and first.down_proj.silu_and_mul_configs == {16: config}, "1.0 < 1.0 + 0.1"
+    timed.clear()
+    again = MLP(cfg, None)
+    table = mm.tune(again, [8], [config], timer, cache)
+    assert timed == [] and again.down_proj.silu_and_mul_configs == {16: config}
+    assert [(c.fused_seconds, c.silu_and_mul_seconds) for c in table if c.k == 48] == [(1.0, 0.1)]
 
 
 class Toy(nn.Module):
