@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             summed = ""
             if best[1] is not None and name == "down":  # as tune times a layer fed by SiLU-and-multiply
                 gate_up = torch.randn((m, 2 * k), generator=gen, device=device).to(dtype)
-                summed = (f", {time_product(gate_up, w, best[1], True) * 1e6:.2f} us applying SiLU-and-multiply to "
-                          f"its input (that operator's own launch: {time_product(gate_up, w, None, True) * 1e6:.2f} us)")
+                fused, alone = time_product(gate_up, w, best[1], True), time_product(gate_up, w, None, True)
+                summed = (f", {fused * 1e6:.2f} us applying SiLU-and-multiply to its input (that operator's own "
+                          f"launch: {alone * 1e6:.2f} us)")
             if best[1] is not None and best[1].splits > 1:  # the same tiles, the splits summed by a second kernel
                 two = time_product(x, w, dataclasses.replace(best[1], serial=False))
                 summed += f", {two * 1e6:.2f} us with a second kernel summing the splits"

@@ -145,7 +145,8 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, config: Config, glu: bool = 
                          0 if direct else part.stride(0), n, BLOCK_M=rows_bucket(m),
                          BLOCK_N=config.block_n, BLOCK_K=config.block_k, DIRECT=direct, SERIAL=config.serial,
                          SWAP=config.swap, GLU=glu, DOT_FP32=dot_fp32,
-                         PRECISION="ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32", num_warps=config.num_warps, num_stages=config.num_stages, **_EXACT)
+                         PRECISION="ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32",  # fp32 as torch's
+                         num_warps=config.num_warps, num_stages=config.num_stages, **_EXACT)
     if not direct and not config.serial:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block)
