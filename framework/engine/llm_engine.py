@@ -374,7 +374,7 @@ class LLMEngine:
                 f"{self.allocator.num_free_blocks} free blocks: the policy cannot make progress")
 
     def _step_stats(self, out: SchedulerOutput, start: float, num_finished: int) -> StepStats:
-        decode = sum(1 for r in out.scheduled if out.num_scheduled_tokens[r.request_id] == 1)
+        decode = out.num_decode_tokens
         total = out.total_num_scheduled_tokens
         s = self.scheduler
         return StepStats(

@@ -32,6 +32,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     ignored: list[Request] = field(default_factory=list)
+    #: Scheduled tokens that are a request's one token this step, past its prompt; the rest are prefill
+    #: tokens (a one-token prompt or last prompt chunk among them), however the kernels group the rows.
+    num_decode_tokens: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -77,3 +80,5 @@ class Step:
         self.out.scheduled.append(request)
         self.out.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
+        if num_tokens == 1 and request.num_computed_tokens >= len(request.prompt_token_ids):
+            self.out.num_decode_tokens += 1

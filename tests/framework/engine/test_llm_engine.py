@@ -914,3 +914,21 @@ def test_a_request_of_parallel_samples_aborted_mid_prompt_is_finished_at_once(pr
     assert [o.request_id for o in out] == ["a"] and out[0].finished
     assert [c.finish_reason for c in out[0].outputs] == ["abort"] * 3
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_stats_count_a_prompts_last_one_token_chunk_and_a_one_token_prompt_as_prefill(async_scheduling):
+    """A decode token is a request's one token this step past its prompt; a one-token prompt, or the last token
+    of a chunked prompt, is a prefill token though its row is one token long, as a decode's is."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, policy="chunked", max_num_batched_tokens=8,
+                                    max_num_seqs=4, executor="sim", async_scheduling=async_scheduling))
+    rows = []
+    engine.step_callbacks.append(lambda s, out: rows.append((s.num_prefill_tokens, s.num_decode_tokens)))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("one", [5], params)
+    engine.add_request("nine", list(range(10, 19)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    # 1: one's prompt and nine's first 7 tokens; 2: nine's last 2 prompt tokens and one's first decode.
+    assert rows[:2] == [(8, 0), (2, 1)]
+    assert sum(p for p, _ in rows) == 10 and sum(d for _, d in rows) == 2 * 3 - 2
