@@ -35,6 +35,10 @@ class SchedulerOutput:
     #: Scheduled tokens that are a request's one token this step, past its prompt; the rest are prefill
     #: tokens (a one-token prompt or last prompt chunk among them), however the kernels group the rows.
     num_decode_tokens: int = 0
+    #: The KV blocks the scheduled tokens fill, from the one holding each request's first new token: sealed
+    #: for the prefix cache when scheduled, uncached if the step fails (``Scheduler.step_failed``), even
+    #: where their request has let them go since (aborted, preempted, finished while the step ran).
+    blocks_to_fill: list[int] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -54,8 +58,9 @@ class SchedulerOutput:
 class Step:
     """The step being built: what is scheduled so far and the token budget left."""
 
-    def __init__(self, token_budget: int) -> None:
+    def __init__(self, token_budget: int, block_size: int) -> None:
         self.token_budget = token_budget
+        self.block_size = block_size
         self.out = SchedulerOutput()
 
     def is_scheduled(self, request: Request) -> bool:
@@ -82,3 +87,4 @@ class Step:
         self.token_budget -= num_tokens
         if num_tokens == 1 and request.num_computed_tokens >= len(request.prompt_token_ids):
             self.out.num_decode_tokens += 1
+        self.out.blocks_to_fill += request.block_ids[request.num_computed_tokens // self.block_size:]

@@ -108,7 +108,7 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._tell_forks_waiting()  # forked without an update_from_output since (it tells them)
-        step = Step(self.max_num_batched_tokens)
+        step = Step(self.max_num_batched_tokens, self.block_size)
         self.policy.schedule(self, step)
         out = step.out
         out.blocks_to_copy.extend(self.allocator.take_copies())
@@ -136,11 +136,7 @@ class Scheduler:
         to fill leave the prefix cache; its scheduled and swapped-out requests, and any counting such a block
         as computed, wait to be recomputed; the next output that runs redoes its row drops and row builds."""
         bs = self.block_size
-        written = [dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy]
-        for req in out.scheduled:
-            # Its computed tokens did not advance, so the blocks it was filling start at the one
-            # holding its first new token (sealed for the prefix cache when it was scheduled).
-            written += req.block_ids[req.num_computed_tokens // bs:]
+        written = [dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy] + out.blocks_to_fill
         unwritten = set(written)
         broken = out.scheduled + out.swapped_out + [
             r for r in self.running if unwritten.intersection(r.block_ids[:-(-r.num_computed_tokens // bs)])]

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams
-from framework.common.request import PLACEHOLDER
-from tests.conftest import hf_greedy
+from framework.common.clock import VirtualClock
+from framework.common.request import PLACEHOLDER, Request
+from framework.execution.executor import EXECUTORS
+from framework.testing.shadow import ShadowExecutor, reference_output
+from tests.conftest import hf_greedy, step_through_interrupts
 
 PARAMS = {
     "greedy": lambda rng, i: SamplingParams(max_tokens=rng.randrange(1, 50), temperature=0.0, ignore_eos=True),
@@ -189,3 +192,60 @@ def test_on_a_gpu_async_outputs_are_the_synchronous_ones(backend):
         assert engine.async_scheduling, kind
         assert_same_outputs(got, want)
         assert engine.scheduler.num_swap_outs > 0
+
+
+class StepFailed(Exception):
+    pass
+
+
+class FailingShadow(ShadowExecutor):
+    """The shadow engine (each request must read its own tokens back) whose launches number ``fail`` write no KV
+    and raise when collected: a sticky device error also fails the step launched behind the failed one."""
+
+    fail = (2, 3)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.launches = 0
+
+    def launch(self, out):
+        self.launches += 1
+        return "failed" if self.launches in self.fail else super().launch(out)
+
+    def collect(self, handle):
+        if handle == "failed":
+            raise StepFailed
+        return handle
+
+
+@pytest.mark.parametrize("gone", ["aborted", "preempted"])
+def test_blocks_a_failed_step_was_to_fill_leave_the_prefix_cache_though_their_request_let_them_go(monkeypatch,
+                                                                                                    gone):
+    """R's prefill (launch 2) fails on the device, found only when launch 3 is collected. Meanwhile R let its
+    blocks go: aborted by the client, or preempted by X's decode when the 5 blocks run out. Those blocks were
+    sealed for the prefix cache when R was scheduled; left there, a later prompt like R's (or R recomputed)
+    would take them as a hit and read KV never written, which the shadow executor asserts against."""
+    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    EXECUTORS.register("test_failing_shadow")(FailingShadow)
+    engine = LLMEngine(EngineConfig(model="tiny-llama", executor="test_failing_shadow", policy="chunked",
+                                    executor_options={"num_blocks": 5}, block_size=4, max_model_len=16,
+                                    max_num_batched_tokens=16, max_num_seqs=8, check_invariants=True,
+                                    async_scheduling=True), clock=VirtualClock())
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = {"X": list(range(3, 10)), "R": list(range(20, 28))}  # R: two full blocks
+    engine.add_request("X", prompts["X"], params)
+    engine.step()  # launch 1: X's prefill
+    engine.add_request("R", prompts["R"], params)
+    engine.step()  # launch 2: X's decode and R's prefill, which fails
+    if gone == "aborted":
+        engine.abort_request("R")
+        prompts["again"] = prompts.pop("R")
+        engine.add_request("again", prompts["again"], params)
+    with pytest.raises(StepFailed):
+        engine.step()  # launch 3 (preempting R for X's next block); collecting launch 2 raises
+    probe = Request("probe", list(range(20, 28)), params, arrival_time=0.0)
+    assert engine.allocator.find_prefix(probe).num_tokens == 0, "R's unwritten blocks are still cached"
+    outs, _ = step_through_interrupts(engine)
+    assert {rid: outs[rid].outputs[0].token_ids for rid in prompts} == {
+        rid: reference_output(prompt, params, 16) for rid, prompt in prompts.items()}
+    assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
