@@ -126,12 +126,21 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
 
 #: Run-level switches of ``conf/config.yaml``: true or false.
 RUN_SWITCHES = ("plots", "progress", "save_workload")
+#: What a run's configuration may hold at its root: ``conf/``'s groups and ``conf/config.yaml``'s own keys.
+ROOT_KEYS = ("model", "backend", "allocator", "preparer", "workload", "logger", "executor", "policy", "cluster",
+             "hardware", "cost_model", "engine", "scheduler", "slo", "warmup", "clock", *RUN_SWITCHES, "repeat",
+             "server")
 
 
 def check_run_options(cfg: DictConfig) -> None:
-    """ValueErrors naming the run-level keys that have bad values: ``warmup`` (an integer >= 0),
-    the ``RUN_SWITCHES`` (booleans: the string ``maybe`` or ``no`` would read as true) and the
-    ``slo`` node's keys (those of ``SLO``)."""
+    """ValueErrors naming the run-level keys that are unknown (not ``ROOT_KEYS``: ``+max_num_seqs=8`` is no
+    engine option) or have bad values: ``warmup`` (an integer >= 0), the ``RUN_SWITCHES`` (booleans: the
+    string ``maybe`` or ``no`` would read as true) and the ``slo`` node's keys (those of ``SLO``)."""
+    unknown = [str(key) for key in cfg if key not in ROOT_KEYS and key != "hydra"]
+    if unknown:
+        engine_options = [f"engine.{key}" for key in unknown if key in ENGINE_KEYS]
+        hint = f" (engine options go under engine: {', '.join(engine_options)})" if engine_options else ""
+        raise ValueError(f"unknown top-level key(s) {', '.join(unknown)}; valid: {', '.join(ROOT_KEYS)}{hint}")
     warmup = cfg.get("warmup", 1)
     if not is_int(warmup) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0 (short requests run before the measured ones), got {warmup!r}")

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from framework.common.config import EngineConfig
 from framework.engine.llm_engine import LLMEngine, check_token_budget, resolve_max_model_len, resolve_token_budget
-from framework.harness.experiment import ENGINE_KEYS, build_cluster, check_workload, engine_config
+from framework.harness.experiment import ENGINE_KEYS, ROOT_KEYS, build_cluster, check_workload, engine_config
 from framework.run import engine_config as cli_engine_config
 from framework.harness.run_logger import LOGGERS, create_logger
 from framework.harness.workload import WorkloadContext, create_workload
@@ -72,6 +72,7 @@ def build_workload(cfg, config):
 @pytest.mark.parametrize("group, option", list(group_options()))
 def test_every_group_option_composes_and_builds(group, option):
     cfg = compose_with(overrides_for(group, option))
+    assert set(cfg) <= set(ROOT_KEYS), "a key at the root that check_run_options would refuse"
     config = engine_config(cfg)
     if group == "workload":
         build_workload(cfg, config)

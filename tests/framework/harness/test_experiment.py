@@ -242,6 +242,9 @@ def cli(*args, cwd):
     (["progress=maybe"], "progress must be true or false, got 'maybe'"),
     (["save_workload=no"], "save_workload must be true or false, got 'no'"),
     (["+slo.ttft=100"], r"slo: unknown key\(s\) ttft; valid: ttft_ms, tpot_ms, e2el_ms"),
+    # Hydra's own hint for max_num_seqs=8 is +max_num_seqs=8: that ran with engine.max_num_seqs as it was.
+    (["+max_num_seqs=8", "+plot=false"], r"unknown top-level key\(s\) max_num_seqs, plot; valid: model, .*plots.* "
+                                         r"\(engine options go under engine: engine.max_num_seqs\)$"),
     # Read by nothing, these used to be dropped: the run went on in the default dtype, unchecked.
     (["+model.dtype=float16"], r"model: unknown key\(s\) dtype; valid: name, seed"),
     (["+scheduler.check_invariant=true"], r"scheduler: unknown key\(s\) check_invariant; valid: check_invariants, "
