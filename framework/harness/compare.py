@@ -81,15 +81,27 @@ def _natural(p: Path) -> list[tuple[int, Any]]:
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 8.0}}`` -> ``{"a.b": 8}``: a whole float as its int, so that ``rate=8`` on one command line and
+    ``8.0`` in a YAML file are one value; lists as JSON text."""
     if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
+        return {prefix.rstrip("."): _whole(d)}
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
             out.update(flatten(v, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = v if not isinstance(v, list) else json.dumps(v)
+            out[f"{prefix}{k}"] = json.dumps(_whole(v)) if isinstance(v, list) else _whole(v)
     return out
+
+
+def _whole(v: Any) -> Any:
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, list):
+        return [_whole(e) for e in v]
+    if isinstance(v, dict):
+        return {k: _whole(e) for k, e in v.items()}
+    return v
 
 
 def config_keys(run_dir: Path) -> dict[str, Any]:
@@ -314,7 +326,7 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
             text = f"{flat.get('policy.name')}/{flat.get('backend.name')}"
         row = {c: summary.get(c) for c in COLUMNS}
         row.update({k: v for k, v in summary.items() if k.startswith("prio")})
-        row.update(label=text, x=flat.get(x, summary.get(x.split(".")[-1])), repeat=flat.get("repeat"),
+        row.update(label=text, x=_whole(flat.get(x, summary.get(x.split(".")[-1]))), repeat=flat.get("repeat"),
                    seed=flat.get("workload.seed"), run_dir=str(run_dir), summary=summary)
         rows.append(row)
     rows.sort(key=lambda r: (r["label"], r["x"] is None, r["x"] if isinstance(r["x"], (int, float)) else 0))

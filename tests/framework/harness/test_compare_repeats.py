@@ -97,6 +97,17 @@ def test_a_seed_sweep_gives_repeats_unless_the_seed_is_asked_for(tmp_path):
     assert [r["label"] for r in comparison_rows([tmp_path], label=["workload.seed"])] == ["seed=0", "seed=1", "seed=2"]
 
 
+def test_a_whole_float_and_its_int_are_one_value(tmp_path):
+    """rate=8 on one command line and 8.0 in a YAML file, burstiness 1 and 1.0: repeats of one configuration."""
+    for i, (rate, burstiness) in enumerate(((8, 1), (8.0, 1.0), (8.5, 1))):
+        fake_run(tmp_path / str(i), "a", i, 100.0 + i, 10.0, rate=rate)
+        config = yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())
+        config["workload"]["burstiness"] = burstiness
+        (tmp_path / str(i) / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = aggregate(comparison_rows([tmp_path]))
+    assert [(r["label"], r["x"], r["n_repeats"]) for r in rows] == [("a/naive", 8, 2), ("a/naive", 8.5, 1)]
+
+
 def test_failed_repeats_show_in_the_status_and_stay_out_of_the_mean(tmp_path):
     fake_run(tmp_path / "0", "a", 0, 100.0, 10.0)
     fake_run(tmp_path / "1", "a", 1, 120.0, 10.0)
