@@ -150,7 +150,7 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             if choices:
                 flat.setdefault(f"{part}{PRESET}", summary[part])
             for key, value in _default_options(part, summary[part]).items():
-                flat.setdefault(f"{part}.{key}", value)
+                flat.setdefault(f"{part}.{key}", _whole(value))
     return summary, flat
 
 
