@@ -60,6 +60,12 @@ class Executor(ABC):
         """The clock an engine runs on when it is given none: wall time, for real execution."""
         return WallClock()
 
+    @classmethod
+    def load_tokenizer(cls, source: ModelSource) -> Any | None:
+        """The tokenizer an executor of this class gives its engine for ``source``: None (prompts are token ids)
+        unless it decodes text. A class method, so that a run can tokenize its workload before building one."""
+        return None
+
     @property
     def tokenizer(self) -> Any | None:
         return None

@@ -351,6 +351,8 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
     workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
     max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
+    # Drawn (and so checked: token ids, arrival times, a trace's or dataset's entries) before an engine is built.
+    requests = workload.generate(workload_context(config))
     run_logger = Guarded(create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {}))
     cluster = build_cluster(cfg, config, clock, max_prompt_len)
     engines = cluster.engines
@@ -359,14 +361,21 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
 
     # A simulated run is pure Python bookkeeping over millions of small objects: no collector.
     with gc_paused(all(isinstance(e.clock, VirtualClock) for e in engines)):
-        return _run(cfg, cluster, workload, sampling, slo, run_logger, identity, Path(run_dir), run_name, group,
+        return _run(cfg, cluster, requests, sampling, slo, run_logger, identity, Path(run_dir), run_name, group,
                     on_engine)
 
 
-def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[str, Any], slo: SLO,
+def workload_context(config: EngineConfig) -> WorkloadContext:
+    """What an engine of ``config`` tells its workload (vocabulary, tokenizer, ``max_model_len``), without one."""
+    source = resolve_model(config.model)
+    return WorkloadContext(source.config.vocab_size, EXECUTORS.get(config.executor).load_tokenizer(source),
+                           resolve_max_model_len(config.max_model_len, source.config))
+
+
+def _run(cfg: DictConfig, cluster: Cluster, requests: list[WorkloadRequest], sampling: dict[str, Any], slo: SLO,
          run_logger: Guarded, identity: dict[str, Any], run_dir: Path, run_name: str, group: str | None,
          on_engine: Callable[[LLMEngine], None] | None) -> dict[str, Any]:
-    """``run_experiment`` once its parts are built: warm up, generate, serve, record."""
+    """``run_experiment`` once its parts are built: warm up, serve, record."""
     engines = cluster.engines
     for engine in engines:
         warm_up(engine, cfg.get("warmup", 1))
@@ -375,8 +384,6 @@ def _run(cfg: DictConfig, cluster: Cluster, workload: Workload, sampling: dict[s
         for engine in engines:
             on_engine(engine)
     first = engines[0]
-    requests = workload.generate(WorkloadContext(first.model_config.vocab_size, first.tokenizer,
-                                                 first.config.max_model_len))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     plots_wanted = cfg.get("plots", True)
     # Not cfg.get("cluster"): DictConfig.get raises and catches for an absent key, and the caught

@@ -173,8 +173,12 @@ class ModelExecutor(Executor):
         self.matmul_choices = tune_decode_matmuls(self.model, capture_sizes(config.max_num_seqs)) \
             if decode_matmul == "tuned" else []
         self.model.eval()
-        self._tokenizer = load_tokenizer(source)
+        self._tokenizer = self.load_tokenizer(source)
         self.runner: ModelRunner | None = None
+
+    @classmethod
+    def load_tokenizer(cls, source: ModelSource) -> Any | None:
+        return load_tokenizer(source)
 
     def _use_cuda_graphs(self, option: bool | str) -> bool:
         """``executor.cuda_graphs`` resolved for this device and backend; ValueError for ``true`` where

@@ -687,3 +687,30 @@ def test_a_parallel_sweeps_parent_forwards_an_interrupt_and_waits_for_the_jobs(t
         assert status == "running" and 1.4 < waited < 10
     else:  # the worker got the signal and the parent waited for its summary
         assert status == "interrupted" and 0.25 < waited < 10
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"prompt_token_ids": [10**9], "output_len": 4}, r"prompt_token_ids must be a non-empty list of ids in \[0, 1024\)"),
+    ({"prompt_len": 10, "output_len": 4, "arrival_time": -1}, "arrival_time must be a number >= 0"),
+    ({"prompt_len": 10, "output_len": 0}, "output_len must be an integer >= 1"),
+])
+def test_a_bad_trace_entry_is_refused_before_an_engine_is_built(tmp_path, monkeypatch, entry, message):
+    """A trace's entries were read only after the engine was built, its KV cache allocated and warmed up."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps(entry) + "\n")
+    monkeypatch.setattr(experiment, "build_cluster", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(ValueError, match=message):
+        run_experiment(config("workload=trace", f"workload.path={trace}", workload=[]), tmp_path / "run")
+
+
+def test_the_workload_is_drawn_with_what_the_engine_would_tell_it():
+    """``workload_context`` without an engine: the model's vocabulary, max_model_len as resolved, and the
+    executor's tokenizer (none for a preset, none for the simulator)."""
+    from framework import LLMEngine
+
+    cfg = config("engine.max_model_len=null", "engine.max_num_batched_tokens=null", "engine.num_gpu_blocks_override=300")
+    engine_config = experiment.engine_config(cfg)
+    context = experiment.workload_context(engine_config)
+    engine = LLMEngine(experiment.engine_config(cfg))
+    assert (context.vocab_size, context.tokenizer, context.max_model_len) == (
+        engine.model_config.vocab_size, engine.tokenizer, engine.config.max_model_len)
