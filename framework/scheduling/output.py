@@ -82,9 +82,10 @@ class Step:
         return sum(self.out.num_scheduled_tokens.values())
 
     def _add(self, request: Request, num_tokens: int) -> None:
-        self.out.scheduled.append(request)
-        self.out.num_scheduled_tokens[request.request_id] = num_tokens
+        out, computed = self.out, request.num_computed_tokens
+        out.scheduled.append(request)
+        out.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
-        if num_tokens == 1 and request.num_computed_tokens >= len(request.prompt_token_ids):
-            self.out.num_decode_tokens += 1
-        self.out.blocks_to_fill += request.block_ids[request.num_computed_tokens // self.block_size:]
+        if num_tokens == 1 and computed >= len(request.prompt_token_ids):
+            out.num_decode_tokens += 1
+        out.blocks_to_fill.extend(request.block_ids[computed // self.block_size:])
