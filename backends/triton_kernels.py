@@ -359,15 +359,21 @@ def decode_plan(seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_
     sizes and key splits are fixed for any context up to ``max_seq_len`` (``decode_bounds`` lists those
     worth capturing)."""
     num_reqs, device = seq_lens.shape[0], seq_lens.device
-    kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
-    block_q, block_n = tile_sizes(_pow2(num_heads // num_kv_heads), kv_heads, head_dim, np.ones(1, np.int64),
-                                  np.array([max_seq_len]))
+    kv_heads, block_q, block_n = _decode_tiles(num_heads, num_kv_heads, head_dim, max_seq_len)
     splits = num_splits(num_reqs * num_kv_heads // kv_heads, max_seq_len, block_n, device)
     part = lse = None
     if splits > 1:
         part = torch.empty((splits, num_reqs, num_heads, head_dim), dtype=torch.float32, device=device)
         lse = torch.empty((splits, num_reqs, num_heads), dtype=torch.float32, device=device)
     return LaunchPlan(block_q, block_n, kv_heads, splits, seq_lens[None], (seq_lens,) * 5, part, lse, decode=True)
+
+
+def _decode_tiles(num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int) -> tuple[int, int, int]:
+    """(K/V heads a program takes, BLOCK_Q, BLOCK_N) of a decode-only launch up to ``max_seq_len``."""
+    kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
+    block_q, block_n = tile_sizes(_pow2(num_heads // num_kv_heads), kv_heads, head_dim, np.ones(1, np.int64),
+                                  np.array([max_seq_len]))
+    return kv_heads, block_q, block_n
 
 
 #: The fewest key tiles a split range gets (``num_splits``).
@@ -389,9 +395,7 @@ def decode_bounds(num_reqs: int, num_heads: int, num_kv_heads: int, head_dim: in
     """The ``max_seq_len`` values worth a ``decode_plan`` (a CUDA graph each) for ``num_reqs`` decodes, ascending,
     the last ``max_model_len``: one per split count among 1, 2, 4, 8 below the most ``num_splits`` gives them, and
     that most. At the smallest bound at or above a step's longest sequence it gets at least its own split count."""
-    kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
-    _, block_n = tile_sizes(_pow2(num_heads // num_kv_heads), kv_heads, head_dim, np.ones(1, np.int64),
-                            np.array([max_model_len]))
+    kv_heads, _, block_n = _decode_tiles(num_heads, num_kv_heads, head_dim, max_model_len)
     most = num_splits(num_reqs * num_kv_heads // kv_heads, max_model_len, block_n, device)
     # Bound (s + 1) * SPLIT_TILES * block_n - 1 is the longest sequence num_splits gives s splits (s < most).
     return [(s + 1) * SPLIT_TILES * block_n - 1 for s in (1, 2, 4, 8) if s < most] + [max_model_len]

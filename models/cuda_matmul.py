@@ -249,8 +249,9 @@ def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATE
     """Time each bias-free ``nn.Linear`` weight shape of ``model`` at each row bucket of ``rows`` (at the bucket's
     largest row count there, up to ``MAX_ROWS``), torch's product against each candidate whose output matches
     it, and make those layers run the fastest at up to 128 rows (``forward``: torch's above, and for other rows).
-    A layer whose ``fed_by_silu_and_mul`` is true (a model's down projection) gets ``silu_and_mul_forward``
-    where the kernel applying that operator to its input is timed faster than the operator then the kernel.
+    A layer with a ``silu_and_mul_forward`` attribute (a model's down projection, fed by that operator) gets one
+    that applies the operator to its input in the kernel, where that is timed faster than the operator then
+    the kernel.
     ``cache``: a JSON file of earlier choices on this device and software (read, then updated): those are not
     timed again."""
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None and m.weight.is_contiguous()]
@@ -264,7 +265,7 @@ def tune(model: nn.Module, rows: list[int], candidates: list[Config] = CANDIDATE
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for layer in layers:
         w = layer.weight.detach()
-        fed = bool(getattr(layer, "fed_by_silu_and_mul", False))
+        fed = hasattr(layer, "silu_and_mul_forward")
         key = (w.shape[0], w.shape[1], w.dtype, fed)
         if key not in choices:
             choices[key] = {}

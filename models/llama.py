@@ -108,14 +108,16 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.down_proj.fed_by_silu_and_mul = True  # models.cuda_matmul.tune may fuse the operator into it
+        # This projection of silu_and_mul(gate_up) in one pass, where models.cuda_matmul.tune sets one (it may
+        # return None, then the operator runs); an attribute read per forward, not a failed lookup.
+        self.down_proj.silu_and_mul_forward = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
             # decode_matmul=tuned: the down projection applies the operator as it loads its input, where that
             # was timed faster (one launch and one [T, intermediate] round trip less)
-            fused = getattr(self.down_proj, "silu_and_mul_forward", None)
+            fused = self.down_proj.silu_and_mul_forward
             out = None if fused is None else fused(gate_up)
             if out is not None:
                 return out

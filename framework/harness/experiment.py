@@ -351,16 +351,15 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
     workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
     max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
-    # Drawn (and so checked: token ids, arrival times, a trace's or dataset's entries) before an engine is built.
-    requests = workload.generate(workload_context(config))
-    run_logger = Guarded(create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {}))
-    cluster = build_cluster(cfg, config, clock, max_prompt_len)
-    engines = cluster.engines
-    identity = describe(cfg, cluster)
-    run_name = run_name or f"{config.policy}-{config.backend}"
-
     # A simulated run is pure Python bookkeeping over millions of small objects: no collector.
-    with gc_paused(all(isinstance(e.clock, VirtualClock) for e in engines)):
+    with gc_paused(simulates_time(config.executor)):
+        # Drawn (and so checked: token ids, arrival times, a trace's or dataset's entries) before an engine is built.
+        requests = workload.generate(workload_context(config))
+        run_logger = Guarded(create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger")
+                                           else {}))
+        cluster = build_cluster(cfg, config, clock, max_prompt_len)
+        identity = describe(cfg, cluster)
+        run_name = run_name or f"{config.policy}-{config.backend}"
         return _run(cfg, cluster, requests, sampling, slo, run_logger, identity, Path(run_dir), run_name, group,
                     on_engine)
 

@@ -132,7 +132,7 @@ def test_a_tuned_down_projection_applies_silu_and_mul_in_its_kernel_where_that_w
     gen = torch.Generator().manual_seed(1)
     xs = {rows: torch.randn(rows, 32, generator=gen).bfloat16() for rows in (3, 16, 17)}
     fused = mlp.down_proj.silu_and_mul_forward
-    del mlp.down_proj.silu_and_mul_forward
+    mlp.down_proj.silu_and_mul_forward = None
     want = {rows: mlp(x) for rows, x in xs.items()}
     mlp.down_proj.silu_and_mul_forward = fused
     launched = []
