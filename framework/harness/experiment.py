@@ -29,7 +29,7 @@ from framework.engine.llm_engine import (LLMEngine, StepStats, check_token_budge
 from framework.execution.executor import EXECUTORS, simulates_time
 from framework.harness.metrics import SLO, RequestRecord, step_time_noise, summarize
 from framework.common.outputs import RequestOutput
-from framework.harness.recorder import RunRecorder, clear_run_files
+from framework.harness.recorder import RunRecorder, claim_run_dir, clear_run_files
 from framework.harness.report import format_summary
 from framework.common.registry import split_spec
 from framework.sim.router import ROUTERS
@@ -342,26 +342,27 @@ def _strings(node: Any) -> Iterator[str]:
 def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
                    run_name: str | None = None, group: str | None = None,
                    on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
-    """Run the experiment ``cfg`` describes into ``run_dir`` (an earlier run's files removed first); return its
-    summary. Config errors raise ValueError first; a serving failure writes a ``failed`` summary, then raises
-    (ValueError wrapped in RuntimeError); an interrupt returns an ``interrupted`` one. ``clock``: one replica's."""
-    clear_run_dir(cfg, run_dir)
-    check_run_options(cfg)
-    config = engine_config(cfg)
-    slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
-    workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
-    max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
-    # A simulated run is pure Python bookkeeping over millions of small objects: no collector.
-    with gc_paused(simulates_time(config.executor)):
-        # Drawn (and so checked: token ids, arrival times, a trace's or dataset's entries) before an engine is built.
-        requests = workload.generate(workload_context(config))
-        run_logger = Guarded(create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger")
-                                           else {}))
-        cluster = build_cluster(cfg, config, clock, max_prompt_len)
-        identity = describe(cfg, cluster)
-        run_name = run_name or f"{config.policy}-{config.backend}"
-        return _run(cfg, cluster, requests, sampling, slo, run_logger, identity, Path(run_dir), run_name, group,
-                    on_engine)
+    """Run the experiment ``cfg`` describes into ``run_dir`` (an earlier run's files removed first); return its summary.
+    Config errors (a live run's folder too) raise ValueError first; a serving failure writes a ``failed`` summary, then
+    raises (ValueError in RuntimeError); an interrupt returns an ``interrupted`` one. ``clock``: one replica's."""
+    with claim_run_dir(run_dir):  # before anything in it is removed: another live run's files stay as they are
+        clear_run_dir(cfg, run_dir)
+        check_run_options(cfg)
+        config = engine_config(cfg)
+        slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
+        workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+        max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
+        # A simulated run is pure Python bookkeeping over millions of small objects: no collector.
+        with gc_paused(simulates_time(config.executor)):
+            # Drawn (so checked: token ids, arrival times, a trace's or dataset's entries) before an engine is built.
+            requests = workload.generate(workload_context(config))
+            run_logger = Guarded(create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger")
+                                               else {}))
+            cluster = build_cluster(cfg, config, clock, max_prompt_len)
+            identity = describe(cfg, cluster)
+            run_name = run_name or f"{config.policy}-{config.backend}"
+            return _run(cfg, cluster, requests, sampling, slo, run_logger, identity, Path(run_dir), run_name, group,
+                        on_engine)
 
 
 def workload_context(config: EngineConfig) -> WorkloadContext:

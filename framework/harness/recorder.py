@@ -12,12 +12,16 @@ steps, so a killed run loses at most that much.
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
+import logging
 import math
 import os
+import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
@@ -31,6 +35,8 @@ from framework.harness.metrics import REQUEST_COLUMNS, STATS_COLUMNS, STEP_COLUM
 from framework.scheduling.output import SchedulerOutput
 from framework.harness.workload import WorkloadRequest
 from framework.harness.workloads.trace import save_trace
+
+log = logging.getLogger(__name__)
 
 #: Step rows buffered per replica before they are written, whatever the time.
 CHUNK_ROWS = 1 << 14
@@ -56,6 +62,50 @@ StepListener = Callable[[dict[str, Any]], None]
 #: folder used before removes them, so it mixes nothing of an earlier run's. Hydra's ``.hydra/`` and log are Hydra's.
 RUN_FILES = ("config.yaml", "workload.jsonl", "summary.json", "summary.json.tmp", "requests.csv", "steps.csv",
              "latency_cdf.png", "latency_cdf.pdf", "timeline.png", "timeline.pdf")
+
+
+#: The run directories this process's threads hold, as (device, inode, thread): a run claims its folder in
+#: ``framework.run``'s job and again in ``run_experiment``, and must not be refused by its own claim.
+_claimed: set[tuple[int, int, int]] = set()
+
+
+@contextmanager
+def claim_run_dir(run_dir: str | Path) -> Iterator[None]:
+    """Hold ``run_dir`` (an exclusive ``flock`` on the folder itself) for the ``with`` block; ValueError, one line,
+    while another run holds it. A claim within the same thread's is free; a folder it made is removed if left empty."""
+    path = Path(run_dir)
+    created = not path.is_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        info = os.fstat(fd)
+        key = (info.st_dev, info.st_ino, threading.get_ident())
+        if key in _claimed:
+            yield
+            return
+        _lock(fd, path)
+        _claimed.add(key)
+        try:
+            yield
+        finally:
+            _claimed.discard(key)
+            if created:
+                with suppress(OSError):  # not empty: the run wrote its files
+                    path.rmdir()
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock(fd: int, path: Path) -> None:
+    """``flock`` the folder open as ``fd``: ValueError when another run holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"run directory {path} is in use by another run; give each concurrent run its own "
+                         f"hydra.run.dir") from None
+    except OSError as exc:
+        # A file system without flock (some NFS set-ups): runs there go unguarded rather than not at all.
+        log.warning("cannot lock run directory %s (%s): runs sharing it are not detected", path, exc)
 
 
 def clear_run_files(run_dir: str | Path, keep: Iterable[str] = ()) -> None:

@@ -6,7 +6,8 @@ Composes ``conf/config.yaml`` with Hydra and runs one experiment per composed co
 the comparison of its runs (``comparison.md``/``.csv``, ``runs.csv`` and figures) at its root; ``repeat=0,1,2`` (or a
 swept ``workload.seed``) runs each configuration again, every configuration once before any a second time
 (``overrides.interleave_repeats``), and the comparison averages its repeats. A folder used again
-(``hydra.run.dir=DIR`` twice) is cleared of the earlier run's files and log when the job starts.
+(``hydra.run.dir=DIR`` twice) is cleared of the earlier run's files and log when the job starts; one that a live run
+holds (``recorder.claim_run_dir``) is refused as a configuration error, and nothing in it is touched.
 
 Exit statuses: 2 for a configuration error (Hydra's own included, in a sweep too) or a part this
 machine cannot run, printed as one line; any other failure keeps its traceback. 130 for Ctrl-C, 143
@@ -24,10 +25,11 @@ import multiprocessing
 import os
 import signal
 import sys
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import hydra
+from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
@@ -41,6 +43,7 @@ from framework.harness.experiment import clear_run_dir, run_experiment
 from framework.harness.help import help_overrides
 from framework.harness.overrides import (CONF_DIR, interleave_repeats, legacy_overrides, non_string_group_overrides,
                                         null_group_overrides)
+from framework.harness.recorder import claim_run_dir
 from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, parent_watched,
                                            stop, stopped_status, terminate)
 
@@ -87,11 +90,27 @@ def main(cfg: DictConfig) -> None:
 
 
 def _job(cfg: DictConfig) -> None:
-    """One run (a sweep's job) in Hydra's job folder: exits as the module's docstring says."""
-    global _jobs_started, _job_interrupted
+    """One run (a sweep's job) in Hydra's job folder, held until it ends: exits as the module's docstring says."""
+    global _jobs_started
     _jobs_started += 1
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    with ExitStack() as held:
+        try:
+            # Before the folder is cleared: another live run's files, log and summary there stay as they are.
+            held.enter_context(claim_run_dir(run_dir))
+        except ValueError as exc:
+            if hc.mode == RunMode.MULTIRUN:
+                log.error("run failed (%s): error: %s; the sweep goes on", run_dir, exc)
+                return
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
+        _held_job(cfg, hc, run_dir)
+
+
+def _held_job(cfg: DictConfig, hc: HydraConf, run_dir: Path) -> None:
+    """``_job`` in the folder it holds."""
+    global _job_interrupted
     _start_afresh(cfg, run_dir)
     try:
         previous = signal.signal(signal.SIGTERM, terminate)

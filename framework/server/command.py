@@ -3,14 +3,15 @@
 Composes ``conf/config.yaml`` as ``framework.run`` does (the ``workload`` node is unused: clients are the workload)
 and serves vLLM's OpenAI-compatible API on ``server.host:server.port`` (docs/server.md). SIGINT or SIGTERM aborts
 what is in flight and stops it, exit 0, with ``config.yaml``, ``requests.csv``, ``steps.csv`` and ``summary.json``
-of what it served in Hydra's run directory. A configuration error, or an address already taken, is one line and
-exit 2, before the model is loaded.
+of what it served in Hydra's run directory. A configuration error, an address already taken, or a run directory
+another live run holds is one line and exit 2, before the model is loaded.
 """
 from __future__ import annotations
 
 import logging
 import signal
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import hydra
@@ -20,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.common.registry import UnavailableError
 from framework.harness.overrides import CONF_DIR, legacy_overrides, non_string_group_overrides, null_group_overrides
+from framework.harness.recorder import claim_run_dir
 from framework.harness.report import format_summary
 from framework.harness.supervision import stopped_status, terminate
 from framework.server.server import LabServer
@@ -36,16 +38,19 @@ _built = False
 def main(cfg: DictConfig) -> None:
     global _built
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        server = LabServer(cfg, run_dir)
-    except (ValueError, UnavailableError, OmegaConfBaseException) as exc:
-        log.debug("configuration error", exc_info=True)
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
-    _built = True
-    print(f"serving {server.model_name} on {server.url} (Ctrl-C to stop); run dir {run_dir}", file=sys.stderr,
-          flush=True)
-    summary = server.serve()
+    with ExitStack() as held:
+        try:
+            # Taken before the folder is cleared, held until the server stops: another live run's files stay intact.
+            held.enter_context(claim_run_dir(run_dir))
+            server = LabServer(cfg, run_dir)
+        except (ValueError, UnavailableError, OmegaConfBaseException) as exc:
+            log.debug("configuration error", exc_info=True)
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
+        _built = True
+        print(f"serving {server.model_name} on {server.url} (Ctrl-C to stop); run dir {run_dir}", file=sys.stderr,
+              flush=True)
+        summary = server.serve()
     print(format_summary(summary, f"served {summary['num_requests']} requests ({server.model_name})"))
 
 

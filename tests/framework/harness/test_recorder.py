@@ -1,12 +1,15 @@
 """The run directory's files: step rows equal the engine's step stats whether steps come one by
-one or as fast-forwarded decode runs, replica columns, totals, and rows flushed as the run goes."""
+one or as fast-forwarded decode runs, replica columns, totals, and rows flushed as the run goes; the
+run's claim on its folder."""
+
+import threading
 
 import pytest
 
 from framework import EngineConfig, LLMEngine, SamplingParams
 from framework.harness.cluster import Cluster
 from framework.harness.metrics import STATS_COLUMNS, STEP_COLUMNS, RequestRecord
-from framework.harness.recorder import RunRecorder
+from framework.harness.recorder import RunRecorder, claim_run_dir
 from tests.framework.sim.support import chat_requests
 from tests.hydra_support import read_csv
 
@@ -114,3 +117,37 @@ def test_a_request_of_max_tokens_none_round_trips_through_workload_jsonl_and_rep
         "a": (41, "length"), "b": (5, "length")}
     for engine in cluster.engines:
         assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
+
+
+def test_a_claimed_run_dir_is_free_to_its_own_thread_and_refused_to_another_until_released(tmp_path):
+    refused = []
+
+    def claim_elsewhere():
+        try:
+            with claim_run_dir(tmp_path):
+                pass
+        except ValueError as exc:
+            refused.append(str(exc))
+
+    with claim_run_dir(tmp_path):
+        with claim_run_dir(tmp_path):  # framework.run's job, then run_experiment in it
+            pass
+        thread = threading.Thread(target=claim_elsewhere)
+        thread.start()
+        thread.join()
+    assert refused == [f"run directory {tmp_path} is in use by another run; give each concurrent run its own "
+                       f"hydra.run.dir"]
+    thread = threading.Thread(target=claim_elsewhere)
+    thread.start()
+    thread.join()
+    assert len(refused) == 1
+
+
+def test_a_run_dir_the_claim_made_goes_again_only_if_left_empty(tmp_path):
+    with claim_run_dir(tmp_path / "refused"):  # a run stopped by a configuration error
+        assert (tmp_path / "refused").is_dir()
+    with claim_run_dir(tmp_path / "ran"):
+        (tmp_path / "ran" / "steps.csv").write_text("")
+    with claim_run_dir(tmp_path):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ran"]
