@@ -149,18 +149,26 @@ def _paged_attention_kernel(
         chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         kv_start = tl.program_id(2) * chunk
         kv_end = tl.minimum(kv_end, kv_start + chunk)
+    # Each tile's K and V loads go out together, and the next tile's block-table entries with them:
+    # a tile then waits on one memory round trip instead of three (table, K, then V after the softmax).
+    pos = kv_start + col_pos
+    pos_ok = pos < kv_end
+    if NUM_KV_HEADS % KV_HEADS != 0:
+        pos_ok = pos_ok & (col_kv < NUM_KV_HEADS)
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
     for start in range(kv_start, kv_end, BLOCK_N):
-        pos = start + col_pos
-        pos_ok = pos < kv_end
-        if NUM_KV_HEADS % KV_HEADS != 0:
-            pos_ok = pos_ok & (col_kv < NUM_KV_HEADS)
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
         slot = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + col_head
         kv_mask = pos_ok[:, None]
         if HEAD_DIM != HEAD_DIM_PAD:
             kv_mask = kv_mask & (dims < HEAD_DIM)[None, :]
         kv_ptrs = slot[:, None] + dims[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        next_pos = pos + BLOCK_N
+        next_ok = next_pos < kv_end
+        if NUM_KV_HEADS % KV_HEADS != 0:
+            next_ok = next_ok & (col_kv < NUM_KV_HEADS)
+        block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_ok, other=0)
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
@@ -173,7 +181,6 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         if v_cache_ptr.dtype.element_ty != tl.float32:
             # P is rounded to the cache dtype as on a GPU's tensor cores, even when the
             # interpreter then multiplies in float32.
@@ -183,6 +190,7 @@ def _paged_attention_kernel(
                 v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
+        pos, pos_ok = next_pos, next_ok
     out_rows = row_token * stride_ot + row_head * stride_oh
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -276,7 +284,8 @@ class LaunchPlan:
     (``tile_rows``: the five rows, the kernel's arguments). With splits, ``part`` and ``lse`` are
     the float32 partial outputs ``[splits, T, heads, head_dim]`` and log-sum-exps ``[splits, T,
     heads]`` every layer writes and combines (layers run one after another). A ``decode`` plan
-    (``decode_plan``) has ``tiles`` = the step's ``seq_lens`` as ``[1, num_reqs]``, read on the device."""
+    (``decode_plan``) has ``tiles`` = the step's ``seq_lens`` as ``[1, num_reqs]``, read on the device;
+    ``num_warps`` is the launch's."""
 
     block_q: int
     block_n: int
@@ -287,6 +296,7 @@ class LaunchPlan:
     part: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     decode: bool = False
+    num_warps: int = 4
 
 
 # What the interpreter spends, measured on a 2-core CPU (``tile_sizes`` weighs candidates with
@@ -373,6 +383,10 @@ def _decode_tiles(num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len:
     kv_heads = _pow2(num_kv_heads) if INTERPRETED else 1
     block_q, block_n = tile_sizes(_pow2(num_heads // num_kv_heads), kv_heads, head_dim, np.ones(1, np.int64),
                                   np.array([max_seq_len]))
+    if not INTERPRETED and head_dim <= 64:
+        # A decode tile's rows are one token's heads: its registers hold twice the keys of a prefill
+        # tile's, and a program then waits on half as many memory round trips.
+        block_n *= 2
     return kv_heads, block_q, block_n
 
 
@@ -439,7 +453,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
             BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=splits,
             DOT_PRECISION=dot_precision(q.dtype),
             # The interpreter multiplies bfloat16 as raw integers, and float16 without BLAS.
-            DOT_FP32=INTERPRETED and q.dtype != torch.float32, DECODE=launch.decode)
+            DOT_FP32=INTERPRETED and q.dtype != torch.float32, DECODE=launch.decode, num_warps=launch.num_warps)
         if splits > 1:
             _combine_splits_kernel[(q.shape[0],)](
                 out, part, lse, num_heads, out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),

@@ -2,14 +2,16 @@
 # What a CPU cannot check, in one pass on a CUDA machine (about 4 minutes on an H200 before the tuned products were
 # added to step 6 and step 7 was added, which may take 3-4 more; 16 at most; steps 1-3 and 5 side by side, then
 # 4, 6 and 7 alone). Where one call may run 10 minutes at most, split it: STEPS="gpu_tests compile run parity
-# bench_attention", then STEPS="e2e skinny".
+# bench_attention decode_tiles", then STEPS="e2e skinny".
 #   1. the gpu-marked tests: every backend against the float64 reference on CUDA, Triton's split-key
 #      path on long contexts, torch_paged's masked GQA groups with SDPA's math kernel off, flash_attn
 #      when installed, every backend on cuda:1 when there are two GPUs, async scheduling against synchronous;
 #   2. the Triton kernels compiled for this GPU's architecture;
 #   3. an engine run per backend on the GPU (the triton one must run compiled: no interpreter notice),
 #      and on cuda:1 when there are two GPUs;
-#   4. the attention benchmark on a reduced grid (the full default grid: python experiments/bench_attention.py);
+#   4. the attention benchmark on a reduced grid (the full default grid: python experiments/bench_attention.py),
+#      and the decode launch of the e2e model's heads at batch 32 over key-tile sizes, splits and warps against
+#      the plan its graphs capture (experiments/bench_decode_tiles.py);
 #   5. greedy parity with transformers on CUDA, every backend x bf16/fp16/fp32, CUDA graphs as by default
 #      (experiments/gpu_e2e.py parity);
 #   6. a random 1.1B Llama in bf16 at batch 32 and 128: LLM.generate against HF generate, CUDA graphs and
@@ -103,14 +105,15 @@ done
 # Phase 2, timing, one step at a time on an otherwise idle GPU.
 step bench_attention 100 "$PY" experiments/bench_attention.py --iters 10 --decode-batches 1,64,256 \
     --decode-contexts 1024,16384 --prefill-batches 1,8 --prefill-lens 1024
+step decode_tiles 150 "$PY" experiments/bench_decode_tiles.py
 step e2e 420 "$PY" experiments/gpu_e2e.py speed --batches "${E2E_BATCHES:-32,128}" --profile \
     ${E2E_CASES:+--cases "$E2E_CASES"}
 step skinny_matmul 180 "$PY" experiments/bench_skinny_matmul.py
 
 failed=$(cat "$LOG_DIR"/*.status 2>/dev/null | grep -cv '^0$')
 grep -hE "passed|failed" "$LOG_DIR/gpu_tests.log" 2>/dev/null | tail -n 1 >"$LOG_DIR/summary.txt"
-grep -hE "^(PARITY|E2E|KERNELS|MATMUL|device|decode|prefill)" "$LOG_DIR"/parity.log "$LOG_DIR"/e2e.log \
-    "$LOG_DIR"/bench_attention.log "$LOG_DIR"/skinny_matmul.log 2>/dev/null >>"$LOG_DIR/summary.txt"
+grep -hE "^(PARITY|E2E|KERNELS|MATMUL|TILES|device|decode|prefill)" "$LOG_DIR"/parity.log "$LOG_DIR"/e2e.log \
+    "$LOG_DIR"/bench_attention.log "$LOG_DIR"/decode_tiles.log "$LOG_DIR"/skinny_matmul.log 2>/dev/null >>"$LOG_DIR/summary.txt"
 
 echo "== $failed step(s) failed; logs in $LOG_DIR"
 exit "$failed"

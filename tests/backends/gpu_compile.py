@@ -23,7 +23,8 @@ import models.cuda_matmul as mm
 import models.cuda_ops as ops
 
 # (dtype, head_dim, query heads per K/V head)
-CONFIGS = [("bf16", 128, 4), ("fp16", 80, 1), ("fp32", 64, 8), ("bf16", 256, 2)]
+# The last is TinyLlama's (the GPU check's 1.1B model), whose decode tiles are twice as long.
+CONFIGS = [("bf16", 128, 4), ("fp16", 80, 1), ("fp32", 64, 8), ("bf16", 256, 2), ("bf16", 64, 8)]
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -110,11 +111,14 @@ def main(arch: int = 90) -> None:
     target = GPUTarget("cuda", arch, 32)
     for i, (dtype, head_dim, group) in enumerate(CONFIGS):
         group_pad = tk._pow2(group)
-        kinds = (("decode", 1), ("prefill", 512)) + ((("graph decode", 1),) if i == 0 else ())
+        graphs = i in (0, len(CONFIGS) - 1)
+        kinds = (("decode", 1), ("prefill", 512)) + ((("graph decode", 1),) if graphs else ())
         for kind, q_len in kinds:
             q_lens = np.full(4, q_len, dtype=np.int64)
             block_q, block_n = tk.tile_sizes(group_pad, 1, head_dim, q_lens, q_lens + 1024)
-            for splits in (1, 4) if i == 0 and kind != "prefill" else (1,):
+            if kind == "graph decode":
+                _, block_q, block_n = tk._decode_tiles(group, 1, head_dim, 2048)
+            for splits in (1, 4) if graphs and kind != "prefill" else (1,):
                 source = attention(dtype, head_dim, group, block_q, block_n, splits, decode=kind == "graph decode")
                 kernel = triton.compile(source, target=target)
                 print(f"attention {dtype} head_dim={head_dim} group={group} {kind} BLOCK_Q={block_q} "

@@ -283,8 +283,7 @@ def test_decode_graph_bounds_give_each_step_at_least_its_own_key_splits(monkeypa
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     monkeypatch.setattr(kernels, "_num_sms", lambda index: 132)
     gpu = SimpleNamespace(type="cuda", index=0)
-    block_n = kernels.tile_sizes(kernels._pow2(num_heads // num_kv_heads), 1, head_dim, np.ones(1, np.int64),
-                                 np.array([max_model_len]))[1]
+    block_n = kernels._decode_tiles(num_heads, num_kv_heads, head_dim, max_model_len)[2]
     for size in capture_sizes(256):
         bounds = kernels.decode_bounds(size, num_heads, num_kv_heads, head_dim, max_model_len, gpu)
         assert bounds == sorted(set(bounds)) and bounds[-1] == max_model_len and len(bounds) <= 5
@@ -294,7 +293,7 @@ def test_decode_graph_bounds_give_each_step_at_least_its_own_key_splits(monkeypa
             got = kernels.num_splits(size * num_kv_heads, bound, block_n, gpu)
             assert got >= own and (own > 1 or got == 1), (size, longest, bound)
     short = kernels.decode_bounds(32, 32, 4, 64, 2048, gpu)
-    assert short == [1023, 1535, 2048], "batch 32 of TinyLlama: no splits up to 1023 keys, 2 to 1535, then 3"
+    assert short == [2047, 2048], "batch 32 of TinyLlama (128 keys a tile): no splits up to 2047 keys, then 2"
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
