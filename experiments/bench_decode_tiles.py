@@ -48,9 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=None, help="timed calls per variant (default 50 CUDA, 3 CPU)")
     p.add_argument("--flush-mb", type=int, default=None, help="default 256 on CUDA, 0 on CPU")
     args = p.parse_args(argv)
-    for name in ("batch", "heads", "kv_heads", "head_dim", "block_size", "max_model_len"):
-        if getattr(args, name) < 1:
+    for name in ("batch", "heads", "kv_heads", "head_dim", "block_size", "max_model_len", "iters"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.flush_mb is not None and args.flush_mb < 0:
+        p.error(f"--flush-mb must be at least 0, got {args.flush_mb}")
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             ("contexts", args.contexts, lambda n: 0 <= n < args.max_model_len, f"in [0, --max-model-len)"),
             ("block-ns", args.block_ns, lambda n: pow2(n) and n >= 16, "powers of two, at least 16"),
             ("splits", args.splits, lambda n: 1 <= n <= 16, "in 1-16"),
-            ("warps", args.warps, pow2, "powers of two")):
+            ("warps", args.warps, lambda n: pow2(n) and n <= 32, "powers of two up to 32")):
         bad = [n for n in values if not ok(n)]
         if bad:
             p.error(f"--{name} must be {valid}, got {','.join(map(str, bad))}")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     gpu = device.type == "cuda"
     dtype = resolve_dtype(args.dtype, None, device)
     kernels = load_kernels(device)
-    iters = args.iters or (50 if gpu else 3)
+    iters = args.iters if args.iters is not None else (50 if gpu else 3)
     time_all = timer(device, args.flush_mb if args.flush_mb is not None else (256 if gpu else 0))
     bandwidth = copy_bandwidth(device, 1024 if gpu else 64)
     heads, kv_heads, head_dim, n = args.heads, args.kv_heads, args.head_dim, args.batch

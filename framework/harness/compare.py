@@ -31,6 +31,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from omegaconf import DictConfig
 
 from framework.common.config import PART_NAMES, EngineConfig
 from framework.harness.overrides import REPEAT_KEYS
+from framework.harness.recorder import claim_run_dir
 from framework.harness.stats import mean_ci95, overlap
 
 log = logging.getLogger(__name__)
@@ -592,35 +594,57 @@ def _files(paths: dict[str, Path]) -> list[Path]:
 
 
 class CompareCallback(Callback):
-    """Hydra callback: at the end of a multirun, compare its runs at the sweep's root (a
-    failure to compare only warns), then exit with status 1 if any run failed."""
+    """Hydra callback: holds the sweep's folder for the sweep (one a live sweep holds is refused, exit 2), and at its
+    end compares its runs at the folder's root (a failure to compare only warns), then exits with status 1 if any run
+    failed or was refused its folder."""
 
     #: The sweep under way in this process, for ``compare_stopped_sweep``.
     sweep_dir: Path | None = None
     #: Whether this process started a multirun (``-m``, or ``hydra.mode: MULTIRUN`` in a named
     #: experiment's file): its exit status 1 is a failed job's, not a configuration error's.
     multirun_started = False
+    _held = ExitStack()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        CompareCallback.sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            CompareCallback._held.enter_context(claim_run_dir(sweep_dir, "hydra.sweep.dir"))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        for stale in sweep_dir.glob(REFUSED_GLOB):  # an earlier sweep's, in a folder given again
+            stale.unlink()
+        CompareCallback.sweep_dir = sweep_dir
         CompareCallback.multirun_started = True
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         CompareCallback.sweep_dir = None
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows: list[dict[str, Any]] = []
-        try:
-            rows = comparison_rows([sweep_dir])
-            paths = write_comparison([sweep_dir], sweep_dir, rows=rows)
-        except Exception as exc:
-            log.warning("could not compare the runs in %s: %s", sweep_dir, exc)
-        else:
-            print(paths["markdown"].read_text())
-            print(f"comparison: {paths['markdown']} (and comparison.csv, runs.csv, figures) in {sweep_dir}")
-        failed = [r["run_dir"] for r in rows if r["status"] == "failed"]
-        if failed:
-            print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their summary.json and logs)", file=sys.stderr)
-            sys.exit(1)
+        with CompareCallback._held:
+            rows: list[dict[str, Any]] = []
+            try:
+                rows = comparison_rows([sweep_dir])
+                paths = write_comparison([sweep_dir], sweep_dir, rows=rows)
+            except Exception as exc:
+                log.warning("could not compare the runs in %s: %s", sweep_dir, exc)
+            else:
+                print(paths["markdown"].read_text())
+                print(f"comparison: {paths['markdown']} (and comparison.csv, runs.csv, figures) in {sweep_dir}")
+            failed = [r["run_dir"] for r in rows if r["status"] == "failed"]
+            if failed:
+                print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their summary.json and logs)",
+                      file=sys.stderr)
+            refused = [path.read_text().strip() for path in sorted(sweep_dir.glob(REFUSED_GLOB))]
+            if refused:
+                print(f"{len(refused)} run(s) not started: " + "; ".join(refused), file=sys.stderr)
+            if failed or refused:
+                sys.exit(1)
+
+
+#: A sweep's job refused its folder (another live run holds it) says so in ``refused-JOB_NUM.txt`` at the sweep's root:
+#: the job's own folder is the other run's, and a launcher may run the job in another process.
+REFUSED_FILE = "refused-{}.txt"
+REFUSED_GLOB = "refused-*.txt"
 
 
 def compare_stopped_sweep() -> Path | None:

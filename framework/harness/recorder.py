@@ -70,20 +70,25 @@ _claimed: set[tuple[int, int, int]] = set()
 
 
 @contextmanager
-def claim_run_dir(run_dir: str | Path) -> Iterator[None]:
-    """Hold ``run_dir`` (an exclusive ``flock`` on the folder itself) for the ``with`` block; ValueError, one line,
-    while another run holds it. A claim within the same thread's is free; a folder it made is removed if left empty."""
+def claim_run_dir(run_dir: str | Path, setting: str = "hydra.run.dir") -> Iterator[None]:
+    """Hold ``run_dir`` (an exclusive ``flock`` on the folder itself) for the ``with`` block; ValueError, one line naming
+    ``setting``, while another run holds it. A claim within the same thread's is free; a folder it made goes if empty."""
     path = Path(run_dir)
     created = not path.is_dir()
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        info = os.fstat(fd)
-        key = (info.st_dev, info.st_ino, threading.get_ident())
+        key = _key(fd)
         if key in _claimed:
             yield
             return
-        _lock(fd, path)
+        while not _lock(fd, path, setting):
+            # The folder was removed (left empty by a claim that made it) after it was opened here: claim the new one.
+            os.close(fd)
+            created = True
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            key = _key(fd)
         _claimed.add(key)
         try:
             yield
@@ -96,16 +101,28 @@ def claim_run_dir(run_dir: str | Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _lock(fd: int, path: Path) -> None:
-    """``flock`` the folder open as ``fd``: ValueError when another run holds it."""
+def _key(fd: int) -> tuple[int, int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino, threading.get_ident()
+
+
+def _lock(fd: int, path: Path, setting: str) -> bool:
+    """``flock`` the folder open as ``fd``; whether that folder is still at ``path``. ValueError when another run holds
+    it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise ValueError(f"run directory {path} is in use by another run; give each concurrent run its own "
-                         f"hydra.run.dir") from None
+                         f"{setting}") from None
     except OSError as exc:
         # A file system without flock (some NFS set-ups): runs there go unguarded rather than not at all.
         log.warning("cannot lock run directory %s (%s): runs sharing it are not detected", path, exc)
+        return True
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return _key(fd)[:2] == (now.st_dev, now.st_ino)
 
 
 def clear_run_files(run_dir: str | Path, keep: Iterable[str] = ()) -> None:

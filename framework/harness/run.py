@@ -7,7 +7,8 @@ the comparison of its runs (``comparison.md``/``.csv``, ``runs.csv`` and figures
 swept ``workload.seed``) runs each configuration again, every configuration once before any a second time
 (``overrides.interleave_repeats``), and the comparison averages its repeats. A folder used again
 (``hydra.run.dir=DIR`` twice) is cleared of the earlier run's files and log when the job starts; one that a live run
-holds (``recorder.claim_run_dir``) is refused as a configuration error, and nothing in it is touched.
+holds (``recorder.claim_run_dir``) is refused as a configuration error, and nothing in it is touched (in a sweep:
+reported at its end, which exits 1; a sweep's folder another live sweep holds is refused before any job).
 
 Exit statuses: 2 for a configuration error (Hydra's own included, in a sweep too) or a part this
 machine cannot run, printed as one line; any other failure keeps its traceback. 130 for Ctrl-C, 143
@@ -37,7 +38,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.common.registry import UnavailableError
-from framework.harness.compare import CompareCallback
+from framework.harness.compare import REFUSED_FILE, CompareCallback
 from framework.harness.console import finished_lines
 from framework.harness.experiment import clear_run_dir, run_experiment
 from framework.harness.help import help_overrides
@@ -95,16 +96,18 @@ def _job(cfg: DictConfig) -> None:
     _jobs_started += 1
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    sweep = hc.mode == RunMode.MULTIRUN
     with ExitStack() as held:
         try:
             # Before the folder is cleared: another live run's files, log and summary there stay as they are.
-            held.enter_context(claim_run_dir(run_dir))
+            held.enter_context(claim_run_dir(run_dir, "hydra.sweep.dir" if sweep else "hydra.run.dir"))
         except ValueError as exc:
-            if hc.mode == RunMode.MULTIRUN:
-                log.error("run failed (%s): error: %s; the sweep goes on", run_dir, exc)
-                return
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(EXIT_CONFIG_ERROR)
+            print(f"error: {exc}{'; the sweep goes on' if sweep else ''}", file=sys.stderr)
+            if not sweep:
+                sys.exit(EXIT_CONFIG_ERROR)
+            # Counted at the sweep's end (CompareCallback), from whichever process ran the job.
+            (Path(hc.sweep.dir) / REFUSED_FILE.format(hc.job.num)).write_text(f"{run_dir}: {exc}\n")
+            return
         _held_job(cfg, hc, run_dir)
 
 

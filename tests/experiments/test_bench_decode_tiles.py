@@ -10,10 +10,13 @@ import experiments.bench_decode_tiles as bench
 @pytest.mark.parametrize("argv, match", [
     (["--block-ns", "48"], "--block-ns must be powers of two, at least 16, got 48"),
     (["--splits", "0,2"], "--splits must be in 1-16, got 0"),
-    (["--warps", "3"], "--warps must be powers of two, got 3"),
+    (["--warps", "3"], "--warps must be powers of two up to 32, got 3"),
     (["--contexts", "100,2048"], "--contexts must be in [0, --max-model-len), got 2048"),
     (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),
     (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--iters", "0"], "--iters must be at least 1, got 0"),
+    (["--flush-mb", "-1"], "--flush-mb must be at least 0, got -1"),
+    (["--warps", "64"], "--warps must be powers of two up to 32, got 64"),
 ])
 def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):
     monkeypatch.setattr(bench, "copy_bandwidth", lambda *a: pytest.fail("timed despite a bad argument"))

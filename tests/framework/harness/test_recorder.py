@@ -151,3 +151,52 @@ def test_a_run_dir_the_claim_made_goes_again_only_if_left_empty(tmp_path):
     with claim_run_dir(tmp_path):
         pass
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ran"]
+
+
+def test_a_claim_that_opened_a_folder_another_claim_then_removed_holds_the_new_folder(tmp_path, monkeypatch):
+    """Run A made the folder and, stopped early, removes it empty; B opened it just before. B must hold the folder
+    now at the path (not the removed one), so that a third run C is refused while B lives."""
+    import framework.harness.recorder as recorder
+
+    path = tmp_path / "run"
+    real_lock = recorder._lock
+    a_gone, b_holds, b_done = threading.Event(), threading.Event(), threading.Event()
+    waited = []
+
+    def lock_after_a_is_gone(fd, where, setting):
+        if not waited:  # B's first lock: on the folder A is about to remove
+            waited.append(True)
+            assert a_gone.wait(10)
+        return real_lock(fd, where, setting)
+
+    def run_b():
+        with claim_run_dir(path):
+            b_holds.set()
+            assert b_done.wait(10)
+
+    outcomes = []
+
+    def run_c():
+        try:
+            with claim_run_dir(path):
+                outcomes.append("C claimed it too")
+        except ValueError:
+            outcomes.append("C refused")
+
+    claim_a = claim_run_dir(path)
+    claim_a.__enter__()
+    monkeypatch.setattr(recorder, "_lock", lock_after_a_is_gone)
+    b = threading.Thread(target=run_b)
+    b.start()
+    while not waited:  # B has opened A's folder and waits to lock it
+        threading.Event().wait(0.01)
+    claim_a.__exit__(None, None, None)  # A made it and left it empty: removed
+    a_gone.set()
+    assert b_holds.wait(10)
+    assert path.is_dir()
+    c = threading.Thread(target=run_c)
+    c.start()
+    c.join()
+    b_done.set()
+    b.join()
+    assert outcomes == ["C refused"]

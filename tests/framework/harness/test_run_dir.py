@@ -142,3 +142,33 @@ def test_a_run_holds_its_folder_until_it_ends_or_fails(tmp_path):
 def test_runs_and_sweeps_started_in_the_same_second_get_a_folder_each():
     first, second = (compose_config(return_hydra_config=True).hydra for _ in range(2))
     assert first.run.dir != second.run.dir and first.sweep.dir != second.sweep.dir
+
+
+def sweep(sweep_dir):
+    return subprocess.run([sys.executable, "-m", "framework.run", "-m", *SIM, "workload.seed=1,2",
+                           f"hydra.sweep.dir={sweep_dir}"], cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_sweep_into_a_folder_a_live_sweep_holds_is_refused_before_any_job(tmp_path):
+    with held_by_another_process(tmp_path):
+        done = sweep(tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (f"error: run directory {tmp_path} is in use by another run; give "
+                                                    f"each concurrent run its own hydra.sweep.dir")
+    assert not (tmp_path / "0").exists() and not (tmp_path / "1").exists()
+
+
+def test_a_sweep_job_refused_its_folder_is_reported_and_fails_the_sweep_leaving_that_folder(tmp_path):
+    job = tmp_path / "0"
+    run_experiment(compose_config(*SIM, "plots=false"), job)
+    (job / "run.log").write_text("[the live run's log]\n")
+    before = files(job, skip={".hydra"})
+    with held_by_another_process(job):
+        done = sweep(tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"1 run(s) not started: {job}: run directory {job} is in use by another run" in done.stderr
+    assert "its own hydra.sweep.dir" in done.stderr
+    assert files(job, skip={".hydra"}) == before  # .hydra/ is Hydra's, written before any job starts
+    assert json.loads((tmp_path / "1" / "summary.json").read_text())["status"] == "completed"
+    assert sweep(tmp_path).returncode == 0  # the marker of the refused job is gone with the folder free again
