@@ -32,6 +32,7 @@ from hydra.errors import HydraException  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from framework.harness.experiment import run_experiment  # noqa: E402
+from framework.harness.overrides import hydra_error_line  # noqa: E402
 from framework.common.registry import UnavailableError  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -84,8 +85,7 @@ def main() -> None:
         # A configuration error (--router bogus, --hardware h100, a model that does not fit, a bad
         # override), as python -m framework.run reports one; run_experiment raises ValueError for
         # nothing else.
-        message = str(exc).split("\nConfig search path")[0].strip()  # Hydra's list of its own folders
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
         sys.exit(2)
     t_end = time.perf_counter()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

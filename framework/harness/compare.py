@@ -40,7 +40,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from framework.common.config import PART_NAMES, EngineConfig
-from framework.harness.overrides import REPEAT_KEYS
+from framework.harness.overrides import REPEAT_KEYS, restore_hydra_reports
 from framework.harness.recorder import claim_run_dir
 from framework.harness.stats import mean_ci95, overlap
 
@@ -606,6 +606,7 @@ class CompareCallback(Callback):
     _held = ExitStack()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        restore_hydra_reports()  # a job's errors are reported by Hydra, as ever
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             CompareCallback._held.enter_context(claim_run_dir(sweep_dir, "hydra.sweep.dir"))

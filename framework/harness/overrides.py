@@ -1,8 +1,10 @@
-"""Command-line overrides checked against ``conf/`` before Hydra sees them (it would fail with a traceback), and
-the order in which a sweep runs its jobs (``interleave_repeats``)."""
+"""Command-line overrides checked against ``conf/`` before Hydra sees them (it would fail with a traceback), Hydra's
+own composition errors in one line, and the order in which a sweep runs its jobs (``interleave_repeats``)."""
 from __future__ import annotations
 
+import difflib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,53 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 #: ``GROUP/NAME`` options of parts from installed packages (+policy=NAME for such a policy).
 PLUGIN_OPTIONS = store_plugin_options(CONF_DIR)
+
+
+def hold_back_hydra_reports() -> None:
+    """Until ``restore_hydra_reports``, Hydra raises a composition error where it would print it over several lines
+    and exit (``HYDRA_FULL_ERROR``), so that the command can say it in one (``hydra_error_line``)."""
+    global _held_back
+    if "HYDRA_FULL_ERROR" not in os.environ:  # one the user set stays theirs
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+        _held_back = True
+
+
+def restore_hydra_reports() -> None:
+    """Once a run or sweep starts: Hydra reports its errors itself again (a job's own are the job's to report)."""
+    global _held_back
+    if _held_back:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+        _held_back = False
+
+
+_held_back = False
+
+
+def hydra_error_line(exc: BaseException) -> str:
+    """Hydra's composition error ``exc`` in one line: an unknown key with its node's keys (the nearest first), a
+    missing group option with the group's options; Hydra's search path left out."""
+    from omegaconf import DictConfig
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = exc.__cause__
+    parent = getattr(cause, "parent_node", None)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and isinstance(parent, DictConfig) and cause.full_key:
+        node, _, key = str(cause.full_key).rpartition(".")
+        valid = sorted(str(k) for k in parent.keys())
+        near = difflib.get_close_matches(key, valid, n=1)
+        return (f"{node or 'config'}: unknown key {key}{f' (did you mean {near[0]}?)' if near else ''}; "
+                f"valid: {', '.join(valid)}")
+    parts: list[str] = []
+    for line in str(exc).splitlines():
+        if line.startswith("Config search path"):
+            break
+        if not line.strip():
+            continue
+        if line[0].isspace() and parts:  # an item of the list the line before opened
+            parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line.strip()
+        else:
+            parts.append(line.strip())
+    return "; ".join(parts).removeprefix("In 'config': ")
 
 
 def legacy_overrides(argv: list[str]) -> list[str]:

@@ -32,7 +32,7 @@ from pathlib import Path
 import hydra
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException
+from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -42,7 +42,8 @@ from framework.harness.compare import REFUSED_FILE, CompareCallback
 from framework.harness.console import finished_lines
 from framework.harness.experiment import clear_run_dir, run_experiment
 from framework.harness.help import help_overrides
-from framework.harness.overrides import (CONF_DIR, interleave_repeats, legacy_overrides, non_string_group_overrides,
+from framework.harness.overrides import (CONF_DIR, hold_back_hydra_reports, hydra_error_line, interleave_repeats,
+                                        legacy_overrides, non_string_group_overrides, restore_hydra_reports,
                                         null_group_overrides)
 from framework.harness.recorder import claim_run_dir
 from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, parent_watched,
@@ -85,6 +86,7 @@ _job_interrupted = False
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    restore_hydra_reports()
     # A parallel sweep's worker must not outlive its parent: SIGKILLed, that one stops none of its workers.
     with parent_watched():
         _job(cfg)
@@ -186,12 +188,18 @@ def cli() -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     interleave_repeats()  # repeat=0,1,2: every configuration once, then each again, not back to back
+    hold_back_hydra_reports()
     try:
         main()
     except KeyboardInterrupt:  # outside a run (composing the config, between sweep jobs, comparing)
         print("interrupted", file=sys.stderr)
         compare_stopped()
         sys.exit(stopped_status())
+    except (HydraException, OmegaConfBaseException) as exc:
+        if _jobs_started or CompareCallback.multirun_started:  # Hydra's own report was restored: not composing
+            raise
+        print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     except ValueError as exc:
         # Hydra checks its own flags (-m with --cfg, --info or -r) before its error reporting
         # starts, so their ValueError reaches here; a job's own errors never do.

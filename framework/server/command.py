@@ -16,11 +16,13 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.common.registry import UnavailableError
-from framework.harness.overrides import CONF_DIR, legacy_overrides, non_string_group_overrides, null_group_overrides
+from framework.harness.overrides import (CONF_DIR, hold_back_hydra_reports, hydra_error_line, legacy_overrides,
+                                        non_string_group_overrides, null_group_overrides, restore_hydra_reports)
 from framework.harness.recorder import claim_run_dir
 from framework.harness.report import format_summary
 from framework.harness.supervision import stopped_status, terminate
@@ -37,6 +39,7 @@ _built = False
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     global _built
+    restore_hydra_reports()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with ExitStack() as held:
         try:
@@ -65,11 +68,17 @@ def cli() -> None:
         sys.exit(EXIT_CONFIG_ERROR)
     sys.argv = [sys.argv[0], *argv]
     signal.signal(signal.SIGTERM, terminate)  # while loading: stop as Ctrl-C does (serving takes over both)
+    hold_back_hydra_reports()
     try:
         main()
     except KeyboardInterrupt:  # while the model was loading or warming up: nothing was served
         print("interrupted", file=sys.stderr)
         sys.exit(stopped_status())
+    except (HydraException, OmegaConfBaseException) as exc:
+        if _built:
+            raise
+        print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     except SystemExit as exc:
         if exc.code == 1 and not _built:  # Hydra's own composition or override error, printed by Hydra
             sys.exit(EXIT_CONFIG_ERROR)

@@ -28,8 +28,9 @@ def test_bad_arguments_are_usage_errors(argv, match, tmp_path):
 
 @pytest.mark.parametrize("argv, match", [
     # These ended in a traceback from Hydra or from the run.
-    (["--replicas", "2", "--router", "bogus"], "error: In 'config': Could not find 'cluster/bogus'.*prefix_aware"),
-    (["--hardware", "h100"], "error: In 'config': Could not find 'hardware/h100'.*h100-sxm"),
+    (["--replicas", "2", "--router", "bogus"], "error: Could not find 'cluster/bogus'; Available options in "
+                                             "'cluster': .*prefix_aware"),
+    (["--hardware", "h100"], "error: Could not find 'hardware/h100'; Available options in 'hardware': .*h100-sxm"),
     (["--model", "llama-3-7b"], "error: model 'llama-3-7b' is neither a preset .*llama-3-8b"),
     (["--", "+engine.max_num_seq=8"], r"error: engine: unknown key\(s\) max_num_seq; valid: .*max_num_seqs"),
 ])

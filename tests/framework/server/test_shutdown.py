@@ -86,3 +86,11 @@ def test_sigint_stops_a_server_serving_in_the_main_thread(chat_ckpt, tmp_path):
     check_stopped_run(tmp_path, got)
     allocator = server.engine.allocator
     assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+def test_a_key_hydra_cannot_override_is_one_line_naming_the_valid_keys(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "framework.serve", "server.prot=1", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: server: unknown key prot (did you mean port?); valid: api_key, "
+                                                "host, port, served_model_name"]
