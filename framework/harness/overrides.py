@@ -23,6 +23,10 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 PLUGIN_OPTIONS = store_plugin_options(CONF_DIR)
 
 
+#: Whether this process set ``HYDRA_FULL_ERROR`` (``hold_back_hydra_reports``).
+_held_back = False
+
+
 def hold_back_hydra_reports() -> None:
     """Until ``restore_hydra_reports``, Hydra raises a composition error where it would print it over several lines
     and exit (``HYDRA_FULL_ERROR``), so that the command can say it in one (``hydra_error_line``)."""
@@ -40,11 +44,8 @@ def restore_hydra_reports() -> None:
         _held_back = False
 
 
-_held_back = False
-
-
 def hydra_error_line(exc: BaseException) -> str:
-    """Hydra's composition error ``exc`` in one line: an unknown key with its node's keys (the nearest first), a
+    """Hydra's composition error ``exc`` in one line: an unknown key with its node's keys and the nearest of them, a
     missing group option with the group's options; Hydra's search path left out."""
     from omegaconf import DictConfig
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
