@@ -603,6 +603,7 @@ class CompareCallback(Callback):
     #: Whether this process started a multirun (``-m``, or ``hydra.mode: MULTIRUN`` in a named
     #: experiment's file): its exit status 1 is a failed job's, not a configuration error's.
     multirun_started = False
+    #: The claim on the sweep's folder (``recorder.claim_run_dir``), from its start to its end.
     _held = ExitStack()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
