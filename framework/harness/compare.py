@@ -606,6 +606,9 @@ class CompareCallback(Callback):
     #: The claim on the sweep's folder (``recorder.claim_run_dir``), from its start to its end.
     _held = ExitStack()
 
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        restore_hydra_reports()  # composed: what fails from here (the run's folder, its logging) Hydra reports
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         restore_hydra_reports()  # a job's errors are reported by Hydra, as ever
         sweep_dir = Path(config.hydra.sweep.dir)

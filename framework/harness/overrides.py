@@ -36,28 +36,31 @@ def hold_back_hydra_reports() -> None:
         _held_back = True
 
 
-def restore_hydra_reports() -> None:
-    """Once a run or sweep starts: Hydra reports its errors itself again (a job's own are the job's to report)."""
+def restore_hydra_reports() -> bool:
+    """Hydra reports its errors itself again (once a run or sweep starts, or the command ends); whether they were held
+    back until now, so that an error just raised came from composing (not from a job, or the user's own setting)."""
     global _held_back
-    if _held_back:
+    was, _held_back = _held_back, False
+    if was:
         os.environ.pop("HYDRA_FULL_ERROR", None)
-        _held_back = False
+    return was
 
 
 def hydra_error_line(exc: BaseException) -> str:
     """Hydra's composition error ``exc`` in one line: an unknown key with its node's keys and the nearest of them, a
-    missing group option with the group's options; Hydra's search path left out."""
+    missing group option with the group's options, else Hydra's lines and their cause's first; no search path."""
     from omegaconf import DictConfig
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     cause = exc.__cause__
     parent = getattr(cause, "parent_node", None)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and isinstance(parent, DictConfig) and cause.full_key:
         node, _, key = str(cause.full_key).rpartition(".")
         valid = sorted(str(k) for k in parent.keys())
-        near = difflib.get_close_matches(key, valid, n=1)
-        return (f"{node or 'config'}: unknown key {key}{f' (did you mean {near[0]}?)' if near else ''}; "
-                f"valid: {', '.join(valid)}")
+        if valid:  # a node with none (null, or open) takes Hydra's own advice: +KEY=VALUE
+            near = difflib.get_close_matches(key, valid, n=1)
+            return (f"{node or 'config'}: unknown key {key}{f' (did you mean {near[0]}?)' if near else ''}; "
+                    f"valid: {', '.join(valid)}")
     parts: list[str] = []
     for line in str(exc).splitlines():
         if line.startswith("Config search path"):
@@ -67,7 +70,9 @@ def hydra_error_line(exc: BaseException) -> str:
         if line[0].isspace() and parts:  # an item of the list the line before opened
             parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line.strip()
         else:
-            parts.append(line.strip())
+            parts.append(line.strip().rstrip("."))
+    if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+        parts.append(str(cause).strip().splitlines()[0])  # what Hydra prints under its own message
     return "; ".join(parts).removeprefix("In 'config': ")
 
 

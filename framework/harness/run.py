@@ -43,8 +43,8 @@ from framework.harness.console import finished_lines
 from framework.harness.experiment import clear_run_dir, run_experiment
 from framework.harness.help import help_overrides
 from framework.harness.overrides import (CONF_DIR, hold_back_hydra_reports, hydra_error_line, interleave_repeats,
-                                        legacy_overrides, non_string_group_overrides, restore_hydra_reports,
-                                        null_group_overrides)
+                                        legacy_overrides, non_string_group_overrides, null_group_overrides,
+                                        restore_hydra_reports)
 from framework.harness.recorder import claim_run_dir
 from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, parent_watched,
                                            stop, stopped_status, terminate)
@@ -196,7 +196,7 @@ def cli() -> None:
         compare_stopped()
         sys.exit(stopped_status())
     except (HydraException, OmegaConfBaseException) as exc:
-        if _jobs_started or CompareCallback.multirun_started:  # Hydra's own report was restored: not composing
+        if not restore_hydra_reports():  # a job's, or the user's own HYDRA_FULL_ERROR: Hydra's traceback
             raise
         print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
@@ -219,3 +219,5 @@ def cli() -> None:
             # failed, and Hydra printed the error. The jobs it took down are marked failed.
             compare_stopped(exc.__context__ or RuntimeError(f"the sweep failed (status {exc.code})"))
         raise
+    finally:
+        restore_hydra_reports()  # a caller in this process (a test, a script) gets its environment back

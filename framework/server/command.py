@@ -75,7 +75,7 @@ def cli() -> None:
         print("interrupted", file=sys.stderr)
         sys.exit(stopped_status())
     except (HydraException, OmegaConfBaseException) as exc:
-        if _built:
+        if not restore_hydra_reports():  # a job's, or the user's own HYDRA_FULL_ERROR: Hydra's traceback
             raise
         print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
@@ -83,3 +83,5 @@ def cli() -> None:
         if exc.code == 1 and not _built:  # Hydra's own composition or override error, printed by Hydra
             sys.exit(EXIT_CONFIG_ERROR)
         raise
+    finally:
+        restore_hydra_reports()  # a caller in this process (a test, a script) gets its environment back

@@ -3,6 +3,7 @@ import functools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -293,6 +294,11 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
     (["engine.bogus=1"], r"(?m)^error: engine: unknown key bogus; valid: block_size, .*swap_space$"),
     (["engine.max_num_seq=8"], r"(?m)^error: engine: unknown key max_num_seq \(did you mean max_num_seqs\?\); valid: "),
     (["backend.bogus=1"], r"(?m)^error: backend: unknown key bogus; valid: decode_kernel, name, prefill_kernel$"),
+    # A node with no keys (null by default) keeps Hydra's advice; a wrapped error keeps its cause.
+    (["workload.shared_prefix.fraction=0.5"], r"(?m)^error: Could not override 'workload.shared_prefix.fraction'; To "
+                                              r"append to your config use \+workload.shared_prefix.fraction=0.5; "),
+    (["hydra.job.chdir=maybe"], r"(?m)^error: Error merging override hydra.job.chdir=maybe; Value 'maybe' is not a "
+                                r"valid bool"),
     # In a sweep too, with the jobs in this process or in joblib's workers.
     (["-m", "+policy=fcfs,bogus"], r"Could not find 'policy/bogus'"),
     (["-m", "hydra/launcher=parallel", "engine.bogus=1,2"], "Key 'bogus' is not in struct"),
@@ -315,6 +321,37 @@ def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_statu
     assert re.search(message, done.stderr, re.S) and "Traceback" not in done.stderr
 
 
+def test_cli_keeps_hydras_traceback_for_a_users_own_hydra_full_error(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "framework.run", "engine.bogus=1", "executor=sim",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HYDRA_FULL_ERROR": "1"})
+    assert done.returncode == 1 and "Traceback" in done.stderr and "ConfigCompositionException" in done.stderr
+
+
+def test_cli_in_a_process_leaves_its_environment_as_it_was(monkeypatch, capsys):
+    # It holds back Hydra's reports through HYDRA_FULL_ERROR while composing; a later command's subprocesses
+    # would take that for the user's own setting.
+    from framework.harness import run
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["framework.run", "engine.bogus=1", "executor=sim"])
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            run.cli()
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert exit_info.value.code == 2 and "error: engine: unknown key bogus" in capsys.readouterr().err
+    assert "HYDRA_FULL_ERROR" not in os.environ
+
+
+def test_cli_gives_a_run_folder_it_cannot_make_the_configuration_error_status():
+    # It fails after composing and before the job: Hydra's own report, as before the one-line errors.
+    done = cli("hydra.run.dir=/proc/servelab", "executor=sim", cwd=ROOT)
+    assert done.returncode == 2 and "FileNotFoundError" in done.stderr
+
+
 def test_cli_takes_executor_null_as_its_default(tmp_path):
     # null is the executor group's default (the real forward pass); Hydra refuses a null group
     # override, and the run refused it as a group left without an option. As for any other
@@ -328,7 +365,6 @@ def test_cli_takes_executor_null_as_its_default(tmp_path):
 
 def test_a_ctrl_c_while_the_summary_is_computed_waits_for_it(tmp_path, monkeypatch):
     # The serving has ended; the Ctrl-C lands in summarize (millions of records take a while).
-    import signal
 
     from framework.harness import experiment
 
@@ -494,7 +530,6 @@ def test_a_sweep_its_config_makes_exits_with_the_failed_job_status_in_parallel_t
 def test_a_sweep_whose_worker_the_os_kills_leaves_no_job_running(tmp_path):
     # A joblib worker killed by the OS (out of memory) fails the launcher, which takes the other
     # worker's job down too: their summaries said "running" for good, and no comparison was made.
-    import signal
 
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen([sys.executable, "-m", "framework.run", "-m", "hydra/launcher=parallel",
@@ -563,7 +598,6 @@ def test_a_ctrl_c_during_a_stopped_sweeps_comparison_ends_the_command_as_interru
     # Ctrl-C twice on a sweep (as "interrupt again to stop now" invites): the second one may land
     # while the first one's handler writes the comparison (matplotlib's import and the plots take
     # seconds). It escaped as a KeyboardInterrupt traceback raised inside the first one's handling.
-    import signal
 
     from framework.harness import run, supervision
     from framework.harness.compare import CompareCallback
@@ -600,7 +634,6 @@ def test_a_ctrl_c_during_a_stopped_sweeps_comparison_ends_the_command_as_interru
 def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """A batch scheduler's time limit (or ``kill``) sends SIGTERM: the run keeps what it measured,
     its summary says ``interrupted`` and counts the rows written, and the status is 143."""
-    import signal
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "framework.run", "workload.num_requests=5000", "progress=false",
@@ -624,7 +657,6 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
 def test_a_repeated_interrupt_is_dropped_until_the_summary_is_written():
     # A parallel sweep's worker gets a terminal's Ctrl-C twice (from the terminal, and forwarded
     # by its parent): the second, while the first stops the run, must not cost it its summary.
-    import signal
 
     from framework.harness.experiment import _repeats_dropped
 
@@ -640,7 +672,6 @@ def test_a_repeated_interrupt_is_dropped_until_the_summary_is_written():
 def _fake_worker(sweep_dir, insist):
     """A stand-in for a loky worker serving job 0 of ``sweep_dir``: SIGINT makes it write the
     job's ``interrupted`` summary a moment later; with ``insist`` it ignores SIGINT."""
-    import signal
 
     def stop(signum, frame):
         time.sleep(0.3)
@@ -655,7 +686,6 @@ def _fake_worker(sweep_dir, insist):
                          ids=["waits-for-the-summary", "second-ctrl-c-stops-waiting", "waits-for-a-job-building-its-engine"])
 def test_a_parallel_sweeps_parent_forwards_an_interrupt_and_waits_for_the_jobs(tmp_path, insist, building):
     import multiprocessing
-    import signal
     import threading
 
     from framework.harness import supervision
