@@ -151,10 +151,11 @@ def _paged_attention_kernel(
         kv_end = tl.minimum(kv_end, kv_start + chunk)
     # Each tile's K and V loads go out together, and the next tile's block-table entries with them:
     # a tile then waits on one memory round trip instead of three (table, K, then V after the softmax).
-    pos = kv_start + col_pos
-    pos_ok = pos < kv_end
+    col_end = kv_end
     if NUM_KV_HEADS % KV_HEADS != 0:
-        pos_ok = pos_ok & (col_kv < NUM_KV_HEADS)
+        col_end = tl.where(col_kv < NUM_KV_HEADS, kv_end, 0)  # a padding head's columns see no key
+    pos = kv_start + col_pos
+    pos_ok = pos < col_end
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
     for start in range(kv_start, kv_end, BLOCK_N):
         slot = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + col_head
@@ -165,9 +166,7 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         next_pos = pos + BLOCK_N
-        next_ok = next_pos < kv_end
-        if NUM_KV_HEADS % KV_HEADS != 0:
-            next_ok = next_ok & (col_kv < NUM_KV_HEADS)
+        next_ok = next_pos < col_end
         block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_ok, other=0)
         if DOT_FP32:
             k = k.to(tl.float32)

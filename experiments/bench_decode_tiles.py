@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                             for block_n in args.block_ns for splits in args.splits for warps in args.warps
                             if (block_n, splits, warps) != (engine.block_n, engine.num_splits, engine.num_warps)]
         outs = [torch.empty_like(q) for _ in plans]
-        calls = [_call(kernels, out, q, cache, meta.block_table, head_dim ** -0.5, plan) for out, plan in zip(outs, plans)]
+        calls = [functools.partial(kernels.paged_attention, out, q, cache[0], cache[1], meta.block_table,
+                                   head_dim ** -0.5, plan) for out, plan in zip(outs, plans)]
         with torch.inference_mode():
             for call in calls:
                 call()  # compiles each variant
@@ -126,14 +128,6 @@ def _graphed(call):
     with torch.cuda.graph(graph):
         call()
     return graph.replay
-
-
-def _call(kernels, out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, scale: float,
-          plan):
-    def call() -> None:
-        kernels.paged_attention(out, q, cache[0], cache[1], block_table, scale, plan)
-
-    return call
 
 
 if __name__ == "__main__":

@@ -86,7 +86,6 @@ _job_interrupted = False
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    restore_hydra_reports()
     # A parallel sweep's worker must not outlive its parent: SIGKILLed, that one stops none of its workers.
     with parent_watched():
         _job(cfg)

@@ -39,7 +39,6 @@ _built = False
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     global _built
-    restore_hydra_reports()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with ExitStack() as held:
         try:
