@@ -16,7 +16,8 @@
 #      (experiments/gpu_e2e.py parity);
 #   6. a random 1.1B Llama in bf16 at batch 32 and 128: LLM.generate against HF generate, CUDA graphs and
 #      the fused operators and async scheduling on and off, executor.decode_matmul=tuned (with its table of
-#      timed products), the decode step against the HBM roofline, the graph replay at the step's own context
+#      timed products), executor.weight_prefetch_mb=12 and 48 (the next product's weights asked of L2 by the
+#      fused operators), the decode step against the HBM roofline, the graph replay at the step's own context
 #      bound and at max_model_len's (key splits), and profiles of a step's host side and of its graph replay
 #      by kernel (experiments/gpu_e2e.py speed --profile);
 #   7. that model's matrix products at 32 and 128 rows, cuBLAS and cuBLASLt against the split-K Triton kernel of
@@ -26,7 +27,7 @@
 # On the lent GPU machines (python3 with CUDA torch, no network) step 3 needs hydra-core and omegaconf: make
 # .whl here with experiments/gpu_wheels.sh and carry it; this script installs it (without, step 3 is skipped).
 # STEPS="parity e2e" runs only the steps whose names contain one of those words (two device calls, say).
-# E2E_CASES="default,tuned" and E2E_BATCHES=32 narrow step 6 (gpu_e2e.py speed --cases/--batches) when time is short.
+# E2E_CASES="default,prefetch12" and E2E_BATCHES=32 narrow step 6 (gpu_e2e.py speed --cases/--batches) when time is short.
 # Each step is time-limited, logs to LOG_DIR/<step>.log, and a failed step does not stop the others;
 # the exit status is the number of failed steps; LOG_DIR/summary.txt has the figures. The device tool brings
 # back at most 8 files from $OUT: there, log to another folder and put it in $OUT as one archive.

@@ -4,7 +4,8 @@ Attention goes through the selected ``AttentionBackend``; q/k/v and gate/up proj
 fused into one matrix each (fewer, larger matrix multiplies). Given ``fused_ops`` (``models.cpu_ops``
 or ``models.cuda_ops``), the residual add and norm, SiLU-and-multiply and the q/k/v split with RoPE
 each run as one pass (C++ or a Triton launch) instead of several torch operators; the last also stores
-the keys and values in the cache where both the operators and the backend (``kv_slots``) allow.
+the keys and values in the cache where both the operators and the backend (``kv_slots``) allow. With CUDA's
+operators each can also prefetch the next matrix product's weights into L2 (``prefetch_weights``).
 """
 from __future__ import annotations
 
@@ -30,14 +31,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.ops = ops
+        self.prefetch: torch.Tensor | None = None  # weight bytes the fused operator asks L2 for
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         if self.ops is not None:
+            extra = {} if self.prefetch is None else {"prefetch": self.prefetch}
             if residual is None:
                 out = torch.empty_like(x)
-                self.ops.rms_norm(x, self.weight, out, self.eps)
+                self.ops.rms_norm(x, self.weight, out, self.eps, **extra)
                 return out
-            self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            self.ops.add_rms_norm(x, residual, self.weight, self.eps, **extra)
             return x, residual
         if residual is not None:
             residual = residual + x
@@ -76,19 +79,22 @@ class Attention(nn.Module):
         self.rotary = rotary
         # The fused operator that also stores K/V in the cache, where the backend lets the model store them.
         self.into_cache = getattr(ops, "qkv_rotary_into_cache", None)
+        self.prefetch: torch.Tensor | None = None  # weight bytes the rotary operator asks L2 for
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         slots = None if self.into_cache is None else self.backend.kv_slots(meta)
+        extra = {} if self.prefetch is None else {"prefetch": self.prefetch}
         if slots is not None:
             q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
-            self.into_cache(qkv, positions, self.rotary.cos, self.rotary.sin, q, kv_cache[0], kv_cache[1], slots)
+            self.into_cache(qkv, positions, self.rotary.cos, self.rotary.sin, q, kv_cache[0], kv_cache[1], slots,
+                            **extra)
             k = v = None
         elif self.ops is not None:
             q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
             k = qkv.new_empty(qkv.shape[0], self.num_kv_heads, self.head_dim)
             v = torch.empty_like(k)
-            self.ops.qkv_rotary(qkv, positions, self.rotary.cos, self.rotary.sin, q, k, v)
+            self.ops.qkv_rotary(qkv, positions, self.rotary.cos, self.rotary.sin, q, k, v, **extra)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, self.num_heads, self.head_dim)
@@ -111,6 +117,7 @@ class MLP(nn.Module):
         # This projection of silu_and_mul(gate_up) in one pass, where models.cuda_matmul.tune sets one (it may
         # return None, then the operator runs); an attribute read per forward, not a failed lookup.
         self.down_proj.silu_and_mul_forward = None
+        self.prefetch: torch.Tensor | None = None  # weight bytes SiLU-and-multiply asks L2 for
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -122,7 +129,10 @@ class MLP(nn.Module):
             if out is not None:
                 return out
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
-            self.ops.silu_and_mul(gate_up, act)
+            if self.prefetch is None:
+                self.ops.silu_and_mul(gate_up, act)
+            else:
+                self.ops.silu_and_mul(gate_up, act, prefetch=self.prefetch)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
@@ -214,6 +224,19 @@ class LlamaForCausalLM(nn.Module):
             model.lm_head.weight = model.embed_tokens.weight
         model.rotary.reset_tables()
         return model
+
+    def prefetch_weights(self, max_bytes: int) -> None:
+        """Has each fused CUDA operator ask L2 for up to ``max_bytes`` of the weights the next matrix product
+        reads (0: none): the norms for q/k/v, gate/up and the LM head, RoPE for o, SiLU for down."""
+        def head(weight: torch.Tensor) -> torch.Tensor | None:
+            return weight.detach().view(-1)[:max_bytes // weight.element_size()] if max_bytes else None
+
+        for layer in self.layers:
+            layer.input_layernorm.prefetch = head(layer.self_attn.qkv_proj.weight)
+            layer.self_attn.prefetch = head(layer.self_attn.o_proj.weight)
+            layer.post_attention_layernorm.prefetch = head(layer.mlp.gate_up_proj.weight)
+            layer.mlp.prefetch = head(layer.mlp.down_proj.weight)
+        self.norm.prefetch = head(self.lm_head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

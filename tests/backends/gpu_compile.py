@@ -67,18 +67,23 @@ def combine(dtype: str, head_dim: int, splits: int) -> ASTSource:
                      {}, constexprs)
 
 
-def model_ops(dtype: str, head_dim: int, group: int) -> dict[str, ASTSource]:
-    """``models.cuda_ops``' kernels for a model of this head shape (hidden 2048, intermediate 5632)."""
+def model_ops(dtype: str, head_dim: int, group: int, prefetch: bool) -> dict[str, ASTSource]:
+    """``models.cuda_ops``' kernels for a model of this head shape (hidden 2048, intermediate 5632), with or
+    without their L2 prefetch."""
     ptr = f"*{dtype}"
-    norm = {name: ptr for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr")}
+    norm = {name: ptr for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "pf_ptr")}
+    warps = dict(PREFETCH=prefetch, THREADS=128)
     return {
-        "add_rms_norm": signature(ops._rms_norm_kernel, norm, {"eps": "fp32"}, dict(ADD=True, BLOCK=2048)),
-        "silu_and_mul": signature(ops._silu_and_mul_kernel, {"x_ptr": ptr, "out_ptr": ptr}, {}, dict(BLOCK=1024)),
+        "add_rms_norm": signature(ops._rms_norm_kernel, norm, {"eps": "fp32"},
+                                  dict(ADD=True, BLOCK=2048, PREFETCH=prefetch, THREADS=256)),
+        "silu_and_mul": signature(ops._silu_and_mul_kernel, {"x_ptr": ptr, "out_ptr": ptr, "pf_ptr": ptr}, {},
+                                  dict(BLOCK=1024, **warps)),
         **{name: signature(ops._qkv_rotary_kernel,
-                           {name: ptr for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")},
+                           {name: ptr for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr",
+                                                   "pf_ptr")},
                            {}, dict(HEADS=8 * group, KV_HEADS=8, HEAD_DIM=head_dim,
                                     HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=block_size,
-                                    SLOTS=slots))
+                                    SLOTS=slots, **warps))
            for name, block_size, slots in (("qkv_rotary", 1, False), ("qkv_rotary_into_cache", 16, True))},
     }
 
@@ -127,9 +132,14 @@ def main(arch: int = 90) -> None:
         if i == 0:
             triton.compile(combine(dtype, head_dim, 4), target=target)
         print(f"store_kv {dtype} head_dim={head_dim}: ok", flush=True)
-        for name, source in model_ops(dtype, head_dim, group).items():
-            triton.compile(source, target=target, options=ops._EXACT)
-        print(f"model ops {dtype} head_dim={head_dim}: ok", flush=True)
+        for prefetch in (False, True):
+            for name, source in model_ops(dtype, head_dim, group, prefetch).items():
+                kernel = triton.compile(source, target=target,
+                                        options={**ops._EXACT, "num_warps": 8 if "norm" in name else 4})
+                issued = kernel.asm["ptx"].count("cp.async.bulk.prefetch.L2")
+                if issued != prefetch:  # one a thread per chunk, in the loop; none without
+                    sys.exit(f"{name} prefetch={prefetch}: {issued} bulk prefetches in its PTX")
+            print(f"model ops {dtype} head_dim={head_dim} prefetch={prefetch}: ok", flush=True)
     for name, source in matmuls("bf16").items():
         kernel = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 4, **ops._EXACT})
         print(f"matmul bf16 {name}: {kernel.metadata.shared} B shared", flush=True)

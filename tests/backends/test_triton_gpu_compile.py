@@ -27,3 +27,4 @@ def test_kernels_compile_for_sm90():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("attention ") == 16 and out.stdout.count("store_kv ") == 5
     assert out.stdout.count("matmul bf16 ") == 19
+    assert out.stdout.count("prefetch=True: ok") == out.stdout.count("prefetch=False: ok") == 5

@@ -180,3 +180,120 @@ def test_the_model_stores_kv_in_the_rotary_pass_where_the_backend_lets_it(dtype)
         assert stored == [fused] * 2
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
+
+
+def test_a_launch_asks_for_a_weights_bytes_one_chunk_a_thread():
+    """The prefetch's launch arguments: the weight's bytes rounded down to the bulk prefetch's 16, as many chunks
+    a program as it has threads; nothing asked for without a weight, nor interpreted (no cache to fill)."""
+    import models.cuda_ops as compiled
+
+    like, weight = torch.empty(4), torch.empty(1000, dtype=torch.bfloat16)
+    args = compiled._prefetch(weight[:999], like, 8)
+    assert (args["pf_bytes"], args["PREFETCH"], args["THREADS"], args["num_warps"]) == (1984, True, 256, 8)
+    assert args["pf_ptr"].data_ptr() == weight.data_ptr()
+    assert compiled._prefetch(None, like, 4)["PREFETCH"] is False
+    assert ops_for("cpu")._prefetch(weight, like, 4)["PREFETCH"] is False
+    assert compiled._norm_launch(2048, like, weight)["THREADS"] == 32 * compiled._norm_launch(2048, like, None)["num_warps"]
+
+
+@pytest.mark.parametrize("kernel, grid, nbytes", [("norm", (5,), 16384 * 23 + 48), ("silu", (3, 2), 16384 * 4),
+                                                  ("rotary", (2, 4), 16384 * 700 + 16)])
+def test_each_chunk_of_a_prefetch_is_asked_for_once_every_program_taking_a_share(monkeypatch, kernel, grid, nbytes):
+    """The bulk prefetch's chunks over a launch's programs (the interpreter cannot run its instruction: here it
+    records the addresses and sizes asked for): [0, nbytes) in 16 KiB chunks, the last one short, each once,
+    dealt round the programs of a 1-D or 2-D grid; more chunks than threads take more rounds."""
+    from types import SimpleNamespace
+
+    from triton.runtime import interpreter
+
+    ops = ops_for("cpu")
+    asked = []
+
+    def record(builder, asm, constraints, values, type, is_pure, pack):
+        assert "cp.async.bulk.prefetch.L2.global" in asm and not is_pure
+        asked.append((builder.grid_idx, values[0].data.copy(), values[1].data.copy()))
+        result = interpreter.TensorHandle(np.zeros(values[1].data.shape, dtype=np.int32), interpreter.tl.int32)
+        return SimpleNamespace(get_result=lambda i: result)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", record)
+    weight = torch.zeros(nbytes // 2 + 50, dtype=torch.bfloat16)
+    prefetch = {"pf_ptr": weight, "pf_bytes": nbytes, "PREFETCH": True, "THREADS": 64}
+    x = torch.randn(grid[0], 64)
+    if kernel == "norm":
+        ops._rms_norm_kernel[grid](x, x, torch.ones(64), torch.empty_like(x), 64, 64, 64, 64, 1e-6, ADD=False,
+                                   BLOCK=64, **prefetch)
+    elif kernel == "silu":
+        ops._silu_and_mul_kernel[grid](x, torch.empty(grid[0], 32), 32, 64, 32, BLOCK=16, **prefetch)
+    else:
+        rotary = RotaryEmbedding(16, 64, 10000.0, None, 64, torch.float32)
+        ops._qkv_rotary_kernel[grid](x, torch.arange(grid[0]), rotary.cos, rotary.sin, torch.empty(grid[0], 2, 16),
+                                     torch.empty(grid[0], 1, 16), torch.empty(grid[0], 1, 16), torch.arange(grid[0]),
+                                     64, rotary.cos.stride(0), 16, 0, 16, HEADS=2, KV_HEADS=1, HEAD_DIM=16,
+                                     HALF_PAD=8, BLOCK_SIZE=1, SLOTS=False, **prefetch)
+    chunks = []
+    programs = {}
+    for idx, addresses, sizes in asked:
+        live = sizes > 0
+        chunks += zip((addresses[live] - weight.data_ptr()).tolist(), sizes[live].tolist())
+        programs[idx] = programs.get(idx, 0) + int(live.sum())
+    starts = range(0, nbytes, 16384)
+    assert sorted(chunks) == [(start, min(16384, nbytes - start)) for start in starts]
+    assert len(programs) == np.prod(grid) and min(programs.values()) >= len(starts) // np.prod(grid)
+    rounds = -(-len(starts) // (64 * np.prod(grid)))
+    assert len(asked) == rounds * np.prod(grid)
+
+
+def test_the_model_prefetches_each_next_products_weights_and_computes_the_same():
+    """``prefetch_weights(n)``: the norms ask for the first n bytes of q/k/v's, gate/up's and the LM head's
+    weights, RoPE for o's, SiLU for down's (whole where smaller); 0 asks for none; the outputs do not change."""
+    from types import SimpleNamespace
+
+    from framework import BACKENDS
+    from models.config import ModelConfig
+    from models.llama import LlamaForCausalLM
+    from tests.backends.batches import random_batch
+
+    ops = ops_for("cpu")
+    asked = []
+
+    def spy(fn):
+        def call(*args, prefetch=None):
+            asked.append(None if prefetch is None else (fn.__name__, prefetch.data_ptr(),
+                                                        prefetch.numel() * prefetch.element_size()))
+            return fn(*args, prefetch=prefetch)
+        return call
+
+    names = ("rms_norm", "add_rms_norm", "silu_and_mul", "qkv_rotary", "qkv_rotary_into_cache")
+    spied = SimpleNamespace(**{name: spy(getattr(ops, name)) for name in names})
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    backend = BACKENDS.create("triton", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=8,
+                              dtype=torch.float32, device="cpu")
+    model = LlamaForCausalLM.empty_on(torch.device("cpu"), cfg, backend, 256, torch.float32, spied)
+    model.init_random(0, 0.2)
+    batch = random_batch([(0, 5), (9, 1)], 4, 2, 16, 8, torch.float32, seed=3)
+    meta = backend.build_metadata(batch.meta)
+    ids = torch.randint(0, 256, (batch.meta.num_actual_tokens,), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([0, 1, 2, 3, 4, 9])
+    cache = batch.kv_cache[:, None].expand(2, 2, *batch.kv_cache.shape[1:]).contiguous()
+    outs = {}
+    for max_bytes in (0, 12000):
+        model.prefetch_weights(max_bytes)
+        asked.clear()
+        with torch.no_grad():
+            outs[max_bytes] = model(ids, positions, cache.clone(), meta)
+        if not max_bytes:
+            assert asked == [None] * 9
+            continue
+        want = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            want += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        want.append(model.lm_head.weight)
+        sizes = [min(12000, w.numel() * 4) for w in want]
+        assert sorted(sizes) != sorted(w.numel() * 4 for w in want), "some weight is larger than the cap"
+        assert [(ptr, size) for _, ptr, size in asked] == [(w.data_ptr(), n) for w, n in zip(want, sizes)]
+        assert [name for name, _, _ in asked] == ["rms_norm", "qkv_rotary_into_cache", "add_rms_norm", "silu_and_mul",
+                                                  "add_rms_norm", "qkv_rotary_into_cache", "add_rms_norm",
+                                                  "silu_and_mul", "add_rms_norm"]
+    assert torch.equal(outs[0], outs[12000])

@@ -105,6 +105,20 @@ def tune_decode_matmuls(model: torch.nn.Module, rows: list[int]) -> list:
         return cuda_matmul.tune(model, rows, cache=cuda_matmul.cache_path())
 
 
+def _check_prefetch(device: torch.device, fused_ops: bool) -> None:
+    """ValueError where ``executor.weight_prefetch_mb`` cannot run: its prefetch is Hopper's bulk
+    ``cp.async.bulk.prefetch.L2``, issued by the fused CUDA operators."""
+    if device.type != "cuda":
+        raise ValueError(f"executor.weight_prefetch_mb needs a CUDA device, not {device}; use weight_prefetch_mb=0")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        raise ValueError(f"executor.weight_prefetch_mb needs a GPU of compute capability 9.0 or later (its bulk L2 "
+                         f"prefetch); {device} is {capability[0]}.{capability[1]}: use weight_prefetch_mb=0")
+    if not fused_ops:
+        raise ValueError("executor.weight_prefetch_mb needs executor.fused_ops=true (the fused operators issue "
+                         "the prefetches); use weight_prefetch_mb=0")
+
+
 def graph_backends() -> list[str]:
     """The registered attention backends that can capture decode steps in CUDA graphs."""
     return [name for name in BACKENDS.list() if BACKENDS.get(name).graph_decode]
@@ -121,7 +135,9 @@ class ModelExecutor(Executor):
     ``false``): decode steps replay CUDA graphs captured at padded batch sizes
     (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can. ``decode_matmul``
     (``torch``, ``tuned``): ``tuned`` (CUDA) times torch's product against a split-K Triton kernel per linear
-    layer shape at start-up and runs the faster at up to 128 rows (``models.cuda_matmul``)."""
+    layer shape at start-up and runs the faster at up to 128 rows (``models.cuda_matmul``).
+    ``weight_prefetch_mb`` (default 0: off): each fused operator asks the L2 cache for up to this many MiB of
+    the next matrix product's weights (``LlamaForCausalLM.prefetch_weights``; CUDA, compute capability 9.0+)."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
@@ -129,7 +145,7 @@ class ModelExecutor(Executor):
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_ops: bool = True,
                  float32_matmul: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                 decode_matmul: str = "torch") -> None:
+                 decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
         super().__init__(config, source, clock)
         if not isinstance(fused_ops, bool):
             raise ValueError(f"executor.fused_ops must be true or false, got {fused_ops!r}")
@@ -139,6 +155,9 @@ class ModelExecutor(Executor):
             raise ValueError(f"executor.cuda_graphs must be auto, true or false, got {cuda_graphs!r}")
         if decode_matmul not in ("torch", "tuned"):
             raise ValueError(f"executor.decode_matmul must be torch or tuned, got {decode_matmul!r}")
+        if type(weight_prefetch_mb) is not int or weight_prefetch_mb < 0:
+            raise ValueError(f"executor.weight_prefetch_mb must be a whole number of MiB >= 0 (0: off), got "
+                             f"{weight_prefetch_mb!r}")
         if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
             raise ValueError(
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
@@ -152,6 +171,8 @@ class ModelExecutor(Executor):
         if decode_matmul == "tuned" and self._device.type != "cuda":
             raise ValueError(f"executor.decode_matmul=tuned needs a CUDA device (its kernels are timed there), not "
                              f"{self._device}; use decode_matmul=torch")
+        if weight_prefetch_mb:
+            _check_prefetch(self._device, fused_ops)
         assert config.max_model_len is not None
         self.backend = BACKENDS.create_with(
             config.backend, config.backend_options, num_heads=cfg.num_attention_heads,
@@ -172,6 +193,10 @@ class ModelExecutor(Executor):
         #: ``models.cuda_matmul.Choice`` per weight shape and row bucket, with ``decode_matmul=tuned``.
         self.matmul_choices = tune_decode_matmuls(self.model, capture_sizes(config.max_num_seqs)) \
             if decode_matmul == "tuned" else []
+        if weight_prefetch_mb and ops is None:
+            raise UnavailableError("executor.weight_prefetch_mb needs the fused operators, which cannot be had "
+                                   "here (see the warning above); use weight_prefetch_mb=0")
+        self.model.prefetch_weights(weight_prefetch_mb << 20)
         self.model.eval()
         self._tokenizer = self.load_tokenizer(source)
         self.runner: ModelRunner | None = None

@@ -1,4 +1,6 @@
 """The model executor's process-wide settings."""
+import re
+
 import pytest
 import torch
 
@@ -109,6 +111,39 @@ def test_decode_matmul_is_torch_or_tuned_and_tuned_needs_cuda(llama_ckpt):
                                          "decode_matmul=torch"):
         LLM(executor_options={"decode_matmul": "tuned"}, **common)
 
+
+@pytest.mark.parametrize("value, error", [
+    (-1, "executor.weight_prefetch_mb must be a whole number of MiB >= 0 (0: off), got -1"),
+    (1.5, "executor.weight_prefetch_mb must be a whole number of MiB >= 0 (0: off), got 1.5"),
+    (True, "executor.weight_prefetch_mb must be a whole number of MiB >= 0 (0: off), got True"),
+    (16, "executor.weight_prefetch_mb needs a CUDA device, not cpu; use weight_prefetch_mb=0")])
+def test_weight_prefetch_is_whole_mib_and_needs_cuda(llama_ckpt, value, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        LLM(model=str(llama_ckpt[0]), max_model_len=64, num_gpu_blocks_override=16,
+            executor_options={"weight_prefetch_mb": value})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a CUDA GPU of compute capability 9.0+")
+def test_on_a_gpu_prefetching_weights_changes_no_result(llama_ckpt):
+    """The L2 prefetch is a hint: eager prefill and graph-replayed decode steps give the same bits with it."""
+    prompts = [[5, 9, 33, 2, 7, 120, 64] * 3, [300, 4, 17], list(range(3, 60))]
+    outs = {}
+    for mb in (0, 1):
+        llm = LLM(model=str(llama_ckpt[0]), device="cuda", dtype="bfloat16", backend="triton", max_model_len=128,
+                  num_gpu_blocks_override=64, max_num_seqs=8, executor_options={"weight_prefetch_mb": mb})
+        model = llm.engine.executor.model
+        assert (model.layers[0].mlp.prefetch is not None) == bool(mb)
+        assert llm.engine.executor.runner.decode is not None
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3))
+        outs[mb] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                    for o in got]
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="executor.weight_prefetch_mb needs executor.fused_ops=true"):
+        LLM(model=str(llama_ckpt[0]), device="cuda", max_model_len=64, num_gpu_blocks_override=16,
+            executor_options={"weight_prefetch_mb": 1, "fused_ops": False})
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
