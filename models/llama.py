@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from types import MethodType, ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -176,6 +177,12 @@ def compute_linears_in_float32(model: nn.Module) -> None:
             if module.bias is not None:
                 module.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
             module.forward = MethodType(_float32_linear, module)
+    if isinstance(model, LlamaForCausalLM):
+        model.packed_weights = None  # it held the weights just replaced: free it with them
+
+
+#: Alignment in bytes of each weight ``empty_on`` packs (cuBLAS and the bulk prefetch want aligned rows).
+PACK_ALIGN = 256
 
 
 class LlamaForCausalLM(nn.Module):
@@ -207,15 +214,28 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def empty_on(cls, device: torch.device, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                  dtype: torch.dtype, fused_ops: ModuleType | None = None) -> LlamaForCausalLM:
-        """The model with its parameters allocated straight on ``device`` in ``dtype``, their contents
-        undefined until ``load_weights`` or ``init_random`` (no CPU copy, no default initialisation)."""
+        """The model with its parameters allocated straight on ``device`` in ``dtype``, the layers' matrices
+        packed in ``packed_weights`` in ``read_order``, their contents undefined until ``load_weights`` or
+        ``init_random`` (no CPU copy, no default initialisation)."""
         with torch.device("meta"):
             model = cls(cfg, backend, max_positions, dtype, fused_ops)
         model.to(dtype=dtype)
+        # The layers' matrices in one buffer in the order a forward pass reads them, so that "the next n bytes
+        # of weights" is one range (``prefetch_weights``).
+        linears = model.read_order()
+        align = PACK_ALIGN // dtype.itemsize
+        ends = np.cumsum([-(-lin.weight.numel() // align) * align for lin in linears])
+        model.packed_weights = torch.empty(int(ends[-1]) if linears else 0, dtype=dtype, device=device)
+        for lin, end in zip(linears, ends):
+            start = int(end) - -(-lin.weight.numel() // align) * align
+            lin.weight = nn.Parameter(model.packed_weights[start:start + lin.weight.numel()].view(lin.weight.shape),
+                                      requires_grad=lin.weight.requires_grad)
         # torch.empty per tensor, not Module.to_empty: its empty_like of a meta tensor imports torch's
         # symbolic-shape machinery (0.7 s of every engine start).
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
+                if not param.is_meta:
+                    continue
                 setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
                                                    requires_grad=param.requires_grad))
             for name, buffer in module.named_buffers(recurse=False):
@@ -225,18 +245,31 @@ class LlamaForCausalLM(nn.Module):
         model.rotary.reset_tables()
         return model
 
+    def read_order(self) -> list[nn.Linear]:
+        """The decoder layers' matrix products in the order a forward pass reads their weights."""
+        return [lin for layer in self.layers
+                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
     def prefetch_weights(self, max_bytes: int) -> None:
-        """Has each fused CUDA operator ask L2 for up to ``max_bytes`` of the weights the next matrix product
-        reads (0: none): the norms for q/k/v, gate/up and the LM head, RoPE for o, SiLU for down."""
-        def head(weight: torch.Tensor) -> torch.Tensor | None:
-            return weight.detach().view(-1)[:max_bytes // weight.element_size()] if max_bytes else None
+        """Has each fused CUDA operator ask L2 for the next ``max_bytes`` of the layers' packed weights from
+        the product it precedes (0: none): the norms from q/k/v's and gate/up's, RoPE from o's, SiLU from
+        down's (on into the next layer's q/k/v); the last norm for the LM head's. Needs ``empty_on``'s packing."""
+        packed = getattr(self, "packed_weights", None)
+        linears = self.read_order()
+        if packed is None or any(not 0 <= lin.weight.data_ptr() - packed.data_ptr() < packed.nbytes for lin in linears):
+            raise ValueError("prefetch_weights needs the layers' weights packed by LlamaForCausalLM.empty_on")
+        count = max_bytes // packed.element_size()
+
+        def window(weight: torch.Tensor) -> torch.Tensor | None:
+            start = (weight.data_ptr() - packed.data_ptr()) // packed.element_size()
+            return packed[start:start + count] if count else None
 
         for layer in self.layers:
-            layer.input_layernorm.prefetch = head(layer.self_attn.qkv_proj.weight)
-            layer.self_attn.prefetch = head(layer.self_attn.o_proj.weight)
-            layer.post_attention_layernorm.prefetch = head(layer.mlp.gate_up_proj.weight)
-            layer.mlp.prefetch = head(layer.mlp.down_proj.weight)
-        self.norm.prefetch = head(self.lm_head.weight)
+            layer.input_layernorm.prefetch = window(layer.self_attn.qkv_proj.weight)
+            layer.self_attn.prefetch = window(layer.self_attn.o_proj.weight)
+            layer.post_attention_layernorm.prefetch = window(layer.mlp.gate_up_proj.weight)
+            layer.mlp.prefetch = window(layer.mlp.down_proj.weight)
+        self.norm.prefetch = self.lm_head.weight.detach().view(-1)[:count] if count else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

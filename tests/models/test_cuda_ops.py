@@ -243,9 +243,11 @@ def test_each_chunk_of_a_prefetch_is_asked_for_once_every_program_taking_a_share
     assert len(asked) == rounds * np.prod(grid)
 
 
-def test_the_model_prefetches_each_next_products_weights_and_computes_the_same():
-    """``prefetch_weights(n)``: the norms ask for the first n bytes of q/k/v's, gate/up's and the LM head's
-    weights, RoPE for o's, SiLU for down's (whole where smaller); 0 asks for none; the outputs do not change."""
+def test_the_model_prefetches_the_next_weights_it_reads_and_computes_the_same():
+    """``prefetch_weights(n)``: each fused operator asks for the next n bytes of the packed weights from the
+    product it precedes (the norms from q/k/v's and gate/up's, RoPE from o's, SiLU from down's, on into the next
+    layer's, the last layer's cut at the end), the last norm for the LM head's; 0 asks for none; the outputs
+    do not change."""
     from types import SimpleNamespace
 
     from framework import BACKENDS
@@ -276,8 +278,10 @@ def test_the_model_prefetches_each_next_products_weights_and_computes_the_same()
     ids = torch.randint(0, 256, (batch.meta.num_actual_tokens,), generator=torch.Generator().manual_seed(2))
     positions = torch.tensor([0, 1, 2, 3, 4, 9])
     cache = batch.kv_cache[:, None].expand(2, 2, *batch.kv_cache.shape[1:]).contiguous()
+    packed = model.packed_weights
+    end = packed.data_ptr() + packed.nbytes
     outs = {}
-    for max_bytes in (0, 12000):
+    for max_bytes in (0, 30000):  # more than down's 24576 bytes: its window runs into the next layer's q/k/v
         model.prefetch_weights(max_bytes)
         asked.clear()
         with torch.no_grad():
@@ -285,15 +289,16 @@ def test_the_model_prefetches_each_next_products_weights_and_computes_the_same()
         if not max_bytes:
             assert asked == [None] * 9
             continue
-        want = []
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            want += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-        want.append(model.lm_head.weight)
-        sizes = [min(12000, w.numel() * 4) for w in want]
-        assert sorted(sizes) != sorted(w.numel() * 4 for w in want), "some weight is larger than the cap"
-        assert [(ptr, size) for _, ptr, size in asked] == [(w.data_ptr(), n) for w, n in zip(want, sizes)]
+        starts = [lin.weight.data_ptr() for lin in model.read_order()]
+        want = [(start, min(30000, end - start)) for start in starts] + [(model.lm_head.weight.data_ptr(), 30000)]
+        assert [(ptr, size) for _, ptr, size in asked] == want
+        assert asked[3][1] + asked[3][2] > model.layers[1].self_attn.qkv_proj.weight.data_ptr()
+        assert asked[7][2] < 30000, "the last layer's window ends with the packed weights"
         assert [name for name, _, _ in asked] == ["rms_norm", "qkv_rotary_into_cache", "add_rms_norm", "silu_and_mul",
                                                   "add_rms_norm", "qkv_rotary_into_cache", "add_rms_norm",
                                                   "silu_and_mul", "add_rms_norm"]
-    assert torch.equal(outs[0], outs[12000])
+    assert torch.equal(outs[0], outs[30000])
+    model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 96))
+    with pytest.raises(ValueError, match="prefetch_weights needs the layers' weights packed by "
+                                         "LlamaForCausalLM.empty_on"):
+        model.prefetch_weights(1 << 20)

@@ -76,6 +76,27 @@ def test_the_engine_allocates_the_model_on_its_device_in_its_dtype_with_no_defau
     assert model.rotary.cos.dtype == dtype and not model.rotary.cos.is_meta
 
 
+def test_the_layers_weights_lie_in_one_buffer_in_the_order_a_step_reads_them(llama_ckpt):
+    """``empty_on`` packs q/k/v, o, gate/up and down of every layer, in that order, each at an aligned offset
+    with nothing shared; the loaded engine samples as transformers does (the other tests); multiplying in
+    float32 frees the packing with the weights it replaced."""
+    from models.llama import PACK_ALIGN, compute_linears_in_float32
+
+    llm = LLM(model=str(llama_ckpt[0]), max_model_len=64, dtype="bfloat16", executor_options={"float32_matmul": False})
+    model = llm.engine.executor.model
+    packed, linears = model.packed_weights, model.read_order()
+    assert len(linears) == 4 * len(model.layers)
+    assert linears[:2] == [model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj]
+    offsets = [lin.weight.data_ptr() - packed.data_ptr() for lin in linears]
+    sizes = [lin.weight.nbytes for lin in linears]
+    assert offsets[0] == 0 and all(o % PACK_ALIGN == 0 for o in offsets)
+    assert all(a + size <= b < a + size + PACK_ALIGN for a, b, size in zip(offsets, offsets[1:], sizes))
+    assert offsets[-1] + sizes[-1] <= packed.nbytes < offsets[-1] + sizes[-1] + PACK_ALIGN
+    assert all(lin.weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr() for lin in linears)
+    compute_linears_in_float32(model)
+    assert model.packed_weights is None and all(lin.weight.dtype == torch.float32 for lin in linears)
+
+
 def test_tied_embeddings_stay_one_tensor_and_match_transformers(tmp_path):
     hf = make_hf_checkpoint(tmp_path / "ckpt", "llama", seed=7, tie_word_embeddings=True)
     assert_greedy_matches(tmp_path / "ckpt", hf)

@@ -136,8 +136,8 @@ class ModelExecutor(Executor):
     (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can. ``decode_matmul``
     (``torch``, ``tuned``): ``tuned`` (CUDA) times torch's product against a split-K Triton kernel per linear
     layer shape at start-up and runs the faster at up to 128 rows (``models.cuda_matmul``).
-    ``weight_prefetch_mb`` (default 0: off): each fused operator asks the L2 cache for up to this many MiB of
-    the next matrix product's weights (``LlamaForCausalLM.prefetch_weights``; CUDA, compute capability 9.0+)."""
+    ``weight_prefetch_mb`` (default 0: off): each fused operator asks the L2 cache for the next this many MiB of
+    weights from the matrix product after it (``LlamaForCausalLM.prefetch_weights``; CUDA, capability 9.0+)."""
 
     samples_forks = True  # the v0 preparer samples every fork from its leader's logits row
     returns_logprobs = True
@@ -193,10 +193,11 @@ class ModelExecutor(Executor):
         #: ``models.cuda_matmul.Choice`` per weight shape and row bucket, with ``decode_matmul=tuned``.
         self.matmul_choices = tune_decode_matmuls(self.model, capture_sizes(config.max_num_seqs)) \
             if decode_matmul == "tuned" else []
-        if weight_prefetch_mb and ops is None:
-            raise UnavailableError("executor.weight_prefetch_mb needs the fused operators, which cannot be had "
-                                   "here (see the warning above); use weight_prefetch_mb=0")
-        self.model.prefetch_weights(weight_prefetch_mb << 20)
+        if weight_prefetch_mb:
+            if ops is None:
+                raise UnavailableError("executor.weight_prefetch_mb needs the fused operators, which cannot be had "
+                                       "here (see the warning above); use weight_prefetch_mb=0")
+            self.model.prefetch_weights(weight_prefetch_mb << 20)
         self.model.eval()
         self._tokenizer = self.load_tokenizer(source)
         self.runner: ModelRunner | None = None
