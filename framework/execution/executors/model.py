@@ -105,15 +105,19 @@ def tune_decode_matmuls(model: torch.nn.Module, rows: list[int]) -> list:
         return cuda_matmul.tune(model, rows, cache=cuda_matmul.cache_path())
 
 
-def _check_prefetch(device: torch.device, fused_ops: bool) -> None:
+def _check_prefetch(device: torch.device, fused_ops: bool, megabytes: int) -> None:
     """ValueError where ``executor.weight_prefetch_mb`` cannot run: its prefetch is Hopper's bulk
-    ``cp.async.bulk.prefetch.L2``, issued by the fused CUDA operators."""
+    ``cp.async.bulk.prefetch.L2``, issued by the fused CUDA operators, into an L2 cache it must fit."""
     if device.type != "cuda":
         raise ValueError(f"executor.weight_prefetch_mb needs a CUDA device, not {device}; use weight_prefetch_mb=0")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (9, 0):
+    properties = torch.cuda.get_device_properties(device)
+    if (properties.major, properties.minor) < (9, 0):
         raise ValueError(f"executor.weight_prefetch_mb needs a GPU of compute capability 9.0 or later (its bulk L2 "
-                         f"prefetch); {device} is {capability[0]}.{capability[1]}: use weight_prefetch_mb=0")
+                         f"prefetch); {device} is {properties.major}.{properties.minor}: use weight_prefetch_mb=0")
+    l2_mb = properties.L2_cache_size >> 20
+    if megabytes > l2_mb:  # the window's end would evict its start before the product reads it
+        raise ValueError(f"executor.weight_prefetch_mb={megabytes} is more than {device}'s L2 cache ({l2_mb} MiB); "
+                         f"use 1 to {l2_mb}, or 0 (off)")
     if not fused_ops:
         raise ValueError("executor.weight_prefetch_mb needs executor.fused_ops=true (the fused operators issue "
                          "the prefetches); use weight_prefetch_mb=0")
@@ -172,7 +176,7 @@ class ModelExecutor(Executor):
             raise ValueError(f"executor.decode_matmul=tuned needs a CUDA device (its kernels are timed there), not "
                              f"{self._device}; use decode_matmul=torch")
         if weight_prefetch_mb:
-            _check_prefetch(self._device, fused_ops)
+            _check_prefetch(self._device, fused_ops, weight_prefetch_mb)
         assert config.max_model_len is not None
         self.backend = BACKENDS.create_with(
             config.backend, config.backend_options, num_heads=cfg.num_attention_heads,

@@ -123,6 +123,27 @@ def test_weight_prefetch_is_whole_mib_and_needs_cuda(llama_ckpt, value, error):
             executor_options={"weight_prefetch_mb": value})
 
 
+@pytest.mark.parametrize("capability, megabytes, error", [
+    ((8, 0), 8, "needs a GPU of compute capability 9.0 or later (its bulk L2 prefetch); cuda:0 is 8.0"),
+    ((9, 0), 51, "executor.weight_prefetch_mb=51 is more than cuda:0's L2 cache (50 MiB); use 1 to 50, or 0 (off)"),
+    ((9, 0), 50, None)])
+def test_weight_prefetch_needs_hopper_and_fits_in_l2(monkeypatch, capability, megabytes, error):
+    """Checked from the device's properties (as a GPU reports them) before the model is built."""
+    from types import SimpleNamespace
+
+    from framework.execution.executors.model import _check_prefetch
+
+    properties = SimpleNamespace(major=capability[0], minor=capability[1], L2_cache_size=50 << 20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    if error is None:
+        _check_prefetch(torch.device("cuda:0"), True, megabytes)
+        with pytest.raises(ValueError, match="needs executor.fused_ops=true"):
+            _check_prefetch(torch.device("cuda:0"), False, megabytes)
+    else:
+        with pytest.raises(ValueError, match=re.escape(error)):
+            _check_prefetch(torch.device("cuda:0"), True, megabytes)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a CUDA GPU of compute capability 9.0+")
@@ -144,6 +165,11 @@ def test_on_a_gpu_prefetching_weights_changes_no_result(llama_ckpt):
     with pytest.raises(ValueError, match="executor.weight_prefetch_mb needs executor.fused_ops=true"):
         LLM(model=str(llama_ckpt[0]), device="cuda", max_model_len=64, num_gpu_blocks_override=16,
             executor_options={"weight_prefetch_mb": 1, "fused_ops": False})
+    l2_mb = torch.cuda.get_device_properties(0).L2_cache_size >> 20
+    with pytest.raises(ValueError, match=re.escape(f"executor.weight_prefetch_mb={l2_mb + 1} is more than cuda's L2 "
+                                                   f"cache ({l2_mb} MiB); use 1 to {l2_mb}, or 0 (off)")):
+        LLM(model=str(llama_ckpt[0]), device="cuda", max_model_len=64, num_gpu_blocks_override=16,
+            executor_options={"weight_prefetch_mb": l2_mb + 1})
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
