@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from framework.execution.host_memory import to_device
+from framework.execution.triton_rotary import rotated
 
 #: Whether these kernels were decorated for Triton's CPU interpreter (Triton before 3.3 has no
 #: ``knobs`` and reads the variable directly).
@@ -73,11 +74,11 @@ def _paged_attention_kernel(
     out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
     tile_req_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr, tile_end_ptr, scale_log2e,
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_bt, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_cos,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, DECODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, DECODE: tl.constexpr, ROTARY: tl.constexpr,
 ):
     """Program (query tile, kv-head tile) attends up to BLOCK_Q consecutive query tokens of one request,
     for the query heads of KV_HEADS consecutive K/V heads, to that request's keys up to each token's own
@@ -90,6 +91,11 @@ def _paged_attention_kernel(
     interpreter). With NUM_SPLITS > 1 (flash-decoding) program axis 2 takes one of NUM_SPLITS equal key
     ranges and writes its normalised partial output to ``out[split]`` and its log2-sum-exp to
     ``lse[split]``, merged by ``_combine_splits_kernel``.
+
+    With ROTARY (and DECODE) ``q_ptr`` is the step's unrotated q/k/v rows (``stride_qh`` the head size): the
+    program rotates its query heads and its K/V heads' new key at ``pos_ptr[req]`` by the ``cos``/``sin``
+    tables (``rotated``, as ``models.cuda_ops`` does) and attends to the new key and value from q/k/v, storing
+    them at ``slot_ptr[req]`` after its loop (the split holding that position).
     """
     ROWS: tl.constexpr = KV_HEADS * BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -130,8 +136,19 @@ def _paged_attention_kernel(
         q_mask = q_mask & (dims < HEAD_DIM)[None, :]
     row_token = first_row + token
     row_head = row_kv * GROUP + member
-    q = tl.load(q_ptr + (row_token * stride_qt + row_head * stride_qh)[:, None] + dims[None, :],
-                mask=q_mask, other=0.0)
+    q_rows = q_ptr + (row_token * stride_qt + row_head * stride_qh)[:, None]
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if ROTARY:
+        # Rotate half: dimension d < D/2 pairs with d + D/2 (minus its sine term), d >= D/2 with d - D/2.
+        upper = dims >= HEAD_DIM // 2
+        partner = tl.where(upper, dims - HEAD_DIM // 2, dims + HEAD_DIM // 2)
+        sign = tl.where(upper, 1.0, -1.0)
+        new_pos = tl.load(pos_ptr + req)
+        angle = new_pos * stride_cos + tl.where(upper, dims - HEAD_DIM // 2, dims)
+        dim_ok = dims < HEAD_DIM
+        cos = tl.load(cos_ptr + angle, mask=dim_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + angle, mask=dim_ok, other=0.0).to(tl.float32)
+        q = rotated(q, tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0), cos, sin, sign)
     if DOT_FP32:
         q = q.to(tl.float32)
     # A row sees column c if c is its own head's and the key is not in its future; every real
@@ -156,6 +173,11 @@ def _paged_attention_kernel(
         col_end = tl.where(col_kv < NUM_KV_HEADS, kv_end, 0)  # a padding head's columns see no key
     pos = kv_start + col_pos
     pos_ok = pos < col_end
+    if ROTARY:
+        # The new token's key and value: each column's head's (heads H + kv and H + KVH + kv of its q/k/v row).
+        new_cols = q_ptr + req * stride_qt + ((NUM_KV_HEADS * GROUP + col_kv + 0 * cols) * stride_qh)[:, None]
+        holds_new = (kv_start <= new_pos) & (new_pos < kv_end)  # this split's keys: the one program to store it
+        first_col = (col_pos == 0) & pos_ok  # one column of each real head (its first key)
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
     for start in range(kv_start, kv_end, BLOCK_N):
         slot = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + col_head
@@ -165,6 +187,14 @@ def _paged_attention_kernel(
         kv_ptrs = slot[:, None] + dims[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        if ROTARY:
+            if start + BLOCK_N > new_pos:  # the tile holding the new token: its key and value from q/k/v
+                new = (pos == new_pos)[:, None] & kv_mask
+                k = tl.where(new, rotated(tl.load(new_cols + dims[None, :], mask=new, other=0.0),
+                                          tl.load(new_cols + partner[None, :], mask=new, other=0.0), cos, sin,
+                                          sign), k)
+                v = tl.where(new, tl.load(new_cols + NUM_KV_HEADS * stride_qh + dims[None, :], mask=new, other=0.0),
+                             v)
         next_pos = pos + BLOCK_N
         next_ok = next_pos < col_end
         block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_ok, other=0)
@@ -190,6 +220,17 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
         pos, pos_ok = next_pos, next_ok
+    if ROTARY:
+        # Stored after the loop, which takes them from q/k/v: no program reads a slot this launch writes.
+        if holds_new:
+            new_mask = first_col[:, None] & dim_ok[None, :]
+            new_k = rotated(tl.load(new_cols + dims[None, :], mask=new_mask, other=0.0),
+                            tl.load(new_cols + partner[None, :], mask=new_mask, other=0.0), cos, sin, sign)
+            new_v = tl.load(new_cols + NUM_KV_HEADS * stride_qh + dims[None, :], mask=new_mask, other=0.0)
+            new_slot = tl.load(slot_ptr + req)
+            dst = (new_slot // BLOCK_SIZE) * stride_cb + (new_slot % BLOCK_SIZE) * stride_cs + col_head + 0 * cols
+            tl.store(k_cache_ptr + dst[:, None] + dims[None, :], new_k, mask=new_mask)
+            tl.store(v_cache_ptr + dst[:, None] + dims[None, :], new_v, mask=new_mask)
     out_rows = row_token * stride_ot + row_head * stride_oh
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -428,13 +469,37 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@dataclass
+class Rotary:
+    """What a decode launch needs to rotate q and k and store the new K/V itself (``paged_attention``): RoPE's
+    ``cos``/``sin`` tables ``[positions, head_dim / 2]`` and each request's ``positions`` and cache ``slots``
+    ``[num_reqs]`` (int64)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+
+
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_table: torch.Tensor, scale: float, launch: LaunchPlan) -> torch.Tensor:
+                    block_table: torch.Tensor, scale: float, launch: LaunchPlan,
+                    rotary: Rotary | None = None) -> torch.Tensor:
     """Causal attention of the flat batch ``q`` ``[T, heads, head_dim]`` over each request's
-    cache (through ``block_table``), written into ``out``; one launch for the whole batch."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    cache (through ``block_table``), written into ``out``; one launch for the whole batch. With ``rotary``
+    (a ``decode`` launch) ``q`` is the step's unrotated q/k/v ``[T, (heads + 2 kv_heads) head_dim]``, which
+    the launch rotates, storing the new keys and values in the caches."""
+    num_heads, head_dim = out.shape[1], out.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if rotary is None:
+        stride_qt, stride_qh = q.stride(0), q.stride(1)
+        tables, rows, stride_cos = (q, q), (launch.tiles, launch.tiles), 0  # not read
+    else:
+        if not launch.decode or q.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+            raise ValueError(f"rotary needs a decode launch and q/k/v rows of {(num_heads + 2 * num_kv_heads)} "
+                             f"heads of {head_dim}: got decode={launch.decode}, {tuple(q.shape)}")
+        stride_qt, stride_qh = q.stride(0), head_dim
+        tables, rows, stride_cos = (rotary.cos, rotary.sin), (rotary.positions, rotary.slots), rotary.cos.stride(0)
     splits = launch.num_splits
     if splits == 1:
         part, lse = out[None], out  # lse is not touched without splits
@@ -445,16 +510,17 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
         _paged_attention_kernel[grid](
             part, lse, q, k_cache, v_cache, block_table, *launch.tile_rows,
             scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
-            q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group), KV_HEADS=launch.kv_heads,
+            stride_qt, stride_qh, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), *tables, *rows,
+            stride_cos, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group), KV_HEADS=launch.kv_heads,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16), BLOCK_SIZE=k_cache.shape[1],
             BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=splits,
             DOT_PRECISION=dot_precision(q.dtype),
             # The interpreter multiplies bfloat16 as raw integers, and float16 without BLAS.
-            DOT_FP32=INTERPRETED and q.dtype != torch.float32, DECODE=launch.decode, num_warps=launch.num_warps)
+            DOT_FP32=INTERPRETED and q.dtype != torch.float32, DECODE=launch.decode, ROTARY=rotary is not None,
+            num_warps=launch.num_warps)
         if splits > 1:
-            _combine_splits_kernel[(q.shape[0],)](
+            _combine_splits_kernel[(out.shape[0],)](
                 out, part, lse, num_heads, out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
                 lse.stride(0), lse.stride(1), NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEADS_PAD=_pow2(num_heads),
                 HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16))

@@ -7,6 +7,7 @@ for that import only, so the two coexist in one process and nothing else in it r
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import importlib.util
@@ -14,6 +15,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -49,13 +51,14 @@ def load_kernels(device: torch.device) -> ModuleType:
 INTERPRETED_SUFFIX = "_interpreted"
 
 
-def import_interpreted(name: str, uses: tuple[str, ...] = ()) -> ModuleType:
+def import_interpreted(name: str) -> ModuleType:
     """Module ``name`` executed once more as ``name + INTERPRETED_SUFFIX`` with the interpreter on (cached):
     ``triton.jit`` picks the interpreter when a kernel is decorated, so the switch need not outlive the import.
-    ``uses``: modules whose Triton functions its kernels call; it imports their interpreted copies instead."""
+    The modules of Triton functions it imports (``triton_uses``) come as their interpreted copies too."""
     alias = name + INTERPRETED_SUFFIX
     if alias in sys.modules:
         return sys.modules[alias]
+    uses = triton_uses(name)
     copies = {dep: import_interpreted(dep) for dep in uses}
     originals = {dep: sys.modules.get(dep) for dep in uses}
     origin = importlib.util.find_spec(name).origin
@@ -76,6 +79,21 @@ def import_interpreted(name: str, uses: tuple[str, ...] = ()) -> ModuleType:
             else:
                 sys.modules[dep] = original
     return module
+
+
+def triton_uses(name: str) -> list[str]:
+    """The modules ``name`` imports from (``from X import f``) that define Triton functions, found in their
+    source without importing them: a compiled Triton function cannot be called from an interpreted kernel."""
+    tree = ast.parse(Path(importlib.util.find_spec(name).origin).read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level \
+                and node.module.split(".")[0] != "triton" and node.module not in found:
+            spec = importlib.util.find_spec(node.module)
+            if spec is not None and spec.origin and spec.origin.endswith(".py") \
+                    and "@triton.jit" in Path(spec.origin).read_text():
+                found.append(node.module)
+    return found
 
 
 @contextlib.contextmanager
@@ -116,12 +134,22 @@ class TritonMetadata:
 
 @BACKENDS.register("triton")
 class TritonBackend(AttentionBackend):
+    """Option ``fuse_rotary`` (default false): a graph-captured decode step's attention launch also rotates q
+    and k and stores the new K/V (``forward_rotary``), one launch a layer less; bfloat16 and float16 only (in
+    float32 the launch's fused multiply-adds would round RoPE's products otherwise than transformers)."""
+
     max_head_size = 256
     graph_decode = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 block_size: int, dtype: torch.dtype, device: torch.device, fuse_rotary: bool = False) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
+        if not isinstance(fuse_rotary, bool):
+            raise ValueError(f"backend.fuse_rotary must be true or false, got {fuse_rotary!r}")
+        if fuse_rotary and dtype == torch.float32:
+            raise ValueError("backend.fuse_rotary needs engine.dtype bfloat16 or float16 (in float32 the launch's "
+                             "fused multiply-adds would round RoPE otherwise than transformers); got float32")
+        self.fuse_rotary = fuse_rotary
         self.kernels = load_kernels(self.device)
 
     def workspace_bytes(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
@@ -151,6 +179,16 @@ class TritonBackend(AttentionBackend):
 
     def kv_slots(self, meta: TritonMetadata) -> torch.Tensor:
         return meta.common.slot_mapping
+
+    def forward_rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: TritonMetadata) -> torch.Tensor | None:
+        launch = meta.launch
+        if not self.fuse_rotary or launch is None or not launch.decode:
+            return None
+        out = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
+        rotary = self.kernels.Rotary(cos, sin, positions, meta.common.slot_mapping)
+        return self.kernels.paged_attention(out, qkv, kv_cache[0], kv_cache[1], meta.common.block_table, self.scale,
+                                            launch, rotary)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: TritonMetadata, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,8 @@
 #   6. a random 1.1B Llama in bf16 at batch 32 and 128: LLM.generate against HF generate, CUDA graphs and
 #      the fused operators and async scheduling on and off, executor.decode_matmul=tuned (with its table of
 #      timed products), executor.weight_prefetch_mb=12, 24 and 48 (the next weights asked of L2 by
-#      the fused operators), the decode step against the HBM roofline, the graph replay at the step's own context
+#      the fused operators), the Triton backend's fuse_rotary (RoPE in the decode attention launch) alone
+#      and with 24 MiB of prefetch, the decode step against the HBM roofline, the graph replay at the step's own context
 #      bound and at max_model_len's (key splits), and profiles of a step's host side and of its graph replay
 #      by kernel (experiments/gpu_e2e.py speed --profile);
 #   7. that model's matrix products at 32 and 128 rows, cuBLAS and cuBLASLt against the split-K Triton kernel of

@@ -68,16 +68,19 @@ class Case(NamedTuple):
     matmul: str    # executor.decode_matmul
     kind: str      # one of KINDS: "default" is the configuration an engine on this device runs by default
     prefetch_mb: int = 0  # executor.weight_prefetch_mb
+    fuse_rotary: bool = False  # backend.fuse_rotary (triton)
 
 
 #: The speed cases' kinds, in the order they run for each backend (``--cases`` picks among them).
-KINDS = ("default", "sync", "torch-ops", "eager", "tuned", "prefetch12", "prefetch24", "prefetch48")
+KINDS = ("default", "sync", "torch-ops", "eager", "tuned", "prefetch12", "prefetch24", "prefetch48", "fuse-rotary",
+         "fuse-rotary-prefetch24")
 
 
 def cases(device: str, kinds: tuple[str, ...] = KINDS) -> list[Case]:
     """What to time: every backend as by default, and on CUDA the capturable ones also without async
     scheduling (sync), with torch's operators, with graphs off (eager), with ``decode_matmul=tuned``, and with
-    ``weight_prefetch_mb`` 12, 24 and 48 (TinyLlama's q/k/v are 10.5 MB, o 8.4, gate/up 46, down 23)."""
+    ``weight_prefetch_mb`` 12, 24 and 48 (TinyLlama's q/k/v are 10.5 MB, o 8.4, gate/up 46, down 23); the
+    Triton backend also with ``fuse_rotary``, alone and with 24 MiB of prefetch."""
     out = []
     cuda = device == "cuda"
     for name in backends(device):
@@ -89,6 +92,9 @@ def cases(device: str, kinds: tuple[str, ...] = KINDS) -> list[Case]:
             out += [Case(name, True, True, False, "torch", "sync"), Case(name, True, False, True, "torch", "torch-ops"),
                     Case(name, False, True, True, "torch", "eager"), Case(name, True, True, True, "tuned", "tuned"),
                     *(Case(name, True, True, True, "torch", f"prefetch{mb}", mb) for mb in (12, 24, 48))]
+            if name == "triton":
+                out += [Case(name, True, True, True, "torch", "fuse-rotary", 0, True),
+                        Case(name, True, True, True, "torch", "fuse-rotary-prefetch24", 24, True)]
     return [case for case in out if case.kind in kinds]
 
 
@@ -222,17 +228,18 @@ def speed(args: argparse.Namespace) -> int:
         roofline = (weights + num_reqs * (args.prompt_len + args.tokens / 2) * kv_per_token) / bandwidth
         print(f"E2E batch {num_reqs}: hf_generate {num_reqs * args.tokens / t_hf:.0f} tok/s ({t_hf:.2f} s); copy "
               f"bandwidth {bandwidth / 1e9:.0f} GB/s; decode-step HBM roofline {roofline * 1e3:.3f} ms", flush=True)
-        for name, graphs, fused, overlap, matmul, kind, prefetch_mb in cases(dev, args.cases):
+        for name, graphs, fused, overlap, matmul, kind, prefetch_mb, fuse_rotary in cases(dev, args.cases):
             default = kind == "default"
             label = f"{name:11s} graphs={graphs!s:5s} fused_ops={fused!s:5s} async={overlap!s:5s} matmul={matmul}" \
-                + (f" weight_prefetch_mb={prefetch_mb}" if prefetch_mb else "")
+                + (f" weight_prefetch_mb={prefetch_mb}" if prefetch_mb else "") + (" fuse_rotary" if fuse_rotary else "")
             try:
                 start = time.perf_counter()
                 llm = LLM(model=path, backend=name, dtype=str(dtype).removeprefix("torch."), device=dev,
                           block_size=256 if name == "flash_attn" else 16, max_model_len=2048, max_num_seqs=num_reqs,
                           max_num_batched_tokens=8192, enable_prefix_caching=False, async_scheduling=overlap,
                           executor_options={"cuda_graphs": graphs, "fused_ops": fused, "decode_matmul": matmul,
-                                            "weight_prefetch_mb": prefetch_mb})
+                                            "weight_prefetch_mb": prefetch_mb},
+                          backend_options={"fuse_rotary": True} if fuse_rotary else {})
                 if matmul == "tuned":
                     print(f"E2E batch {num_reqs} {label}: engine start {time.perf_counter() - start:.1f} s with "
                           f"the products timed:", flush=True)
@@ -260,7 +267,7 @@ def speed(args: argparse.Namespace) -> int:
                 print(f"E2E batch {num_reqs} {label} {num_reqs * args.tokens / t:8.0f} tok/s "
                       f"= {t_hf / t:.2f}x hf_generate; decode step {ms:.3f} ms = {roofline * 1e3 / ms:.0%} of the "
                       f"roofline{forward}; greedy == HF for {same}/{num_reqs}", flush=True)
-                if args.profile and (default or matmul == "tuned" or prefetch_mb) and replay is not None:
+                if args.profile and (not kind.startswith(("sync", "torch", "eager"))) and replay is not None:
                     try:
                         kernel_times(llm, key)
                     except Exception as exc:  # a figure left out, not a failed case

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from framework.execution.triton_rotary import rotated, rounded
+
 # No jitted helper of triton.language in the kernels (see backends/triton_kernels.py): the tests run this
 # source under Triton's interpreter, decorated after the helpers were.
 _sum_combine = getattr(tl.standard, "_sum_combine", None)
@@ -30,18 +32,6 @@ INTERPRETED: bool = bool(triton.knobs.runtime.interpret) if hasattr(triton, "kno
 #: Bytes one bulk prefetch asks for: each thread of a launch issues one a chunk, the chunks dealt out across
 #: the programs, so that a decode step's few programs ask for megabytes in a handful of instructions.
 PREFETCH_CHUNK = tl.constexpr(16384)
-
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr):
-    """float32 ``x`` rounded to nearest-even in ``dtype``. bfloat16 by its bits: Triton's interpreter (the
-    CPU tests) truncates to bfloat16 where a GPU rounds."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True).to(dtype)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -84,13 +74,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, stride_x, stride_res, st
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ADD:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = _rounded(res.to(tl.float32) + x.to(tl.float32), x.dtype)
+        x = rounded(res.to(tl.float32) + x.to(tl.float32), x.dtype)
         tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.reduce(xf * xf, 0, _sum_combine) / n + eps)  # torch's CUDA rsqrt
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = w * _rounded(xf * inv, x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, _rounded(y, x.dtype), mask=mask)
+    y = w * rounded(xf * inv, x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, rounded(y, x.dtype), mask=mask)
 
 
 @triton.jit
@@ -98,8 +88,8 @@ def silu_mul(gate, up):
     """silu(gate) * up in gate's dtype, silu(gate) rounded to it first, as torch's two operators round
     (``models.cuda_matmul`` applies it to its input too)."""
     g = gate.to(tl.float32)
-    act = _rounded(g / (1.0 + tl.exp(-g)), gate.dtype).to(tl.float32)
-    return _rounded(act * up.to(tl.float32), gate.dtype)
+    act = rounded(g / (1.0 + tl.exp(-g)), gate.dtype).to(tl.float32)
+    return rounded(act * up.to(tl.float32), gate.dtype)
 
 
 @triton.jit
@@ -147,10 +137,8 @@ def _qkv_rotary_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, 
         pos = tl.load(pos_ptr + row)
         c = tl.load(cos_ptr + pos * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + pos * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
-        af, bf = a.to(tl.float32), b.to(tl.float32)
-        dt = a.dtype
-        o1 = _rounded(_rounded(af * c, dt).to(tl.float32) - _rounded(bf * s, dt).to(tl.float32), dt)
-        o2 = _rounded(_rounded(bf * c, dt).to(tl.float32) + _rounded(af * s, dt).to(tl.float32), dt)
+        o1 = rotated(a, b, c, s, -1.0)
+        o2 = rotated(b, a, c, s, 1.0)
         if head < HEADS:
             dst = q_ptr + (row * HEADS + head) * HEAD_DIM
         else:

@@ -84,6 +84,9 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        o = self.backend.forward_rotary(qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta)
+        if o is not None:
+            return self.o_proj(o.reshape(-1, self.q_size))
         slots = None if self.into_cache is None else self.backend.kv_slots(meta)
         extra = {} if self.prefetch is None else {"prefetch": self.prefetch}
         if slots is not None:
@@ -253,7 +256,8 @@ class LlamaForCausalLM(nn.Module):
     def prefetch_weights(self, max_bytes: int) -> None:
         """Has each fused CUDA operator ask L2 for the next ``max_bytes`` of the layers' packed weights from
         the product it precedes (0: none): the norms from q/k/v's and gate/up's, RoPE from o's, SiLU from
-        down's (on into the next layer's q/k/v); the last norm for the LM head's. Needs ``empty_on``'s packing."""
+        down's (on into the next layer's q/k/v); the last norm for the LM head's (RoPE's goes unasked where the
+        backend applies RoPE itself, ``forward_rotary``). Needs ``empty_on``'s packing."""
         packed = getattr(self, "packed_weights", None)
         linears = self.read_order()
         if packed is None or any(not 0 <= lin.weight.data_ptr() - packed.data_ptr() < packed.nbytes for lin in linears):

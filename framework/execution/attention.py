@@ -141,6 +141,14 @@ class AttentionBackend(ABC):
         stores them."""
         return None
 
+    def forward_rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: Any) -> torch.Tensor | None:
+        """``forward`` of the step's unrotated ``qkv`` ``[T, (num_heads + 2 num_kv_heads) head_dim]``, q and k
+        rotated (rotate half) at ``positions`` [T] by RoPE's ``cos``/``sin`` tables ``[positions, head_dim / 2]``
+        and the new K/V stored in the same pass, where this backend can for ``meta``; None (the default) where it
+        cannot, and the model rotates and calls ``forward``."""
+        return None
+
     def graph_max_seq_lens(self, num_reqs: int, max_model_len: int) -> list[int]:
         """The ``max_seq_len`` bounds, ascending and the last ``max_model_len``, at which decode steps of
         ``num_reqs`` rows are captured, one graph each: a step replays the smallest at or above its longest

@@ -41,14 +41,14 @@ def signature(fn, pointer_types: dict[str, str], scalars: dict[str, str], conste
 
 
 def attention(dtype: str, head_dim: int, group: int, block_q: int, block_n: int, splits: int,
-              decode: bool = False) -> ASTSource:
+              decode: bool = False, rotary: bool = False) -> ASTSource:
     out = f"*{dtype}" if splits == 1 else "*fp32"
     pointers = {"out_ptr": out, "lse_ptr": "*fp32", "q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}",
-                "v_cache_ptr": f"*{dtype}"}
+                "v_cache_ptr": f"*{dtype}", "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}"}
     constexprs = dict(NUM_KV_HEADS=8, GROUP=group, GROUP_PAD=tk._pow2(group), KV_HEADS=1, HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=tk._pow2(head_dim, 16), BLOCK_SIZE=16, BLOCK_Q=block_q, BLOCK_N=block_n,
                       NUM_SPLITS=splits, DOT_PRECISION=tk.dot_precision(TORCH_DTYPES[dtype]), DOT_FP32=False,
-                      DECODE=decode)
+                      DECODE=decode, ROTARY=rotary)
     return signature(tk._paged_attention_kernel, pointers, {"scale_log2e": "fp32"}, constexprs)
 
 
@@ -124,10 +124,14 @@ def main(arch: int = 90) -> None:
             if kind == "graph decode":
                 _, block_q, block_n = tk._decode_tiles(group, 1, head_dim, 2048)
             for splits in (1, 4) if graphs and kind != "prefill" else (1,):
-                source = attention(dtype, head_dim, group, block_q, block_n, splits, decode=kind == "graph decode")
-                kernel = triton.compile(source, target=target)
-                print(f"attention {dtype} head_dim={head_dim} group={group} {kind} BLOCK_Q={block_q} "
-                      f"BLOCK_N={block_n} splits={splits}: {kernel.metadata.shared} B shared", flush=True)
+                # backend.fuse_rotary: graph decodes in 16-bit dtypes may rotate and store K/V in the launch
+                for rotary in (False, True) if kind == "graph decode" and dtype != "fp32" else (False,):
+                    source = attention(dtype, head_dim, group, block_q, block_n, splits, decode=kind == "graph decode",
+                                       rotary=rotary)
+                    kernel = triton.compile(source, target=target)
+                    print(f"attention {dtype} head_dim={head_dim} group={group} {kind} BLOCK_Q={block_q} "
+                          f"BLOCK_N={block_n} splits={splits}{' rotary' if rotary else ''}: "
+                          f"{kernel.metadata.shared} B shared", flush=True)
         triton.compile(store(dtype, head_dim), target=target)
         if i == 0:
             triton.compile(combine(dtype, head_dim, 4), target=target)

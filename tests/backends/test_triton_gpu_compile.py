@@ -25,6 +25,6 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, "-m", "tests.backends.gpu_compile", "90"], capture_output=True, text=True,
                          cwd=ROOT, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("attention ") == 16 and out.stdout.count("store_kv ") == 5
+    assert out.stdout.count("attention ") == 20 and out.stdout.count(" rotary: ") == 4 and out.stdout.count("store_kv ") == 5
     assert out.stdout.count("matmul bf16 ") == 19
     assert out.stdout.count("prefetch=True: ok") == out.stdout.count("prefetch=False: ok") == 5

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,59 @@ def test_the_graph_decode_launch_reads_its_lengths_on_the_device(monkeypatch, de
     check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 2, 32), (4, 1, 80)])
+def test_a_decode_launch_that_applies_rope_gives_the_bits_of_rope_then_attention(monkeypatch, device, splits, dtype,
+                                                                                  num_heads, num_kv_heads, head_dim):
+    """``fuse_rotary``: the graph decode launch given unrotated q/k/v (``forward_rotary``) equals RoPE with the K/V
+    store (``models.cuda_ops``) then the launch, bit for bit: its output and the whole cache (the new tokens'
+    slots held poison before); an empty-context decode, block boundaries, key splits and padded heads included."""
+    from models.rope import RotaryEmbedding
+    from tests.models.test_cuda_ops import ops_for
+
+    kernels = load_kernels(torch.device(device))
+    if splits > 1:
+        monkeypatch.setattr(kernels, "num_splits", lambda *args: splits)
+    specs = [(0, 1), (15, 1), (16, 1), (87, 1), (3, 1), (40, 1)]
+    seed = seed_of("rotary-decode", splits, str(dtype), num_kv_heads, device)
+    batch = random_batch(specs, num_heads, num_kv_heads, head_dim, 16, dtype, seed, device=device)
+    backend = BACKENDS.create("triton", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              scale=batch.scale, block_size=16, dtype=dtype, device=device, fuse_rotary=True)
+    batch.meta.max_seq_len = 256
+    meta = backend.build_graph_metadata(batch.meta)
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, None, 256, dtype).to(device)
+    positions = batch.meta.seq_lens - 1
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(len(specs), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device, dtype)
+    separate = batch.kv_cache.clone()
+    q = qkv.new_empty(len(specs), num_heads, head_dim)
+    ops_for(device).qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q, separate[0], separate[1],
+                                          batch.meta.slot_mapping)
+    want = backend.forward(q, None, None, separate, meta)
+    fused = batch.kv_cache.clone()
+    got = backend.forward_rotary(qkv, positions, rotary.cos, rotary.sin, fused, meta)
+    assert not torch.equal(separate, batch.kv_cache), "the new keys were stored"
+    assert torch.equal(got, want) and torch.equal(fused, separate)
+    # An eagerly planned step, and a backend without the option, leave RoPE to the model.
+    assert backend.forward_rotary(qkv, positions, rotary.cos, rotary.sin, fused, backend.build_metadata(batch.meta)) \
+        is None
+    plain = BACKENDS.create("triton", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            scale=batch.scale, block_size=16, dtype=dtype, device=device)
+    assert plain.forward_rotary(qkv, positions, rotary.cos, rotary.sin, fused, meta) is None
+
+
+@pytest.mark.parametrize("value, error", [
+    ("yes", "backend.fuse_rotary must be true or false, got 'yes'"),
+    (True, "backend.fuse_rotary needs engine.dtype bfloat16 or float16 (in float32 the launch's fused multiply-adds "
+           "would round RoPE otherwise than transformers); got float32")])
+def test_fuse_rotary_is_a_boolean_for_16_bit_dtypes(value, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        BACKENDS.create("triton", num_heads=4, num_kv_heads=2, head_dim=32, scale=0.2, block_size=16,
+                        dtype=torch.float32, device="cpu", fuse_rotary=value)
+
+
 def test_a_long_step_with_many_kv_heads_is_stored():
     """1025 new tokens of 8 K/V heads of size 128 (a Llama-3-8B prompt): one interpreter program
     for the whole step would be a 2048 x 1024 tile, twice the largest Triton accepts."""
@@ -159,20 +213,26 @@ def test_on_a_cpu_it_runs_interpreted_with_one_notice():
 
 @pytest.mark.parametrize("imported_before", [True, False])
 def test_an_interpreted_module_calls_the_interpreted_copies_of_the_modules_it_uses(imported_before):
-    """``import_interpreted(name, uses)``: the Triton helpers ``name`` imports from ``uses`` are their interpreted
-    copies (a compiled one cannot be called from an interpreted kernel), and ``uses`` stay as they were after."""
+    """``import_interpreted(name)``: the Triton helpers ``name`` imports, and those they import, are their
+    interpreted copies (a compiled one cannot be called from an interpreted kernel); the modules it found them in
+    stay as they were after, imported or not."""
     code = ("import sys\n"
             + ("import models.cuda_ops as compiled\n" if imported_before else "")
-            + "from backends.triton_paged import import_interpreted\n"
-            "mm = import_interpreted('models.cuda_matmul', uses=('models.cuda_ops',))\n"
+            + "from backends.triton_paged import import_interpreted, triton_uses\n"
+            "print(triton_uses('models.cuda_matmul') == ['models.cuda_ops'],\n"
+            "      triton_uses('models.cuda_ops') == ['framework.execution.triton_rotary'])\n"
+            "mm = import_interpreted('models.cuda_matmul')\n"
             "copy = sys.modules['models.cuda_ops_interpreted']\n"
-            "print(mm.silu_mul is copy.silu_mul, type(mm.silu_mul).__name__,\n"
+            "rotary = sys.modules['framework.execution.triton_rotary_interpreted']\n"
+            "print(mm.silu_mul is copy.silu_mul, type(mm.silu_mul).__name__, copy.rounded is rotary.rounded,\n"
+            "      type(copy.rounded).__name__, 'framework.execution.triton_rotary' in sys.modules,\n"
             + ("      sys.modules['models.cuda_ops'] is compiled)\n" if imported_before else
                "      'models.cuda_ops' in sys.modules)\n"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "InterpretedFunction", str(imported_before)]
+    assert out.stdout.split() == ["True", "True", "True", "InterpretedFunction", "True", "InterpretedFunction",
+                                  str(imported_before), str(imported_before)]
 
 
 @pytest.mark.parametrize("value", [None, "0", "false", "Off", "1"])

@@ -47,12 +47,14 @@ def test_cases_picks_the_kinds_asked_for_and_refuses_others():
     assert {c.kind for c in picked} == {"default", "tuned"}
     assert [c.matmul for c in picked if c.kind == "tuned"] == ["tuned"]
     assert {c.kind for c in cases("cuda")} == {"default", "sync", "torch-ops", "eager", "tuned", "prefetch12",
-                                               "prefetch24", "prefetch48"}
+                                               "prefetch24", "prefetch48", "fuse-rotary", "fuse-rotary-prefetch24"}
     assert {(c.kind, c.prefetch_mb) for c in cases("cuda") if c.backend == "triton" and c.prefetch_mb} == {
-        ("prefetch12", 12), ("prefetch24", 24), ("prefetch48", 48)}
+        ("prefetch12", 12), ("prefetch24", 24), ("prefetch48", 48), ("fuse-rotary-prefetch24", 24)}
+    assert {(c.backend, c.kind) for c in cases("cuda") if c.fuse_rotary} == {
+        ("triton", "fuse-rotary"), ("triton", "fuse-rotary-prefetch24")}
     done = run("speed", "--device", "cpu", "--tiny", "--cases", "default,fast")
     assert done.returncode == 2 and ("--cases: unknown kind fast; choose among default,sync,torch-ops,eager,tuned,"
-                                     "prefetch12,prefetch24,prefetch48" in done.stderr)
+                                     "prefetch12,prefetch24,prefetch48,fuse-rotary,fuse-rotary-prefetch24" in done.stderr)
 
 
 def test_a_parity_difference_is_judged_by_the_float32_models_logits():

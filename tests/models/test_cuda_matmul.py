@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 
 def kernels():
-    return import_interpreted("models.cuda_matmul", uses=("models.cuda_ops",))
+    return import_interpreted("models.cuda_matmul")
 
 
 @pytest.mark.parametrize("serial", [True, False])

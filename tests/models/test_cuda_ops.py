@@ -302,3 +302,42 @@ def test_the_model_prefetches_the_next_weights_it_reads_and_computes_the_same():
     with pytest.raises(ValueError, match="prefetch_weights needs the layers' weights packed by "
                                          "LlamaForCausalLM.empty_on"):
         model.prefetch_weights(1 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_with_fuse_rotary_a_graph_decode_step_leaves_rope_to_the_attention_launch(dtype):
+    """A Llama layer stack on a decode step planned as CUDA graphs plan it, with the Triton backend's
+    ``fuse_rotary``: no RoPE launch, the attention launch rotates and stores; hidden states and cache are the
+    bits of the separate RoPE pass's."""
+    from types import SimpleNamespace
+
+    from framework import BACKENDS
+    from models.config import ModelConfig
+    from models.llama import LlamaForCausalLM
+    from tests.backends.batches import random_batch
+
+    ops = ops_for("cpu")
+    rotations = []
+    counted = SimpleNamespace(**{name: getattr(ops, name) for name in ("rms_norm", "add_rms_norm", "silu_and_mul")},
+                              qkv_rotary=ops.qkv_rotary,
+                              qkv_rotary_into_cache=lambda *a, **k: (rotations.append(1), ops.qkv_rotary_into_cache(*a, **k)))
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    batch = random_batch([(0, 1), (16, 1), (30, 1), (7, 1)], 4, 2, 16, 8, dtype, seed=9)
+    batch.meta.max_seq_len = 64
+    ids = torch.randint(0, 256, (4,), generator=torch.Generator().manual_seed(3))
+    positions = batch.meta.seq_lens - 1
+    cache = batch.kv_cache[:, None].expand(2, 2, *batch.kv_cache.shape[1:]).contiguous()
+    results = {}
+    for fuse in (True, False):
+        backend = BACKENDS.create("triton", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=8,
+                                  dtype=dtype, device="cpu", fuse_rotary=fuse)
+        model = LlamaForCausalLM.empty_on(torch.device("cpu"), cfg, backend, 256, dtype, counted)
+        model.init_random(0, 0.2)
+        rotations.clear()
+        kv = cache.clone()
+        with torch.no_grad():
+            results[fuse] = (model(ids, positions, kv, backend.build_graph_metadata(batch.meta)), kv)
+        assert len(rotations) == (0 if fuse else 2)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])

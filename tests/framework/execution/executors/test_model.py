@@ -147,21 +147,23 @@ def test_weight_prefetch_needs_hopper_and_fits_in_l2(monkeypatch, capability, me
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a CUDA GPU of compute capability 9.0+")
-def test_on_a_gpu_prefetching_weights_changes_no_result(llama_ckpt):
-    """The L2 prefetch is a hint: eager prefill and graph-replayed decode steps give the same bits with it."""
+def test_on_a_gpu_prefetching_weights_and_fusing_rotary_change_no_result(llama_ckpt):
+    """The L2 prefetch is a hint, and the Triton backend's ``fuse_rotary`` rotates and stores as the RoPE pass
+    does: eager prefill and graph-replayed decode steps give the same bits with either and both."""
     prompts = [[5, 9, 33, 2, 7, 120, 64] * 3, [300, 4, 17], list(range(3, 60))]
     outs = {}
-    for mb in (0, 1):
+    for mb, fuse in ((0, False), (1, False), (0, True), (1, True)):
         llm = LLM(model=str(llama_ckpt[0]), device="cuda", dtype="bfloat16", backend="triton", max_model_len=128,
-                  num_gpu_blocks_override=64, max_num_seqs=8, executor_options={"weight_prefetch_mb": mb})
+                  num_gpu_blocks_override=64, max_num_seqs=8, executor_options={"weight_prefetch_mb": mb},
+                  backend_options={"fuse_rotary": fuse})
         model = llm.engine.executor.model
         assert (model.layers[0].mlp.prefetch is not None) == bool(mb)
-        assert llm.engine.executor.runner.decode is not None
+        assert llm.engine.executor.runner.decode is not None and model.layers[0].self_attn.backend.fuse_rotary == fuse
         got = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3))
-        outs[mb] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                    for o in got]
-    assert outs[0] == outs[1]
+        outs[mb, fuse] = [(o.outputs[0].token_ids,
+                           [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in got]
+    assert outs[0, False] == outs[1, False] == outs[0, True] == outs[1, True]
     with pytest.raises(ValueError, match="executor.weight_prefetch_mb needs executor.fused_ops=true"):
         LLM(model=str(llama_ckpt[0]), device="cuda", max_model_len=64, num_gpu_blocks_override=16,
             executor_options={"weight_prefetch_mb": 1, "fused_ops": False})
