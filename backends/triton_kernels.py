@@ -74,7 +74,7 @@ def _paged_attention_kernel(
     out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
     tile_req_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr, tile_end_ptr, scale_log2e,
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    stride_cb, stride_cs, stride_ch, stride_bt, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_cos,
+    stride_cb, stride_cs, stride_ch, stride_bt, cos_ptr, sin_ptr, slot_ptr, stride_cos,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -93,7 +93,7 @@ def _paged_attention_kernel(
     ``lse[split]``, merged by ``_combine_splits_kernel``.
 
     With ROTARY (and DECODE) ``q_ptr`` is the step's unrotated q/k/v rows (``stride_qh`` the head size): the
-    program rotates its query heads and its K/V heads' new key at ``pos_ptr[req]`` by the ``cos``/``sin``
+    program rotates its query heads and its K/V heads' new key at position ``seq_len - 1`` by the ``cos``/``sin``
     tables (``rotated``, as ``models.cuda_ops`` does) and attends to the new key and value from q/k/v, storing
     them at ``slot_ptr[req]`` after its loop (the split holding that position).
     """
@@ -140,17 +140,16 @@ def _paged_attention_kernel(
     q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
     if ROTARY:
         # Rotate half: dimension d < D/2 pairs with d + D/2 (minus its sine term), d >= D/2 with d - D/2.
+        # Loaded here, rotated once the first key tile's block-table entries are asked for too.
         upper = dims >= HEAD_DIM // 2
         partner = tl.where(upper, dims - HEAD_DIM // 2, dims + HEAD_DIM // 2)
         sign = tl.where(upper, 1.0, -1.0)
-        new_pos = tl.load(pos_ptr + req)
+        new_pos = first_pos  # a decode's one token is its last
         angle = new_pos * stride_cos + tl.where(upper, dims - HEAD_DIM // 2, dims)
         dim_ok = dims < HEAD_DIM
         cos = tl.load(cos_ptr + angle, mask=dim_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + angle, mask=dim_ok, other=0.0).to(tl.float32)
-        q = rotated(q, tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0), cos, sin, sign)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
     # A row sees column c if c is its own head's and the key is not in its future; every real
     # row's position is below kv_end, so this also hides the positions a tile loads past it.
     last_visible = (first_pos + token)[:, None]
@@ -179,6 +178,10 @@ def _paged_attention_kernel(
         holds_new = (kv_start <= new_pos) & (new_pos < kv_end)  # this split's keys: the one program to store it
         first_col = (col_pos == 0) & pos_ok  # one column of each real head (its first key)
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+    if ROTARY:
+        q = rotated(q, q_partner, cos, sin, sign)
+    if DOT_FP32:
+        q = q.to(tl.float32)
     for start in range(kv_start, kv_end, BLOCK_N):
         slot = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + col_head
         kv_mask = pos_ok[:, None]
@@ -472,12 +475,11 @@ def _num_sms(device_index: int) -> int:
 @dataclass
 class Rotary:
     """What a decode launch needs to rotate q and k and store the new K/V itself (``paged_attention``): RoPE's
-    ``cos``/``sin`` tables ``[positions, head_dim / 2]`` and each request's ``positions`` and cache ``slots``
-    ``[num_reqs]`` (int64)."""
+    ``cos``/``sin`` tables ``[positions, head_dim / 2]`` and each request's cache ``slots`` ``[num_reqs]``
+    (int64). A decode's position is its length less one, which the launch reads already."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    positions: torch.Tensor
     slots: torch.Tensor
 
 
@@ -493,13 +495,13 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     group = num_heads // num_kv_heads
     if rotary is None:
         stride_qt, stride_qh = q.stride(0), q.stride(1)
-        tables, rows, stride_cos = (q, q), (launch.tiles, launch.tiles), 0  # not read
+        tables, slots, stride_cos = (q, q), launch.tiles, 0  # not read
     else:
         if not launch.decode or q.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
             raise ValueError(f"rotary needs a decode launch and q/k/v rows of {(num_heads + 2 * num_kv_heads)} "
                              f"heads of {head_dim}: got decode={launch.decode}, {tuple(q.shape)}")
         stride_qt, stride_qh = q.stride(0), head_dim
-        tables, rows, stride_cos = (rotary.cos, rotary.sin), (rotary.positions, rotary.slots), rotary.cos.stride(0)
+        tables, slots, stride_cos = (rotary.cos, rotary.sin), rotary.slots, rotary.cos.stride(0)
     splits = launch.num_splits
     if splits == 1:
         part, lse = out[None], out  # lse is not touched without splits
@@ -511,7 +513,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
             part, lse, q, k_cache, v_cache, block_table, *launch.tile_rows,
             scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
             stride_qt, stride_qh, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), *tables, *rows,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), *tables, slots,
             stride_cos, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group), KV_HEADS=launch.kv_heads,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim, 16), BLOCK_SIZE=k_cache.shape[1],
             BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n, NUM_SPLITS=splits,

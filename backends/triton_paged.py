@@ -186,7 +186,7 @@ class TritonBackend(AttentionBackend):
         if not self.fuse_rotary or launch is None or not launch.decode:
             return None
         out = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
-        rotary = self.kernels.Rotary(cos, sin, positions, meta.common.slot_mapping)
+        rotary = self.kernels.Rotary(cos, sin, meta.common.slot_mapping)  # positions: seq_lens - 1
         return self.kernels.paged_attention(out, qkv, kv_cache[0], kv_cache[1], meta.common.block_table, self.scale,
                                             launch, rotary)
 
