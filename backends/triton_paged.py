@@ -82,18 +82,27 @@ def import_interpreted(name: str) -> ModuleType:
 
 
 def triton_uses(name: str) -> list[str]:
-    """The modules ``name`` imports from (``from X import f``) that define Triton functions, found in their
-    source without importing them: a compiled Triton function cannot be called from an interpreted kernel."""
-    tree = ast.parse(Path(importlib.util.find_spec(name).origin).read_text())
+    """The modules ``name`` imports from at its top level (``from X import f``) that define ``@triton.jit``
+    functions, found in their source without importing them: a compiled Triton function cannot be called from an
+    interpreted kernel."""
     found = []
-    for node in ast.walk(tree):
+    for node in _source_tree(name).body:
         if isinstance(node, ast.ImportFrom) and node.module and not node.level \
                 and node.module.split(".")[0] != "triton" and node.module not in found:
             spec = importlib.util.find_spec(node.module)
-            if spec is not None and spec.origin and spec.origin.endswith(".py") \
-                    and "@triton.jit" in Path(spec.origin).read_text():
+            if spec is not None and spec.origin and spec.origin.endswith(".py") and _defines_triton_functions(
+                    _source_tree(node.module)):
                 found.append(node.module)
     return found
+
+
+def _source_tree(name: str) -> ast.Module:
+    return ast.parse(Path(importlib.util.find_spec(name).origin).read_text())
+
+
+def _defines_triton_functions(tree: ast.Module) -> bool:
+    return any(isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == "triton.jit" for d in node.decorator_list)
+               for node in tree.body)
 
 
 @contextlib.contextmanager
@@ -185,6 +194,8 @@ class TritonBackend(AttentionBackend):
         launch = meta.launch
         if not self.fuse_rotary or launch is None or not launch.decode:
             return None
+        if qkv.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+            raise ValueError("the triton backend needs qkv and kv_cache contiguous in head_dim")
         out = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
         rotary = self.kernels.Rotary(cos, sin, meta.common.slot_mapping)  # positions: seq_lens - 1
         return self.kernels.paged_attention(out, qkv, kv_cache[0], kv_cache[1], meta.common.block_table, self.scale,

@@ -42,7 +42,8 @@ def _prefetch_l2(ptr, nbytes, program, programs, THREADS: tl.constexpr):
     base = ptr.to(tl.pointer_type(tl.int8))
     for first in range(0, (nbytes + PREFETCH_CHUNK - 1) // PREFETCH_CHUNK, programs * THREADS):
         offset = (first + tl.arange(0, THREADS) * programs + program).to(tl.int64) * PREFETCH_CHUNK
-        size = tl.minimum(nbytes - offset, PREFETCH_CHUNK).to(tl.int32)
+        # Clamped in 64 bits: past the window the difference would wrap to a positive 32-bit size.
+        size = tl.maximum(tl.minimum(nbytes - offset, PREFETCH_CHUNK), 0).to(tl.int32)
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [base + offset, size], dtype=tl.int32, is_pure=False, pack=1)

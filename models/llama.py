@@ -180,8 +180,6 @@ def compute_linears_in_float32(model: nn.Module) -> None:
             if module.bias is not None:
                 module.bias = nn.Parameter(module.bias.detach().float(), requires_grad=False)
             module.forward = MethodType(_float32_linear, module)
-    if isinstance(model, LlamaForCausalLM):
-        model.packed_weights = None  # it held the weights just replaced: free it with them
 
 
 #: Alignment in bytes of each weight ``empty_on`` packs (cuBLAS and the bulk prefetch want aligned rows).
@@ -216,23 +214,26 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def empty_on(cls, device: torch.device, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-                 dtype: torch.dtype, fused_ops: ModuleType | None = None) -> LlamaForCausalLM:
-        """The model with its parameters allocated straight on ``device`` in ``dtype``, the layers' matrices
-        packed in ``packed_weights`` in ``read_order``, their contents undefined until ``load_weights`` or
-        ``init_random`` (no CPU copy, no default initialisation)."""
+                 dtype: torch.dtype, fused_ops: ModuleType | None = None,
+                 pack_weights: bool = False) -> LlamaForCausalLM:
+        """The model with its parameters allocated straight on ``device`` in ``dtype``, their contents
+        undefined until ``load_weights`` or ``init_random`` (no CPU copy, no default initialisation); with
+        ``pack_weights``, the layers' matrices in one buffer, ``packed_weights``, in ``read_order``."""
         with torch.device("meta"):
             model = cls(cfg, backend, max_positions, dtype, fused_ops)
         model.to(dtype=dtype)
-        # The layers' matrices in one buffer in the order a forward pass reads them, so that "the next n bytes
-        # of weights" is one range (``prefetch_weights``).
-        linears = model.read_order()
-        align = PACK_ALIGN // dtype.itemsize
-        ends = np.cumsum([-(-lin.weight.numel() // align) * align for lin in linears])
-        model.packed_weights = torch.empty(int(ends[-1]) if linears else 0, dtype=dtype, device=device)
-        for lin, end in zip(linears, ends):
-            start = int(end) - -(-lin.weight.numel() // align) * align
-            lin.weight = nn.Parameter(model.packed_weights[start:start + lin.weight.numel()].view(lin.weight.shape),
-                                      requires_grad=lin.weight.requires_grad)
+        if pack_weights:
+            # In the order a forward pass reads them, so that "the next n bytes of weights" is one range
+            # (``prefetch_weights``). Only then: one buffer keeps every matrix alive until the last is freed.
+            linears = model.read_order()
+            align = PACK_ALIGN // dtype.itemsize
+            ends = np.cumsum([-(-lin.weight.numel() // align) * align for lin in linears])
+            model.packed_weights = torch.empty(int(ends[-1]) if linears else 0, dtype=dtype, device=device)
+            for lin, end in zip(linears, ends):
+                start = int(end) - -(-lin.weight.numel() // align) * align
+                lin.weight = nn.Parameter(
+                    model.packed_weights[start:start + lin.weight.numel()].view(lin.weight.shape),
+                    requires_grad=lin.weight.requires_grad)
         # torch.empty per tensor, not Module.to_empty: its empty_like of a meta tensor imports torch's
         # symbolic-shape machinery (0.7 s of every engine start).
         for module in model.modules():
@@ -257,11 +258,12 @@ class LlamaForCausalLM(nn.Module):
         """Has each fused CUDA operator ask L2 for the next ``max_bytes`` of the layers' packed weights from
         the product it precedes (0: none): the norms from q/k/v's and gate/up's, RoPE from o's, SiLU from
         down's (on into the next layer's q/k/v); the last norm for the LM head's (RoPE's goes unasked where the
-        backend applies RoPE itself, ``forward_rotary``). Needs ``empty_on``'s packing."""
+        backend applies RoPE itself, ``forward_rotary``). Needs ``empty_on(pack_weights=True)``."""
         packed = getattr(self, "packed_weights", None)
         linears = self.read_order()
         if packed is None or any(not 0 <= lin.weight.data_ptr() - packed.data_ptr() < packed.nbytes for lin in linears):
-            raise ValueError("prefetch_weights needs the layers' weights packed by LlamaForCausalLM.empty_on")
+            raise ValueError("prefetch_weights needs the layers' weights packed by "
+                             "LlamaForCausalLM.empty_on(pack_weights=True)")
         count = max_bytes // packed.element_size()
 
         def window(weight: torch.Tensor) -> torch.Tensor | None:

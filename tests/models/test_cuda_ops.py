@@ -1,6 +1,8 @@
 """The Triton operators for CUDA compute what the torch operators they replace compute: on a CPU through
 Triton's interpreter (the same kernel source), on a GPU compiled (``gpu`` cases); and a model on a GPU samples
 the same with them as without."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -197,11 +199,14 @@ def test_a_launch_asks_for_a_weights_bytes_one_chunk_a_thread():
 
 
 @pytest.mark.parametrize("kernel, grid, nbytes", [("norm", (5,), 16384 * 23 + 48), ("silu", (3, 2), 16384 * 4),
-                                                  ("rotary", (2, 4), 16384 * 700 + 16)])
+                                                  ("rotary", (2, 4), 16384 * 700 + 16),
+                                                  # chunks past the window more than 2 GiB from its start
+                                                  ("norm", (2100,), 16384 * 4)])
 def test_each_chunk_of_a_prefetch_is_asked_for_once_every_program_taking_a_share(monkeypatch, kernel, grid, nbytes):
     """The bulk prefetch's chunks over a launch's programs (the interpreter cannot run its instruction: here it
     records the addresses and sizes asked for): [0, nbytes) in 16 KiB chunks, the last one short, each once,
-    dealt round the programs of a 1-D or 2-D grid; more chunks than threads take more rounds."""
+    dealt round the programs of a 1-D or 2-D grid, nothing past the window however far; more chunks than
+    threads take more rounds."""
     from types import SimpleNamespace
 
     from triton.runtime import interpreter
@@ -239,6 +244,7 @@ def test_each_chunk_of_a_prefetch_is_asked_for_once_every_program_taking_a_share
     starts = range(0, nbytes, 16384)
     assert sorted(chunks) == [(start, min(16384, nbytes - start)) for start in starts]
     assert len(programs) == np.prod(grid) and min(programs.values()) >= len(starts) // np.prod(grid)
+    assert max(programs.values()) <= -(-len(starts) // np.prod(grid))
     rounds = -(-len(starts) // (64 * np.prod(grid)))
     assert len(asked) == rounds * np.prod(grid)
 
@@ -271,7 +277,7 @@ def test_the_model_prefetches_the_next_weights_it_reads_and_computes_the_same():
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     backend = BACKENDS.create("triton", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=8,
                               dtype=torch.float32, device="cpu")
-    model = LlamaForCausalLM.empty_on(torch.device("cpu"), cfg, backend, 256, torch.float32, spied)
+    model = LlamaForCausalLM.empty_on(torch.device("cpu"), cfg, backend, 256, torch.float32, spied, pack_weights=True)
     model.init_random(0, 0.2)
     batch = random_batch([(0, 5), (9, 1)], 4, 2, 16, 8, torch.float32, seed=3)
     meta = backend.build_metadata(batch.meta)
@@ -299,8 +305,8 @@ def test_the_model_prefetches_the_next_weights_it_reads_and_computes_the_same():
                                                   "silu_and_mul", "add_rms_norm"]
     assert torch.equal(outs[0], outs[30000])
     model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 96))
-    with pytest.raises(ValueError, match="prefetch_weights needs the layers' weights packed by "
-                                         "LlamaForCausalLM.empty_on"):
+    with pytest.raises(ValueError, match=re.escape("prefetch_weights needs the layers' weights packed by "
+                                                   "LlamaForCausalLM.empty_on(pack_weights=True)")):
         model.prefetch_weights(1 << 20)
 
 

@@ -76,25 +76,40 @@ def test_the_engine_allocates_the_model_on_its_device_in_its_dtype_with_no_defau
     assert model.rotary.cos.dtype == dtype and not model.rotary.cos.is_meta
 
 
-def test_the_layers_weights_lie_in_one_buffer_in_the_order_a_step_reads_them(llama_ckpt):
-    """``empty_on`` packs q/k/v, o, gate/up and down of every layer, in that order, each at an aligned offset
-    with nothing shared; the loaded engine samples as transformers does (the other tests); multiplying in
-    float32 frees the packing with the weights it replaced."""
-    from models.llama import PACK_ALIGN, compute_linears_in_float32
+def test_packed_weights_lie_in_one_buffer_in_the_order_a_step_reads_them(llama_ckpt):
+    """``empty_on(pack_weights=True)`` puts q/k/v, o, gate/up and down of every layer in one buffer, in that
+    order, each at an aligned offset, nothing shared; loaded from the checkpoint it computes the unpacked
+    model's bits. An engine packs only for ``weight_prefetch_mb`` (one buffer keeps every matrix alive)."""
+    from framework import BACKENDS
+    from models.llama import PACK_ALIGN, LlamaForCausalLM
+    from models.loader import iter_checkpoint
 
-    llm = LLM(model=str(llama_ckpt[0]), max_model_len=64, dtype="bfloat16", executor_options={"float32_matmul": False})
-    model = llm.engine.executor.model
-    packed, linears = model.packed_weights, model.read_order()
-    assert len(linears) == 4 * len(model.layers)
-    assert linears[:2] == [model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj]
+    llm = LLM(model=str(llama_ckpt[0]), max_model_len=64)
+    plain = llm.engine.executor.model
+    assert getattr(plain, "packed_weights", None) is None
+    cfg = plain.config
+    backend = BACKENDS.create("naive", num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                              head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5, block_size=16, dtype=torch.float32,
+                              device="cpu")
+    models = []
+    for pack in (True, False):
+        model = LlamaForCausalLM.empty_on(torch.device("cpu"), cfg, backend, 64, torch.float32, pack_weights=pack)
+        model.load_weights(iter_checkpoint(llama_ckpt[0]))
+        models.append(model)
+    packed, linears = models[0].packed_weights, models[0].read_order()
+    assert len(linears) == 4 * len(models[0].layers)
+    assert linears[:2] == [models[0].layers[0].self_attn.qkv_proj, models[0].layers[0].self_attn.o_proj]
     offsets = [lin.weight.data_ptr() - packed.data_ptr() for lin in linears]
     sizes = [lin.weight.nbytes for lin in linears]
     assert offsets[0] == 0 and all(o % PACK_ALIGN == 0 for o in offsets)
     assert all(a + size <= b < a + size + PACK_ALIGN for a, b, size in zip(offsets, offsets[1:], sizes))
     assert offsets[-1] + sizes[-1] <= packed.nbytes < offsets[-1] + sizes[-1] + PACK_ALIGN
     assert all(lin.weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr() for lin in linears)
-    compute_linears_in_float32(model)
-    assert model.packed_weights is None and all(lin.weight.dtype == torch.float32 for lin in linears)
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(a, b), name
+    x = torch.randn(3, max(cfg.hidden_size, cfg.intermediate_size), generator=torch.Generator().manual_seed(0))
+    for lin, ref in zip(linears, models[1].read_order()):
+        assert torch.equal(lin(x[:, :lin.in_features]), ref(x[:, :ref.in_features]))
 
 
 def test_tied_embeddings_stay_one_tensor_and_match_transformers(tmp_path):

@@ -177,14 +177,22 @@ class ModelExecutor(Executor):
                              f"{self._device}; use decode_matmul=torch")
         if weight_prefetch_mb:
             _check_prefetch(self._device, fused_ops, weight_prefetch_mb)
+            if float32_matmul is True and self.dtype != torch.float32:
+                raise ValueError("executor.weight_prefetch_mb prefetches the model's own weights, which "
+                                 "float32_matmul=true replaces by float32 copies; set one of them off")
         assert config.max_model_len is not None
         self.backend = BACKENDS.create_with(
             config.backend, config.backend_options, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
             block_size=config.block_size, dtype=self.dtype, device=self._device)
         self.cuda_graphs = self._use_cuda_graphs(cuda_graphs)
+        if config.backend_options.get("fuse_rotary") and not self.cuda_graphs:
+            logger.warning("backend.fuse_rotary applies to decode steps replayed from CUDA graphs, and this engine "
+                           "captures none (executor.cuda_graphs=%s on %s): it changes nothing", cuda_graphs,
+                           self._device)
         self.fused_ops = ops = _fused_ops(self._device) if fused_ops else None
-        self.model = LlamaForCausalLM.empty_on(self._device, cfg, self.backend, config.max_model_len, self.dtype, ops)
+        self.model = LlamaForCausalLM.empty_on(self._device, cfg, self.backend, config.max_model_len, self.dtype, ops,
+                                               pack_weights=bool(weight_prefetch_mb))
         if source.path is None:
             self.model.init_random(config.model_seed, cfg.initializer_range)
         else:

@@ -123,6 +123,13 @@ def test_weight_prefetch_is_whole_mib_and_needs_cuda(llama_ckpt, value, error):
             executor_options={"weight_prefetch_mb": value})
 
 
+def test_fuse_rotary_without_cuda_graphs_is_said_to_change_nothing(llama_ckpt, caplog):
+    LLM(model=str(llama_ckpt[0]), backend="triton", dtype="bfloat16", max_model_len=64, num_gpu_blocks_override=16,
+        backend_options={"fuse_rotary": True})
+    assert "backend.fuse_rotary applies to decode steps replayed from CUDA graphs, and this engine captures none " \
+           "(executor.cuda_graphs=auto on cpu): it changes nothing" in caplog.text
+
+
 @pytest.mark.parametrize("capability, megabytes, error", [
     ((8, 0), 8, "needs a GPU of compute capability 9.0 or later (its bulk L2 prefetch); cuda:0 is 8.0"),
     ((9, 0), 51, "executor.weight_prefetch_mb=51 is more than cuda:0's L2 cache (50 MiB); use 1 to 50, or 0 (off)"),
@@ -167,6 +174,10 @@ def test_on_a_gpu_prefetching_weights_and_fusing_rotary_change_no_result(llama_c
     with pytest.raises(ValueError, match="executor.weight_prefetch_mb needs executor.fused_ops=true"):
         LLM(model=str(llama_ckpt[0]), device="cuda", max_model_len=64, num_gpu_blocks_override=16,
             executor_options={"weight_prefetch_mb": 1, "fused_ops": False})
+    with pytest.raises(ValueError, match="executor.weight_prefetch_mb prefetches the model's own weights, which "
+                                         "float32_matmul=true replaces"):
+        LLM(model=str(llama_ckpt[0]), device="cuda", dtype="bfloat16", max_model_len=64, num_gpu_blocks_override=16,
+            executor_options={"weight_prefetch_mb": 1, "float32_matmul": True})
     l2_mb = torch.cuda.get_device_properties(0).L2_cache_size >> 20
     with pytest.raises(ValueError, match=re.escape(f"executor.weight_prefetch_mb={l2_mb + 1} is more than cuda's L2 "
                                                    f"cache ({l2_mb} MiB); use 1 to {l2_mb}, or 0 (off)")):
