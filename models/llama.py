@@ -133,10 +133,7 @@ class MLP(nn.Module):
             if out is not None:
                 return out
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
-            if self.prefetch is None:
-                self.ops.silu_and_mul(gate_up, act)
-            else:
-                self.ops.silu_and_mul(gate_up, act, prefetch=self.prefetch)
+            self.ops.silu_and_mul(gate_up, act, **({} if self.prefetch is None else {"prefetch": self.prefetch}))
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
