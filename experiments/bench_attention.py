@@ -136,6 +136,14 @@ def cases(args) -> list[Case]:
     return out
 
 
+def check_minimums(p: argparse.ArgumentParser, args: argparse.Namespace, minimums: dict[str, int]) -> None:
+    """A usage error (``p.error``) for the first of these arguments given below its minimum."""
+    for name, least in minimums.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -159,17 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     # Checked before any timing: 0 used to be taken as "the default" for --iters, --heads,
     # --kv-heads and --head-dim (their `or` defaults), and to crash in the cases otherwise.
-    for name in ("heads", "kv_heads", "head_dim", "iters", "threads", "block_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    check_minimums(p, args, {**dict.fromkeys(("heads", "kv_heads", "head_dim", "iters", "threads", "block_size"), 1),
+                             "flush_mb": 0})
     for name in ("decode_batches", "decode_contexts", "prefill_batches", "prefill_lens"):
         values = getattr(args, name)
         if values is not None and min(values) < (0 if name == "decode_contexts" else 1):
             p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'decode_contexts' else 'positive'}, "
                     f"got {','.join(map(str, values))}")
-    if args.flush_mb is not None and args.flush_mb < 0:
-        p.error(f"--flush-mb must be at least 0, got {args.flush_mb}")
 
     device = resolve_device(args.device)
     gpu = device.type == "cuda"

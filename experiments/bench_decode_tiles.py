@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from experiments.bench_attention import Case, copy_bandwidth, make_inputs, timer  # noqa: E402
+from experiments.bench_attention import Case, check_minimums, copy_bandwidth, make_inputs, timer  # noqa: E402
 from framework.common.config import DTYPE_ALIASES  # noqa: E402
 from framework.execution.executors.model import resolve_device, resolve_dtype  # noqa: E402
 
@@ -49,11 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=None, help="timed calls per variant (default 50 CUDA, 3 CPU)")
     p.add_argument("--flush-mb", type=int, default=None, help="default 256 on CUDA, 0 on CPU")
     args = p.parse_args(argv)
-    for name in ("batch", "heads", "kv_heads", "head_dim", "block_size", "max_model_len", "iters"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.flush_mb is not None and args.flush_mb < 0:
-        p.error(f"--flush-mb must be at least 0, got {args.flush_mb}")
+    check_minimums(p, args, {**dict.fromkeys(("batch", "heads", "kv_heads", "head_dim", "block_size", "max_model_len",
+                                              "iters"), 1), "flush_mb": 0})
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731

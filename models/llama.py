@@ -32,16 +32,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.ops = ops
-        self.prefetch: torch.Tensor | None = None  # weight bytes the fused operator asks L2 for
+        self.prefetch_args: dict[str, torch.Tensor] = {}  # the fused operator's ``prefetch``, if any
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         if self.ops is not None:
-            extra = {} if self.prefetch is None else {"prefetch": self.prefetch}
             if residual is None:
                 out = torch.empty_like(x)
-                self.ops.rms_norm(x, self.weight, out, self.eps, **extra)
+                self.ops.rms_norm(x, self.weight, out, self.eps, **self.prefetch_args)
                 return out
-            self.ops.add_rms_norm(x, residual, self.weight, self.eps, **extra)
+            self.ops.add_rms_norm(x, residual, self.weight, self.eps, **self.prefetch_args)
             return x, residual
         if residual is not None:
             residual = residual + x
@@ -80,25 +79,27 @@ class Attention(nn.Module):
         self.rotary = rotary
         # The fused operator that also stores K/V in the cache, where the backend lets the model store them.
         self.into_cache = getattr(ops, "qkv_rotary_into_cache", None)
-        self.prefetch: torch.Tensor | None = None  # weight bytes the rotary operator asks L2 for
+        self.prefetch_args: dict[str, torch.Tensor] = {}  # the rotary operator's ``prefetch``, if any
+        # Looked up once: most backends never apply RoPE themselves.
+        self.backend_rotary = backend.forward_rotary if backend.fuse_rotary else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        o = self.backend.forward_rotary(qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta)
-        if o is not None:
-            return self.o_proj(o.reshape(-1, self.q_size))
+        if self.backend_rotary is not None:
+            o = self.backend_rotary(qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache, meta)
+            if o is not None:
+                return self.o_proj(o.reshape(-1, self.q_size))
         slots = None if self.into_cache is None else self.backend.kv_slots(meta)
-        extra = {} if self.prefetch is None else {"prefetch": self.prefetch}
         if slots is not None:
             q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
             self.into_cache(qkv, positions, self.rotary.cos, self.rotary.sin, q, kv_cache[0], kv_cache[1], slots,
-                            **extra)
+                            **self.prefetch_args)
             k = v = None
         elif self.ops is not None:
             q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
             k = qkv.new_empty(qkv.shape[0], self.num_kv_heads, self.head_dim)
             v = torch.empty_like(k)
-            self.ops.qkv_rotary(qkv, positions, self.rotary.cos, self.rotary.sin, q, k, v, **extra)
+            self.ops.qkv_rotary(qkv, positions, self.rotary.cos, self.rotary.sin, q, k, v, **self.prefetch_args)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, self.num_heads, self.head_dim)
@@ -121,7 +122,7 @@ class MLP(nn.Module):
         # This projection of silu_and_mul(gate_up) in one pass, where models.cuda_matmul.tune sets one (it may
         # return None, then the operator runs); an attribute read per forward, not a failed lookup.
         self.down_proj.silu_and_mul_forward = None
-        self.prefetch: torch.Tensor | None = None  # weight bytes SiLU-and-multiply asks L2 for
+        self.prefetch_args: dict[str, torch.Tensor] = {}  # SiLU-and-multiply's ``prefetch``, if any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -133,7 +134,7 @@ class MLP(nn.Module):
             if out is not None:
                 return out
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
-            self.ops.silu_and_mul(gate_up, act, **({} if self.prefetch is None else {"prefetch": self.prefetch}))
+            self.ops.silu_and_mul(gate_up, act, **self.prefetch_args)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
@@ -263,16 +264,16 @@ class LlamaForCausalLM(nn.Module):
                              "LlamaForCausalLM.empty_on(pack_weights=True)")
         count = max_bytes // packed.element_size()
 
-        def window(weight: torch.Tensor) -> torch.Tensor | None:
+        def window(weight: torch.Tensor) -> dict[str, torch.Tensor]:
             start = (weight.data_ptr() - packed.data_ptr()) // packed.element_size()
-            return packed[start:start + count] if count else None
+            return {"prefetch": packed[start:start + count]} if count else {}
 
         for layer in self.layers:
-            layer.input_layernorm.prefetch = window(layer.self_attn.qkv_proj.weight)
-            layer.self_attn.prefetch = window(layer.self_attn.o_proj.weight)
-            layer.post_attention_layernorm.prefetch = window(layer.mlp.gate_up_proj.weight)
-            layer.mlp.prefetch = window(layer.mlp.down_proj.weight)
-        self.norm.prefetch = self.lm_head.weight.detach().view(-1)[:count] if count else None
+            layer.input_layernorm.prefetch_args = window(layer.self_attn.qkv_proj.weight)
+            layer.self_attn.prefetch_args = window(layer.self_attn.o_proj.weight)
+            layer.post_attention_layernorm.prefetch_args = window(layer.mlp.gate_up_proj.weight)
+            layer.mlp.prefetch_args = window(layer.mlp.down_proj.weight)
+        self.norm.prefetch_args = {"prefetch": self.lm_head.weight.detach().view(-1)[:count]} if count else {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

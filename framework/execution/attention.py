@@ -85,6 +85,7 @@ class AttentionBackend(ABC):
     max_head_size: ClassVar[int | None] = None
     block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this
     graph_decode: ClassVar[bool] = False  # has build_graph_metadata: decode steps can be CUDA graphs
+    fuse_rotary: bool = False  # forward_rotary may take RoPE into a step's attention (the model asks only then)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -145,8 +146,8 @@ class AttentionBackend(ABC):
                        kv_cache: torch.Tensor, meta: Any) -> torch.Tensor | None:
         """``forward`` of the step's unrotated ``qkv`` ``[T, (num_heads + 2 num_kv_heads) head_dim]``, q and k
         rotated (rotate half) at ``positions`` [T] by RoPE's ``cos``/``sin`` tables ``[positions, head_dim / 2]``
-        and the new K/V stored in the same pass, where this backend can for ``meta``; None (the default) where it
-        cannot, and the model rotates and calls ``forward``."""
+        and the new K/V stored in the same pass, where this backend can for ``meta`` (``fuse_rotary`` set); None
+        (the default) where it cannot, and the model rotates and calls ``forward``."""
         return None
 
     def graph_max_seq_lens(self, num_reqs: int, max_model_len: int) -> list[int]:

@@ -17,11 +17,16 @@ import experiments.bench_attention as bench_attention
     (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),
 ])
 def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):
-    monkeypatch.setattr(bench_attention, "copy_bandwidth", lambda *a: pytest.fail("timed despite a bad argument"))
+    assert match in usage_error(bench_attention, argv, capsys, monkeypatch)
+
+
+def usage_error(bench, argv: list[str], capsys, monkeypatch) -> str:
+    """What ``bench.main(argv)`` on the CPU prints to stderr, having exited 2 before timing anything."""
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a: pytest.fail("timed despite a bad argument"))
     with pytest.raises(SystemExit) as exit_info:
-        bench_attention.main([*argv, "--device", "cpu"])
+        bench.main([*argv, "--device", "cpu"])
     assert exit_info.value.code == 2
-    assert match in capsys.readouterr().err
+    return capsys.readouterr().err
 
 
 def test_a_small_run_prints_every_case_and_backend(capsys):

@@ -164,7 +164,7 @@ def test_on_a_gpu_prefetching_weights_and_fusing_rotary_change_no_result(llama_c
                   num_gpu_blocks_override=64, max_num_seqs=8, executor_options={"weight_prefetch_mb": mb},
                   backend_options={"fuse_rotary": fuse})
         model = llm.engine.executor.model
-        assert (model.layers[0].mlp.prefetch is not None) == bool(mb)
+        assert bool(model.layers[0].mlp.prefetch_args) == bool(mb)
         assert llm.engine.executor.runner.decode is not None and model.layers[0].self_attn.backend.fuse_rotary == fuse
         got = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3))
