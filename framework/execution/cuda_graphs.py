@@ -2,7 +2,8 @@
 
 A decode-only step of ``n`` requests runs at the smallest captured size ``>= n``: its inputs are copied
 into persistent buffers, the padding rows are dummy decodes of one key in the null block (slot 0, which
-no request owns), and the graph replays the whole forward pass; logits and sampling stay outside it.
+no request owns), and the graph replays the whole forward pass, the LM head and each row's argmax (a greedy
+step's sampling; any other sampling runs on the graph's logits outside it).
 Each size has a graph per bound on the longest sequence the backend asks for
 (``AttentionBackend.graph_max_seq_lens``: short contexts need no key splits); a step takes the smallest
 bound at or above its own longest.
@@ -10,6 +11,7 @@ bound at or above its own longest.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,6 +20,19 @@ from framework.execution.attention import AttentionBackend, AttentionMetadata
 from framework.execution.input_preparer import ModelInput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeOutput:
+    """A decode step's hidden states ``[rows, hidden]``, float32 logits ``[rows, vocab]`` and each row's
+    argmax (``greedy``, int64 ``[rows]``); a replayed graph's own buffers, which its next replay overwrites."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    greedy: torch.Tensor
+
+    def rows(self, n: int) -> DecodeOutput:
+        return DecodeOutput(self.hidden[:n], self.logits[:n], self.greedy[:n])
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -97,21 +112,23 @@ class PaddedDecode:
             self.seq_lens[n:size].fill_(1)
         torch.sub(self.seq_lens[:size], 1, out=self.num_computed_tokens[:size])  # one new token each
 
-    def forward(self, size: int, max_seq_len: int) -> torch.Tensor:
-        """The model's hidden states ``[size, hidden]`` for the buffers' first ``size`` rows."""
+    def forward(self, size: int, max_seq_len: int) -> DecodeOutput:
+        """The model's output for the buffers' first ``size`` rows."""
         meta = self.backend.build_graph_metadata(self.metadata(size, max_seq_len))
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
+        logits = self.model.compute_logits(hidden)
+        return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
 
-    def run(self, inputs: ModelInput) -> torch.Tensor:
-        """Hidden states ``[num_reqs, hidden]`` of a decode-only step (``is_graph_decode``)."""
+    def run(self, inputs: ModelInput) -> DecodeOutput:
+        """The output of a decode-only step (``is_graph_decode``), a row per request."""
         meta = inputs.attn_metadata
         key = self.key_for(meta.num_reqs, meta.max_seq_len)
         self.fill(inputs, key[0])
-        return self.padded_forward(key)[: meta.num_reqs]
+        return self.padded_forward(key).rows(meta.num_reqs)
 
-    def padded_forward(self, key: tuple[int, int]) -> torch.Tensor:
-        """The hidden states of the filled buffers' first ``size`` rows, ``key`` = (size, bound) (here:
-        computed eagerly)."""
+    def padded_forward(self, key: tuple[int, int]) -> DecodeOutput:
+        """The output of the filled buffers' first ``size`` rows, ``key`` = (size, bound) (here: computed
+        eagerly)."""
         return self.forward(*key)
 
 
@@ -122,7 +139,7 @@ class DecodeGraphs(PaddedDecode):
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_cache: torch.Tensor,
                  sizes: list[int], max_model_len: int, block_size: int) -> None:
         super().__init__(model, backend, kv_cache, sizes, max_model_len, block_size)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeOutput]] = {}
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), torch.cuda.device(kv_cache.device):
             for key in self.keys():
@@ -130,12 +147,12 @@ class DecodeGraphs(PaddedDecode):
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.forward(*key)
-                self.graphs[key] = (graph, hidden)
+                    output = self.forward(*key)
+                self.graphs[key] = (graph, output)
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs of decode steps at batch sizes %s", len(self.graphs), self.sizes)
 
-    def padded_forward(self, key: tuple[int, int]) -> torch.Tensor:
-        graph, hidden = self.graphs[key]
+    def padded_forward(self, key: tuple[int, int]) -> DecodeOutput:
+        graph, output = self.graphs[key]
         graph.replay()
-        return hidden
+        return output

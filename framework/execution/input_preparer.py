@@ -47,6 +47,12 @@ class SamplingMetadata:
     logprob_rows_cpu: np.ndarray | None = None
     num_logprobs: list[int] | None = None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every row's token is its logits' argmax, with nothing else asked: greedy, no penalties,
+        no logprobs."""
+        return self.all_greedy and self.penalties is None and self.logprob_rows is None
+
 
 @dataclass
 class PromptLogprobsMetadata:

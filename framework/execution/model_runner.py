@@ -94,8 +94,10 @@ class ModelRunner:
 
     def _run(self, inputs: ModelInput) -> LaunchedStep:
         """Queue the forward pass, logits and sampling of a prepared step."""
+        decoded = None
         if self.decode is not None and is_graph_decode(inputs, self.decode.sizes[-1]):
-            hidden = self.decode.run(inputs)
+            decoded = self.decode.run(inputs)
+            hidden = decoded.hidden
         else:
             meta = self.backend.build_metadata(inputs.attn_metadata)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
@@ -109,10 +111,16 @@ class ModelRunner:
         step = LaunchedStep(inputs, output)
         if not inputs.sample_req_ids:
             return step
-        # index_select: 2.5x faster than advanced indexing for these rows on a CPU
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        sampler_output = self.sampler.sample(logits, inputs.sampling)
-        step.sampled, step.logprobs = sampler_output.sampled, sampler_output.logprobs
+        # index_select: 2.5x faster than advanced indexing for these rows on a CPU; on a graph's output
+        # it also copies the rows out of the buffers its next replay overwrites.
+        rows = inputs.logits_indices
+        if decoded is not None and inputs.sampling.argmax_only:
+            step.sampled = decoded.greedy.index_select(0, rows)
+        else:
+            logits = (decoded.logits.index_select(0, rows) if decoded is not None
+                      else self.model.compute_logits(hidden.index_select(0, rows)))
+            sampler_output = self.sampler.sample(logits, inputs.sampling)
+            step.sampled, step.logprobs = sampler_output.sampled, sampler_output.logprobs
         if step.sampled.device.type == "cuda":
             # Copied as soon as sampled, into pinned memory: collect then waits for this copy alone.
             step.host = torch.empty(step.sampled.shape, dtype=step.sampled.dtype, pin_memory=True)

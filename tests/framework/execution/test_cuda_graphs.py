@@ -17,9 +17,11 @@ def test_capture_sizes(max_num_seqs, sizes):
     assert capture_sizes(max_num_seqs) == sizes
 
 
-def generate(path, device="cpu", padded=False, backend="triton", block_size=8, frozen_metadata=False, **kwargs):
-    """Greedy outputs of six prompts of 12, 10, .., 2 output tokens (decode steps of 6 requests down to 1),
-    the padding rows of each decode step run at a padded size, and the KV cache."""
+def generate(path, device="cpu", padded=False, backend="triton", block_size=8, frozen_metadata=False, sampling=None,
+             **kwargs):
+    """Greedy outputs (or ``sampling``'s: SamplingParams options) of six prompts of 12, 10, .., 2 output tokens
+    (decode steps of 6 requests down to 1), the padding rows of each decode step run at a padded size, and the
+    KV cache."""
     max_len = max(128, block_size)
     llm = LLM(model=str(path), backend=backend, block_size=block_size, max_model_len=max_len,
               max_num_batched_tokens=max_len, num_gpu_blocks_override=64 * 8 // block_size + 2, max_num_seqs=6,
@@ -42,8 +44,11 @@ def generate(path, device="cpu", padded=False, backend="triton", block_size=8, f
 
         runner.decode.run = counted
     kv_cache = runner.kv_cache
-    params = [SamplingParams(max_tokens=MAX_TOKENS - 2 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    sampling = sampling or {"temperature": 0.0}
+    params = [SamplingParams(max_tokens=MAX_TOKENS - 2 * i, ignore_eos=True, **sampling) for i in range(6)]
     outs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts(6, seed=3)], params)
+    if sampling.get("logprobs"):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sizes, kv_cache
     return [o.outputs[0].token_ids for o in outs], sizes, kv_cache
 
 
@@ -61,6 +66,46 @@ def test_padded_decode_steps_give_the_eager_steps_tokens_and_cache(llama_ckpt, f
     assert pads == [{5: 1, 3: 1}.get(n, 0) for n in running] and sum(pads) == 4
     # Only the null block (0) differs: the dummy rows write their key there.
     assert torch.allclose(padded_cache[:, :, 1:], eager_cache[:, :, 1:], atol=1e-5)
+
+
+def test_greedy_padded_decode_steps_take_the_argmax_of_the_forward_pass(llama_ckpt, monkeypatch):
+    """A greedy decode step with no penalties or logprobs takes its tokens from the padded forward pass's
+    argmax (inside the graph on a GPU): the sampler runs for the prefill steps alone."""
+    from framework.execution.sampler import Sampler
+
+    path, _ = llama_ckpt
+    calls = []
+    sample = Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, logits, meta: calls.append(len(logits)) or sample(
+        self, logits, meta))
+    eager, _, _ = generate(path)
+    eager_calls, calls[:] = list(calls), []
+    padded, pads, _ = generate(path, padded=True)
+    assert padded == eager
+    assert len(pads) == MAX_TOKENS - 1, "every decode step should have run padded"
+    assert len(eager_calls) == len(calls) + len(pads) and calls == eager_calls[: len(calls)]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.8, "seed": 7}, {"temperature": 0.8, "top_k": 5},
+                                      {"temperature": 0.0, "logprobs": 3},
+                                      {"temperature": 0.0, "repetition_penalty": 1.5, "frequency_penalty": 0.5}])
+def test_padded_decode_steps_sample_from_the_forward_pass_logits(llama_ckpt, sampling):
+    """Sampling, logprobs and penalties run on the padded forward pass's logits: the padded steps sample what
+    the eager steps sample (seeded rows from their own generator; the others share the engine's, drawn in
+    the same order), with the same logprobs."""
+    path, _ = llama_ckpt
+    eager, _, _ = generate(path, sampling=sampling)
+    padded, pads, _ = generate(path, padded=True, sampling=sampling)
+    assert sum(pads) == 4, "the decode steps should have run padded"
+    if "logprobs" not in sampling:
+        assert padded == eager
+        return
+    for (tokens, logprobs), (eager_tokens, eager_logprobs) in zip(padded, eager):
+        assert tokens == eager_tokens
+        for step, eager_step in zip(logprobs, eager_logprobs):
+            assert step.keys() == eager_step.keys()
+            assert all(step[t].rank == eager_step[t].rank for t in step)
+            assert [step[t].logprob for t in step] == pytest.approx([eager_step[t].logprob for t in step], abs=1e-5)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -135,10 +180,13 @@ def test_a_backend_without_a_capturable_decode_says_so():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend, dtype", [("triton", "float32"), ("triton", "bfloat16"), ("flash_attn", "bfloat16")])
-def test_on_a_gpu_replayed_graphs_give_the_eager_tokens(llama_ckpt, backend, dtype):
-    """The captured graphs (default on CUDA) sample what eager decode steps sample, every decode step
-    through them, and leave the cache blocks as the eager run does."""
+@pytest.mark.parametrize("backend, dtype, sampling", [("triton", "float32", None), ("triton", "bfloat16", None),
+                                                     ("flash_attn", "bfloat16", None),
+                                                     ("triton", "float32", {"temperature": 0.8, "seed": 7})])
+def test_on_a_gpu_replayed_graphs_give_the_eager_tokens(llama_ckpt, backend, dtype, sampling):
+    """The captured graphs (default on CUDA) sample what eager decode steps sample (greedy: the graph's own
+    argmax; seeded: from the graph's logits), every decode step through them, and leave the cache blocks as
+    the eager run does."""
     block_size = 8
     if backend == "flash_attn":
         from backends.flash_attn import missing_requirements
@@ -147,7 +195,7 @@ def test_on_a_gpu_replayed_graphs_give_the_eager_tokens(llama_ckpt, backend, dty
         if missing_requirements(block_size, torch.bfloat16, torch.device("cuda"), 32):
             pytest.skip("flash-attn cannot run here")
     path, _ = llama_ckpt
-    common = dict(device="cuda", backend=backend, block_size=block_size, dtype=dtype)
+    common = dict(device="cuda", backend=backend, block_size=block_size, dtype=dtype, sampling=sampling)
     eager, none, eager_cache = generate(path, executor_options={"cuda_graphs": False}, **common)
     graphs, pads, graph_cache = generate(path, **common)
     assert none == [] and len(pads) == MAX_TOKENS - 1, "every decode step should have replayed a graph"
