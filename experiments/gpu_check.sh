@@ -19,8 +19,8 @@
 #      timed products), executor.weight_prefetch_mb=12, 24 and 48 (the next weights asked of L2 by
 #      the fused operators), the Triton backend's fuse_rotary (RoPE in the decode attention launch) alone
 #      and with 24 MiB of prefetch, the decode step against the HBM roofline, the graph replay at the step's own context
-#      bound and at max_model_len's (key splits), and profiles of a step's host side and of its graph replay
-#      by kernel (experiments/gpu_e2e.py speed --profile);
+#      bound and at max_model_len's (key splits), and profiles of a step's host side, and by kernel of its
+#      graph replay and of whole decode steps (experiments/gpu_e2e.py speed --profile);
 #   7. that model's matrix products at 32 and 128 rows, cuBLAS and cuBLASLt against the split-K Triton kernel of
 #      models/cuda_matmul.py over its 40 configurations, the fastest also with its K splits summed by a second
 #      launch (experiments/bench_skinny_matmul.py).
@@ -114,7 +114,7 @@ step skinny_matmul 180 "$PY" experiments/bench_skinny_matmul.py
 
 failed=$(cat "$LOG_DIR"/*.status 2>/dev/null | grep -cv '^0$')
 grep -hE "passed|failed" "$LOG_DIR/gpu_tests.log" 2>/dev/null | tail -n 1 >"$LOG_DIR/summary.txt"
-grep -hE "^(PARITY|E2E|KERNELS|MATMUL|TILES|device|decode|prefill)" "$LOG_DIR"/parity.log "$LOG_DIR"/e2e.log \
+grep -hE "^(PARITY|E2E|KERNELS|STEPKERNELS|MATMUL|TILES|device|decode|prefill)" "$LOG_DIR"/parity.log "$LOG_DIR"/e2e.log \
     "$LOG_DIR"/bench_attention.log "$LOG_DIR"/decode_tiles.log "$LOG_DIR"/skinny_matmul.log 2>/dev/null >>"$LOG_DIR/summary.txt"
 
 echo "== $failed step(s) failed; logs in $LOG_DIR"

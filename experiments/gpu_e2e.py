@@ -201,6 +201,51 @@ def kernel_times(llm: LLM, key: tuple[int, int], rounds: int = 5) -> None:
         print(f"KERNELS   {us / 1e3:7.3f} ms {us / max(total, 1e-9):4.0%} x{count:<4d} {name[:110]}", flush=True)
 
 
+def step_kernel_times(llm: LLM, prompts: list[list[int]], device: str, rounds: int = 10) -> None:
+    """Print the device time per engine decode step by kernel (torch's profiler over ``rounds`` steps of
+    ``prompts`` decoding together; on a CPU, by operator): the graph's kernels and everything a step launches
+    around it, the 15 costliest, their total and the steps' wall time. Against ``kernel_times``, what the
+    graph leaves out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=rounds + 8, temperature=0.0, ignore_eos=True)
+    ids = [f"profiled-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    taken = []
+    engine.step_callbacks.append(lambda s, o: taken.append(s))
+    try:
+        while not taken or taken[-1].num_prefill_tokens or taken[-1].num_decode_tokens < len(prompts):
+            engine.step()
+        engine.step()  # one decode step more: with async scheduling the next is already launched
+        taken.clear()
+        synced(device)
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(rounds):
+                engine.step()
+            synced(device)
+        wall = (time.perf_counter() - start) / rounds
+    finally:
+        engine.step_callbacks.pop()
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    decodes = sum(not s.num_prefill_tokens and s.num_decode_tokens == len(prompts) for s in taken)
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    rows = sorted(((own(e) / rounds, e.count / rounds, e.key) for e in prof.key_averages() if own(e)), reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"STEPKERNELS batch {len(prompts)}: {decodes}/{rounds} steps decoded every request; per step "
+          f"{sum(r[1] for r in rows):.0f} {'launches' if cuda else 'operators'}, {total / 1e3:.3f} ms of "
+          f"{'GPU' if cuda else 'CPU'} time in {wall * 1e3:.3f} ms (profiled)", flush=True)
+    for us, count, name in rows[:15]:
+        print(f"STEPKERNELS   {us / 1e3:7.3f} ms {us / max(total, 1e-9):4.0%} x{count:<5.1f} {name[:110]}",
+              flush=True)
+
+
 def speed(args: argparse.Namespace) -> int:
     dev, bad = args.device, 0
     if args.tiny:
@@ -267,9 +312,11 @@ def speed(args: argparse.Namespace) -> int:
                 print(f"E2E batch {num_reqs} {label} {num_reqs * args.tokens / t:8.0f} tok/s "
                       f"= {t_hf / t:.2f}x hf_generate; decode step {ms:.3f} ms = {roofline * 1e3 / ms:.0%} of the "
                       f"roofline{forward}; greedy == HF for {same}/{num_reqs}", flush=True)
-                if args.profile and (not kind.startswith(("sync", "torch", "eager"))) and replay is not None:
+                if args.profile and not kind.startswith(("sync", "torch", "eager")):
                     try:
-                        kernel_times(llm, key)
+                        if replay is not None:
+                            kernel_times(llm, key)
+                        step_kernel_times(llm, prompts, dev)
                     except Exception as exc:  # a figure left out, not a failed case
                         print(f"KERNELS batch {num_reqs}: not measured ({type(exc).__name__}: {exc})", flush=True)
                 if args.profile and default:
@@ -295,7 +342,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--profile", action="store_true",
                         help="speed: after each default case's timed run, one more under cProfile (top 25 by own "
-                             "time), and its decode graph's replay by kernel under torch's profiler")
+                             "time); and for each graph case its decode graph's replay and its engine's decode "
+                             "steps by kernel under torch's profiler")
     parser.add_argument("--kv-cache-gb", type=float, default=None,
                         help="parity: each engine's KV cache in GiB (default: sized from free memory, as engines are)")
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128])

@@ -35,6 +35,19 @@ def test_the_speed_dry_run_compares_each_backend_with_transformers():
                         rf"decode step [\d.]+ ms = \d+% of the roofline; greedy == HF for 3/3$", line), line
 
 
+def test_the_profiled_dry_run_times_decode_steps_by_operator():
+    """``--profile``: each case's engine steps, profiled once every request decodes (on a CPU by operator)."""
+    done = run("speed", "--device", "cpu", "--tiny", "--batches", "3", "--tokens", "4", "--prompt-len", "12",
+               "--cases", "default", "--profile")
+    assert done.returncode == 0, done.stderr[-3000:]
+    heads = [line for line in done.stdout.splitlines() if re.match(r"STEPKERNELS batch", line)]
+    assert len(heads) == 2, done.stdout[-3000:]
+    for line in heads:
+        assert re.match(r"STEPKERNELS batch 3: 10/10 steps decoded every request; per step \d+ operators, [\d.]+ ms "
+                        r"of CPU time in [\d.]+ ms \(profiled\)$", line), line
+    assert "aten::mm" in done.stdout
+
+
 def test_cases_picks_the_kinds_asked_for_and_refuses_others():
     sys.path.insert(0, str(ROOT / "experiments"))
     try:
