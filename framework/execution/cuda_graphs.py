@@ -60,14 +60,14 @@ class PaddedDecode:
         self.block_size = block_size
         n, dev = self.sizes[-1], kv_cache.device
 
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.int64, device=dev)
-
-        self.input_ids, self.positions, self.slot_mapping = zeros(n), zeros(n), zeros(n)
-        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
-        self.block_table = zeros(n, -(-max_model_len // block_size))
+        # ModelInput.token_rows' layout, so a step's rows arrive in one copy; every row a padding row.
+        self.token_rows = torch.zeros(5, n, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.num_computed_tokens = self.token_rows
+        self.seq_lens.fill_(1)
+        #: A padding row's slot, length and computed tokens (its token, position and table may be any valid ones).
+        self.padding = torch.tensor([[0], [1], [0]], dtype=torch.int64, device=dev)
+        self.block_table = torch.zeros(n, -(-max_model_len // block_size), dtype=torch.int64, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=dev)
-        self.num_computed_tokens = zeros(n)
 
     def size_for(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
@@ -97,20 +97,20 @@ class PaddedDecode:
 
     def fill(self, inputs: ModelInput, size: int) -> None:
         """Copy a step's inputs into the first rows, and make rows ``num_reqs .. size`` dummy decodes:
-        one key at position 0 of the null block, written to its slot 0. Device work only. A padding row's
-        token, position and block-table row may be left from an earlier step: any valid value will do."""
+        one key at position 0 of the null block, written to its slot 0. Device work only: two or three
+        copies where the step has ``token_rows``."""
         meta = inputs.attn_metadata
         n = meta.num_reqs
-        self.input_ids[:n].copy_(inputs.input_ids[:n])
-        self.positions[:n].copy_(inputs.positions[:n])
-        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
-        self.seq_lens[:n].copy_(meta.seq_lens[:n])
+        if inputs.token_rows is not None:
+            self.token_rows[:, :n].copy_(inputs.token_rows)
+        else:
+            sources = (inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.num_computed_tokens)
+            for row, source in zip(self.token_rows, sources):
+                row[:n].copy_(source[:n])
         table = meta.block_table[:n]
         self.block_table[:n, : table.shape[1]].copy_(table)
         if size > n:
-            self.slot_mapping[n:size].zero_()
-            self.seq_lens[n:size].fill_(1)
-        torch.sub(self.seq_lens[:size], 1, out=self.num_computed_tokens[:size])  # one new token each
+            self.token_rows[2:, n:size].copy_(self.padding.expand(3, size - n))
 
     def forward(self, size: int, max_seq_len: int) -> DecodeOutput:
         """The model's output for the buffers' first ``size`` rows."""

@@ -31,12 +31,13 @@ class Penalties:
 
 @dataclass
 class SamplingMetadata:
-    """Per sampled row: temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 = off) and
-    the request's generator where it has a seed; a filter or ``penalties`` is None when no row uses it.
+    """Per sampled row: temperature (0 = greedy; None when every row is, ``all_greedy``), top-k (0 = off),
+    top-p (1 = off), min-p (0 = off) and the request's generator where it has a seed; a filter or
+    ``penalties`` is None when no row uses it.
     ``logprob_rows`` (device), ``logprob_rows_cpu``: the rows asking for logprobs, ``num_logprobs`` how
     many top tokens each asks for; all three None when no row asks."""
 
-    temperature: torch.Tensor
+    temperature: torch.Tensor | None
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)
@@ -83,9 +84,14 @@ class ModelInput:
     host: dict[str, np.ndarray] = field(default_factory=dict)
     req_ids: list[str] = field(default_factory=list)
     prompt_logprobs: PromptLogprobsMetadata | None = None
-    #: int64 ``[2, n]``: flat token indices, and indices into the previous step's sampled tokens, of the input
-    #: tokens that step samples and the runner has not recorded (``InputPreparer.defer_sampled``); or None.
-    deferred_tokens: np.ndarray | None = None
+    #: int64 ``[2, n]`` on the device: flat token indices, and indices into the previous step's sampled tokens,
+    #: of the input tokens that step samples and the runner has not recorded (``InputPreparer.defer_sampled``);
+    #: or None.
+    deferred_tokens: torch.Tensor | None = None
+    #: Off the CPU, for a step of one token per request: int64 ``[5, n]`` whose rows are ``input_ids``,
+    #: ``positions``, ``slot_mapping``, ``seq_lens`` and ``num_computed_tokens`` (those tensors are its rows), so
+    #: one copy moves all five; else None.
+    token_rows: torch.Tensor | None = None
 
 
 class InputPreparer(ABC):
@@ -142,23 +148,29 @@ class InputPreparer(ABC):
     def model_input(self, host: dict[str, np.ndarray], req_ids: list[str], sample_req_ids: list[str],
                     sampling: SamplingMetadata, num_prefills: int, num_prefill_tokens: int,
                     num_decode_tokens: int, max_query_len: int | None = None,
-                    max_seq_len: int | None = None) -> ModelInput:
+                    max_seq_len: int | None = None, deferred_tokens: np.ndarray | None = None) -> ModelInput:
         """Wrap the step's int64 host arrays as device tensors (on the CPU without a copy, elsewhere in
         one pinned transfer): ``input_ids``, ``positions``, ``slot_mapping``, ``query_start_loc``,
         ``seq_lens``, ``num_computed_tokens``, ``num_scheduled_tokens``, ``logits_indices`` and the 2-D
-        ``block_table`` (null-padded, C-contiguous). ``max_query_len``, ``max_seq_len``: the maxima of
-        ``num_scheduled_tokens`` and ``seq_lens``, when the caller has them."""
+        ``block_table`` (null-padded, C-contiguous), and ``deferred_tokens`` if given. ``max_query_len``,
+        ``max_seq_len``: the maxima of ``num_scheduled_tokens`` and ``seq_lens``, when the caller has them."""
         block_table = host["block_table"]
-        parts = [host["input_ids"], host["positions"], host["slot_mapping"], host["query_start_loc"],
-                 host["seq_lens"], host["num_computed_tokens"], host["logits_indices"], block_table]
+        # The first five back to back, so that for one token per request they are the rows of ``token_rows``.
+        parts = [host["input_ids"], host["positions"], host["slot_mapping"], host["seq_lens"],
+                 host["num_computed_tokens"], host["query_start_loc"], host["logits_indices"], block_table]
+        if deferred_tokens is not None:
+            parts.append(deferred_tokens)
+        token_rows = None
         if self.on_cpu:
             tensors = [torch.from_numpy(p) for p in parts]
         else:
-            flat = parts[:-1] + [block_table.ravel()]
+            flat = [p.ravel() for p in parts]
             packed = torch.from_numpy(np.concatenate(flat)).pin_memory().to(self.device, non_blocking=True)
-            tensors = list(torch.split(packed, [len(p) for p in flat]))
-            tensors[-1] = tensors[-1].view(block_table.shape)
-        input_ids, positions, slot_mapping, qsl, seq_lens, computed, logits_indices, table = tensors
+            tensors = [t.view(p.shape) for t, p in zip(torch.split(packed, [len(p) for p in flat]), parts)]
+            n = len(host["input_ids"])
+            if n == len(host["seq_lens"]):
+                token_rows = packed[: 5 * n].view(5, n)
+        input_ids, positions, slot_mapping, seq_lens, computed, qsl, logits_indices, table = tensors[:8]
         meta = AttentionMetadata(
             num_reqs=len(host["seq_lens"]), num_actual_tokens=len(host["input_ids"]),
             max_query_len=int(host["num_scheduled_tokens"].max()) if max_query_len is None else max_query_len,
@@ -170,7 +182,8 @@ class InputPreparer(ABC):
             num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens)
         return ModelInput(input_ids=input_ids, positions=positions, attn_metadata=meta,
                           logits_indices=logits_indices, sample_req_ids=sample_req_ids, sampling=sampling, host=host,
-                          req_ids=req_ids)
+                          req_ids=req_ids, deferred_tokens=tensors[8] if deferred_tokens is not None else None,
+                          token_rows=token_rows)
 
     def sampling_metadata(self, temperature: np.ndarray, top_k: np.ndarray | None = None,
                           top_p: np.ndarray | None = None,
@@ -179,12 +192,14 @@ class InputPreparer(ABC):
                           num_logprobs: np.ndarray | None = None) -> SamplingMetadata:
         """Per sampled row parameters on the device: float32 temperature, top-p and min-p, int64 top-k and
         ``num_logprobs`` (-1: None); an optional one may be None when no row uses it. A filter or the
-        logprob rows come out None when no row uses them, ``all_greedy`` when every temperature is 0."""
+        logprob rows come out None when no row uses them, ``all_greedy`` (and temperature None) when every
+        temperature is 0."""
+        all_greedy = not np.count_nonzero(temperature)
         meta = SamplingMetadata(
-            temperature=self._tensor(temperature),
+            temperature=None if all_greedy else self._tensor(temperature),
             top_k=self._tensor(top_k) if top_k is not None and np.count_nonzero(top_k) else None,
             top_p=self._tensor(top_p) if top_p is not None and np.count_nonzero(top_p < 1) else None,
-            generators=generators or {}, all_greedy=not np.count_nonzero(temperature),
+            generators=generators or {}, all_greedy=all_greedy,
             min_p=self._tensor(min_p) if min_p is not None and np.count_nonzero(min_p) else None,
             penalties=penalties)
         if num_logprobs is not None:

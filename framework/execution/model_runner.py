@@ -8,7 +8,6 @@ import torch
 from framework.execution.attention import AttentionBackend
 from framework.execution.cuda_graphs import PaddedDecode, is_graph_decode
 from framework.execution.executor import ExecutorOutput
-from framework.execution.host_memory import to_device
 from framework.execution.input_preparer import InputPreparer, ModelInput
 from framework.execution.sampler import LogprobsTensors, Sampler
 from framework.scheduling.output import SchedulerOutput
@@ -81,7 +80,7 @@ class ModelRunner:
             if inputs.deferred_tokens is not None:
                 if prev is None or prev.sampled is None:
                     raise RuntimeError("a step reads deferred sampled tokens but none are in flight")
-                dst, src = to_device(inputs.deferred_tokens, inputs.input_ids.device)  # one transfer
+                dst, src = inputs.deferred_tokens
                 inputs.input_ids[dst] = prev.sampled[src].to(inputs.input_ids.dtype)
             step = self._run(inputs)
             if defer and inputs.sample_req_ids:

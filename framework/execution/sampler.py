@@ -98,6 +98,7 @@ class Sampler:
         if meta.all_greedy:
             return greedy
         temperature = meta.temperature
+        assert temperature is not None, "a row samples at a temperature above 0"
         is_greedy = temperature == 0
         # Shifted by the row maximum so a tiny temperature (below about 1e-37) cannot scale logits to
         # +inf (a NaN softmax samples token 0); the shift changes neither the softmax nor the filters.

@@ -269,9 +269,6 @@ class FlatBatchPreparer(InputPreparer):
             self._check_rows(reqs, ids, rows)
         self.row_num_computed[rows] = seq_lens
         model_input = self.build(ids, rows, num_sched, computed, seq_lens, num_tokens, state[:, 4])
-        if self._deferred_last is not None:
-            model_input.deferred_tokens = self._reads_deferred(rows, computed, seq_lens,
-                                                               model_input.host["query_start_loc"])
         if self._live_flags() & _PROMPT_LOGPROBS:
             model_input.prompt_logprobs = self._prompt_logprobs(reqs, ids, rows, computed, seq_lens,
                                                                 model_input.host["query_start_loc"])
@@ -342,10 +339,13 @@ class FlatBatchPreparer(InputPreparer):
             sample_req_ids = list(map(req_ids.__getitem__, sampled.tolist()))
         num_decodes = np.count_nonzero(num_sched == 1)
         sampling = self._sampling(sample_rows)
+        deferred = None
+        if self._deferred_last is not None:
+            deferred = self._reads_deferred(rows, computed, seq_lens, query_start_loc)
         model_input = self.model_input(
             host, req_ids, sample_req_ids, sampling, num_prefills=n - num_decodes,
             num_prefill_tokens=total - num_decodes, num_decode_tokens=num_decodes,
-            max_query_len=int(num_sched[num_sched.argmax()]), max_seq_len=max_seq_len)
+            max_query_len=int(num_sched[num_sched.argmax()]), max_seq_len=max_seq_len, deferred_tokens=deferred)
         # Each sampled token goes right after its row's last token, unless the row is full (the
         # request then ends with it).
         slots = token_indices.take(logits_indices)

@@ -9,6 +9,7 @@ from framework import LLM, EngineConfig, LLMEngine, SamplingParams
 from framework.common.clock import VirtualClock
 from framework.common.request import PLACEHOLDER, Request
 from framework.execution.executor import EXECUTORS
+from framework.execution.model_runner import ModelRunner
 from framework.testing.shadow import ShadowExecutor, reference_output
 from tests.conftest import hf_greedy, step_through_interrupts
 
@@ -81,6 +82,36 @@ def assert_same_outputs(got, want):
 
     assert shape(got) == shape(want)
     assert values(got) == pytest.approx(values(want), abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_async_outputs_are_the_synchronous_ones_with_inputs_packed_as_for_a_gpu(monkeypatch, kind):
+    """Off the CPU a step's arrays, the deferred tokens' indices among them, go to the device in one packed
+    transfer: forced here on the CPU, the async engine still gives the synchronous outputs."""
+    from framework.execution.input_preparer import InputPreparer
+
+    init = InputPreparer.__init__
+
+    def packing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.on_cpu = False
+
+    monkeypatch.setattr(InputPreparer, "__init__", packing)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    want, _ = generate(False, PARAMS[kind], "chunked", max_num_batched_tokens=16)
+    deferred = []
+    run = ModelRunner._run
+
+    def recorded(self, inputs):
+        deferred.append(inputs.deferred_tokens is not None and inputs.deferred_tokens.untyped_storage().data_ptr()
+                        == inputs.input_ids.untyped_storage().data_ptr())
+        return run(self, inputs)
+
+    monkeypatch.setattr(ModelRunner, "_run", recorded)
+    got, engine = generate(True, PARAMS[kind], "chunked", max_num_batched_tokens=16)
+    assert engine.async_scheduling and not engine.executor.runner.preparer.on_cpu
+    assert_same_outputs(got, want)
+    assert sum(deferred) > len(deferred) / 2, "most steps should read deferred tokens from the packed transfer"
 
 
 def test_async_greedy_outputs_are_transformers(llama_ckpt):

@@ -18,15 +18,16 @@ def test_capture_sizes(max_num_seqs, sizes):
 
 
 def generate(path, device="cpu", padded=False, backend="triton", block_size=8, frozen_metadata=False, sampling=None,
-             **kwargs):
+             packed=False, **kwargs):
     """Greedy outputs (or ``sampling``'s: SamplingParams options) of six prompts of 12, 10, .., 2 output tokens
     (decode steps of 6 requests down to 1), the padding rows of each decode step run at a padded size, and the
-    KV cache."""
+    KV cache. ``packed``: the preparer packs its arrays as it does for a GPU (pin_memory must be patched out)."""
     max_len = max(128, block_size)
     llm = LLM(model=str(path), backend=backend, block_size=block_size, max_model_len=max_len,
               max_num_batched_tokens=max_len, num_gpu_blocks_override=64 * 8 // block_size + 2, max_num_seqs=6,
               device=device, **kwargs)
     runner = llm.engine.executor.runner
+    runner.preparer.on_cpu = not packed
     if padded:
         runner.decode = PaddedDecode(runner.model, runner.backend, runner.kv_cache, capture_sizes(6), max_len,
                                      block_size)
@@ -50,6 +51,40 @@ def generate(path, device="cpu", padded=False, backend="triton", block_size=8, f
     if sampling.get("logprobs"):
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sizes, kv_cache
     return [o.outputs[0].token_ids for o in outs], sizes, kv_cache
+
+
+@pytest.mark.parametrize("preparer", ["v1", "v0"])
+def test_padded_decode_steps_take_a_packed_steps_token_rows_in_one_copy(llama_ckpt, monkeypatch, preparer):
+    """As on a GPU, the preparer sends its arrays in one packed transfer (forced here on the CPU): a decode step's
+    token ids, positions, slots, lengths and computed counts are the rows of one ``token_rows`` tensor, which
+    ``fill`` copies at once, and the padded steps sample what the eager steps sample. After each fill, the first
+    rows hold the step's inputs and the rest are padding rows."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    path, _ = llama_ckpt
+    seen = []
+    fill = PaddedDecode.fill
+
+    def recorded(self, inputs, size):
+        rows, meta = inputs.token_rows, inputs.attn_metadata
+        seen.append(rows is not None)
+        if rows is not None:
+            for row, tensor in zip(rows, (inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
+                                          meta.num_computed_tokens)):
+                assert row.data_ptr() == tensor.data_ptr() and torch.equal(row, tensor)
+        fill(self, inputs, size)
+        n = meta.num_reqs
+        assert torch.equal(self.token_rows[:, :n], torch.stack([inputs.input_ids, inputs.positions, meta.slot_mapping,
+                                                                meta.seq_lens, meta.num_computed_tokens]))
+        assert self.token_rows[2:, n:size].tolist() == [[0] * (size - n), [1] * (size - n), [0] * (size - n)], \
+            "a padding row: slot 0 of the null block, one key, none computed"
+        assert torch.equal(self.block_table[:n, : meta.block_table.shape[1]], meta.block_table)
+
+    monkeypatch.setattr(PaddedDecode, "fill", recorded)
+    eager, _, eager_cache = generate(path, preparer=preparer)
+    packed, pads, packed_cache = generate(path, padded=True, packed=True, preparer=preparer)
+    assert packed == eager
+    assert seen == [True] * (MAX_TOKENS - 1) and sum(pads) == 4
+    assert torch.allclose(packed_cache[:, :, 1:], eager_cache[:, :, 1:], atol=1e-5)
 
 
 @pytest.mark.parametrize("frozen_metadata", [False, True])

@@ -82,7 +82,7 @@ def samples_by_request(mi: ModelInput) -> dict[str, tuple[str, int, float, objec
     temperature, generator)."""
     qsl = mi.host["query_start_loc"]
     out = {}
-    temps = mi.sampling.temperature.tolist()
+    temps = [0.0] * len(mi.sample_req_ids) if mi.sampling.all_greedy else mi.sampling.temperature.tolist()
     for j, (rid, idx) in enumerate(zip(mi.sample_req_ids, mi.logits_indices.tolist())):
         row = int(np.searchsorted(qsl, idx, side="right")) - 1
         assert rid not in out, f"{rid} sampled twice"
