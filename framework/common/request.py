@@ -172,7 +172,11 @@ class Request:
         self.token_times.append(now)
 
     def append_placeholder(self) -> None:
-        """Stand a ``PLACEHOLDER`` for the token the step in flight samples (async scheduling)."""
+        """Stand a ``PLACEHOLDER`` for the token the step in flight samples (async scheduling). RuntimeError if
+        one stands already: the step before's token was never resolved."""
+        if self.num_placeholders:
+            raise RuntimeError(f"{self.request_id} already has a token in flight; the step before's token was "
+                               f"never resolved")
         self.token_ids.append(PLACEHOLDER)
         self.num_placeholders = 1
 

@@ -327,8 +327,11 @@ class LLMEngine:
         try:
             if prev is not None and result is not None:
                 if result.prompt_logprobs:
-                    append_prompt_logprobs(self.scheduler.requests, result.prompt_logprobs, self.tokenizer,
-                                           self.config.executor)
+                    # A request aborted while its prompt chunk ran is gone: its entries go with it.
+                    aborted = {r.request_id for r in prev[0].scheduled if r.is_finished}
+                    append_prompt_logprobs(self.scheduler.requests, {
+                        rid: entries for rid, entries in result.prompt_logprobs.items() if rid not in aborted},
+                        self.tokenizer, self.config.executor)
                 progressed = self.scheduler.update_from_committed(prev[0], result.sampled, self.clock.now())
                 if result.logprobs:
                     append_logprobs(progressed, result.logprobs, self.tokenizer, self.config.executor)

@@ -325,6 +325,10 @@ class Scheduler:
         """Schedule ``request`` (running, or waiting with an optional ``prefix``), preempting victims
         chosen by the policy while blocks or sequence slots are short. If no victim is left, a
         running ``request`` is itself preempted and False returned; a waiting one stays waiting."""
+        if request.status == RequestStatus.WAITING and request.num_placeholders:
+            # Preempted with a token in flight: it waits for that token, not for blocks or a seat.
+            self._check_num_tokens(step, request, num_tokens, prefix.num_tokens if prefix else 0)
+            return False
         while not self.schedule_request(step, request, num_tokens, prefix):
             candidates = [r for r in self.running
                           if r is not request and not step.is_scheduled(r) and not step.was_swapped_in(r)]

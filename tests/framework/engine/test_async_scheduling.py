@@ -163,6 +163,33 @@ def test_a_request_stopped_by_its_token_in_flight_wastes_one_step_and_nothing_el
     assert scheduled.count("stopped") == tokens[0].index(stop) + 2  # the prompt, each token, one wasted
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_aborted_while_its_prompt_chunk_runs_takes_its_prompt_logprobs_with_it(async_scheduling):
+    """Aborted while its prompt chunk (asking for prompt logprobs) runs, a request's entries are dropped when
+    the chunk's results arrive: the engine steps on, and the other request's tokens are the undisturbed run's."""
+    def run(abort):
+        engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=256, block_size=16, max_num_batched_tokens=32,
+                                        max_num_seqs=4, num_gpu_blocks_override=20, seed=0, policy="chunked",
+                                        async_scheduling=async_scheduling, check_invariants=True))
+        engine.add_request("other", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        engine.add_request("r", list(range(3, 103)), SamplingParams(max_tokens=4, prompt_logprobs=1))
+        engine.step()
+        engine.step()
+        if abort:
+            assert engine.scheduler.requests["r"].num_computed_tokens < 100, "r should be mid-prompt"
+            engine.abort_request("r")
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
+        return outs
+
+    outs, undisturbed = run(abort=True), run(abort=False)
+    assert outs["r"].outputs[0].finish_reason == "abort"
+    assert outs["other"].outputs[0].token_ids == undisturbed["other"].outputs[0].token_ids
+    assert PLACEHOLDER not in outs["other"].outputs[0].token_ids
+
+
 def test_an_aborted_request_ends_at_its_known_tokens():
     """Aborted while a token is in flight, a request's output holds no placeholder and its blocks are freed."""
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, async_scheduling=True,

@@ -298,6 +298,34 @@ def test_requests_of_a_failed_step_wait_in_the_order_they_ran(policy):
     assert admitted == ["0", "1", "2"]
 
 
+def test_a_request_preempted_with_a_token_in_flight_preempts_nobody_to_come_back():
+    """Async scheduling: a request preempted while its token is in flight waits for that token, not for blocks;
+    asked back in the same step, schedule_or_preempt says no at once and takes no victim."""
+    s = make(num_blocks=30)
+    a, b, c = add(s, "a", 4), add(s, "b", 4), add(s, "c", 4)
+    s.policy.plan = admit(a, b, c)
+    s.commit(s.schedule())
+    answers = []
+
+    def plan(sch, st):
+        sch.preempt(st, c, "recompute")
+        answers.append(sch.schedule_or_preempt(st, c, 1))
+
+    s.policy.plan = plan
+    out = s.schedule()
+    assert answers == [False]
+    assert [r.request_id for r in out.preempted] == ["c"] and s.running == [a, b]
+
+
+def test_a_second_placeholder_is_refused():
+    """A request holds at most one token in flight: a second placeholder means a token was never resolved."""
+    s = make()
+    a = add(s, "a", 4)
+    a.append_placeholder()
+    with pytest.raises(RuntimeError, match="a already has a token in flight"):
+        a.append_placeholder()
+
+
 def test_commit_stands_placeholders_for_tokens_in_flight_and_uncommit_undoes_it():
     """Async scheduling: commit advances the scheduled requests and gives each that samples a placeholder;
     one whose placeholder is its last token leaves the running queue, keeping its blocks; uncommit restores
