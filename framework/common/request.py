@@ -219,9 +219,9 @@ class Request:
 
 
 def _context_left(max_model_len: int | None, num_prompt_tokens: int) -> int:
-    """The output tokens ``max_model_len`` leaves after a prompt (0 for a prompt that fills it or
-    more, which the scheduler ignores); ValueError without a ``max_model_len``, which
-    ``max_tokens=None`` needs (the engine always gives one)."""
+    """The output tokens ``max_model_len`` leaves after a prompt: 0 for a prompt that fills it (which
+    still samples one token, as in vLLM) or is longer (which the scheduler ignores). ValueError without a
+    ``max_model_len``, which ``max_tokens=None`` needs (the engine always gives one)."""
     if max_model_len is None:
         raise ValueError("SamplingParams.max_tokens=None generates up to max_model_len, and this request has none")
     return max(max_model_len - num_prompt_tokens, 0)
