@@ -1,7 +1,9 @@
 """Find a model by preset name or Hugging Face directory; load its config, weights and tokenizer.
 
-A directory needs ``config.json`` and weights as ``model.safetensors``, sharded safetensors with
-``model.safetensors.index.json``, or ``pytorch_model*.bin``. The tokenizer is loaded when the
+A directory needs ``config.json`` and weights, taken in transformers' order: ``model.safetensors``,
+else the shards ``model.safetensors.index.json`` lists, else ``pytorch_model.bin``, else the shards
+``pytorch_model.bin.index.json`` lists; a folder with none of those, every ``*.safetensors``, else every
+``pytorch_model*.bin``. The tokenizer is loaded when the
 directory has one. A broken file, an index whose ``weight_map`` is missing, malformed or names a
 file outside the directory, and a tensor named twice are ValueErrors naming the file.
 """
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 #: Tensors holding NaN or inf that get a warning each; one more line counts the rest.
 MAX_NON_FINITE_WARNINGS = 5
 
@@ -57,15 +60,14 @@ def resolve_model(name_or_path: str) -> ModelSource:
         raise ValueError(f"{path / 'config.json'}: {exc}") from None
     gen = path / "generation_config.json"
     if gen.is_file():
-        # transformers' generate stops on the generation config's EOS ids; so does this engine.
-        eos = _generation_eos(gen)
-        if eos is not None:
-            config.eos_token_ids = eos
+        # transformers' generate stops on the generation config's EOS ids, on none if it gives none (config.json's
+        # count only without the file); so does this engine.
+        config.eos_token_ids = _generation_eos(gen)
     return ModelSource(str(path), config, path)
 
 
-def _generation_eos(gen: Path) -> list[int] | None:
-    """The EOS ids a ``generation_config.json`` gives (None for none). Raises ValueError naming the file."""
+def _generation_eos(gen: Path) -> list[int]:
+    """The EOS ids a ``generation_config.json`` gives ([] for none). Raises ValueError naming the file."""
     try:
         data = json.loads(gen.read_text())
     except ValueError as exc:  # json's errors (and a file that is not UTF-8)
@@ -73,40 +75,45 @@ def _generation_eos(gen: Path) -> list[int] | None:
     if not isinstance(data, dict):
         raise ValueError(f"{gen} holds a JSON {type(data).__name__}, not an object of generation settings")
     eos = data.get("eos_token_id")
-    return None if eos is None else eos_token_ids(eos, str(gen))
+    return [] if eos is None else eos_token_ids(eos, str(gen))
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) from a checkpoint directory, one tensor at a time; warns of NaN or inf weights. Raises
     ValueError, naming the file, for absent or broken weights, a bad index or a tensor named twice: for
     safetensors at this call, before any tensor is read."""
-    files = _safetensors_files(path)
-    if files:
-        _check_safetensors(path, files)
-        return _warn_non_finite(_read_safetensors(path, files))
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
+    files, index = _weight_files(path)
+    if not files:
         # A ValueError, as every other bad model option: the command line shows it in one line.
         raise ValueError(f"model {str(path)!r} has a config.json but no weights (*.safetensors or "
                          f"pytorch_model*.bin); executor=sim runs a model from its config.json alone")
-    return _warn_non_finite(_read_bins(bins))
+    absent = [name for name in files if not (path / name).is_file()]
+    if absent:
+        raise ValueError(f"checkpoint {path} lacks {', '.join(absent)} (listed in {index})")
+    if files[0].endswith(".safetensors"):
+        _check_safetensors(path, files)
+        return _warn_non_finite(_read_safetensors(path, files))
+    return _warn_non_finite(_read_bins([path / name for name in files]))
 
 
-def _safetensors_files(path: Path) -> list[str]:
-    """The safetensors files to read, relative to ``path``: the index's shards, else model.safetensors, else all."""
-    if (path / INDEX_FILE).is_file():
-        return _index_shards(path)
-    if (path / "model.safetensors").is_file():
-        # As transformers does: other safetensors files beside it (Mistral's own-format
-        # consolidated.safetensors, a PEFT adapter) hold tensors under other names.
-        return ["model.safetensors"]
-    return sorted(p.name for p in path.glob("*.safetensors"))
+def _weight_files(path: Path) -> tuple[list[str], str | None]:
+    """The weight files to read, relative to ``path``, in transformers' order (the module docstring), and the
+    index that lists them (None for none). Files beside the one chosen are ignored, as transformers ignores
+    them: a stale single file or index left by another save, a PEFT adapter, Mistral's own-format
+    consolidated.safetensors."""
+    for single, index in (("model.safetensors", INDEX_FILE), ("pytorch_model.bin", BIN_INDEX_FILE)):
+        if (path / single).is_file():
+            return [single], None
+        if (path / index).is_file():
+            return _index_shards(path, index), index
+    safetensors = sorted(p.name for p in path.glob("*.safetensors"))
+    return safetensors or sorted(p.name for p in path.glob("pytorch_model*.bin")), None
 
 
-def _index_shards(path: Path) -> list[str]:
-    """The shard files ``model.safetensors.index.json`` lists. Raises ValueError unless it is JSON whose
-    weight_map maps each tensor name once to a file inside the checkpoint folder."""
-    index = path / INDEX_FILE
+def _index_shards(path: Path, name: str) -> list[str]:
+    """The shard files index ``name`` lists. Raises ValueError unless it is JSON whose weight_map maps each
+    tensor name once to a file inside the checkpoint folder."""
+    index = path / name
     try:
         data = json.loads(index.read_text(), object_pairs_hook=_unique_keys)
     except _RepeatedKey as exc:  # json keeps the last of a repeated key silently
@@ -164,11 +171,7 @@ def _check_inside(folder: Path, file: str, what: str) -> None:
 
 
 def _check_safetensors(path: Path, files: list[str]) -> None:
-    """Raise ValueError for a listed file that is absent, or not safetensors, or a tensor in two files;
-    reads headers only."""
-    absent = [name for name in files if not (path / name).is_file()]
-    if absent:
-        raise ValueError(f"checkpoint {path} lacks {', '.join(absent)} (listed in {INDEX_FILE})")
+    """Raise ValueError for a file that is not safetensors, or a tensor in two files; reads headers only."""
     holder: dict[str, str] = {}
     for file in files:
         for key in _safetensors_keys(path / file):

@@ -16,11 +16,12 @@ from framework.scheduling.output import SchedulerOutput
 class ModelRunner:
     """Owns the KV cache ``[2, layers, blocks, block_size, kv_heads, head_dim]`` (seed 003) and, from
     the first swap, a CPU swap cache of the same layout. Decode-only steps that ``decode`` (CUDA graphs)
-    takes run through it; every other step runs the model eagerly."""
+    takes run through it; every other step runs the model eagerly. Prompt logprobs take the logits of at
+    most ``max_logit_rows`` positions at once (the most rows the memory profile samples; None: no limit)."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, preparer: InputPreparer,
                  sampler: Sampler, kv_cache: torch.Tensor, num_cpu_blocks: int,
-                 decode: PaddedDecode | None = None) -> None:
+                 decode: PaddedDecode | None = None, max_logit_rows: int | None = None) -> None:
         self.model = model
         self.backend = backend
         self.preparer = preparer
@@ -28,6 +29,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.num_cpu_blocks = num_cpu_blocks
         self.decode = decode
+        self.max_logit_rows = max_logit_rows
         self._cpu_cache: torch.Tensor | None = None
         self._last: LaunchedStep | None = None  # the last launched step, until collected
 
@@ -105,8 +107,11 @@ class ModelRunner:
         if prompt is not None:
             # Logits of the prompt positions whose logprobs are asked for, besides the sampled rows (read on
             # the host here: such a step does not overlap the next one's scheduling).
-            prompt_logits = self.model.compute_logits(hidden.index_select(0, prompt.indices))
-            output.prompt_logprobs = dict(zip(prompt.req_ids, self.sampler.prompt_logprobs(prompt_logits, prompt)))
+            def logits_of(rows: slice) -> torch.Tensor:
+                return self.model.compute_logits(hidden.index_select(0, prompt.indices[rows]))
+
+            output.prompt_logprobs = dict(zip(prompt.req_ids, self.sampler.prompt_logprobs(
+                logits_of, prompt, self.max_logit_rows)))
         step = LaunchedStep(inputs, output)
         if not inputs.sample_req_ids:
             return step

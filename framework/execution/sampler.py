@@ -1,6 +1,7 @@
 """Batched sampling on the device (penalties, temperature, min-p, top-k, top-p, seeds) and logprobs."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -77,12 +78,17 @@ class Sampler:
         assert meta.num_logprobs is not None
         return SamplerOutput(sampled, gather_logprobs(raw, sampled[meta.logprob_rows], max(meta.num_logprobs)))
 
-    def prompt_logprobs(self, logits: torch.Tensor, meta: PromptLogprobsMetadata) -> list[list[dict[int, Logprob]]]:
-        """Each of ``meta.req_ids``' prompt logprobs, from ``logits`` (one row per position of
-        ``meta.indices``): the predicted prompt token's logprob and rank, then the request's
-        ``num_logprobs`` most likely tokens, of the raw float32 ``log_softmax`` as ``sample``'s."""
-        raw = logits.float().log_softmax(dim=-1)
-        tensors = gather_logprobs(raw, meta.token_ids, max(meta.num_logprobs))
+    def prompt_logprobs(self, logits_of: Callable[[slice], torch.Tensor], meta: PromptLogprobsMetadata,
+                        max_rows: int | None = None) -> list[list[dict[int, Logprob]]]:
+        """Each of ``meta.req_ids``' prompt logprobs: the predicted prompt token's logprob and rank, then the
+        request's ``num_logprobs`` most likely tokens, of the raw float32 ``log_softmax`` as ``sample``'s.
+        ``logits_of(rows)``: the logits of positions ``meta.indices[rows]``, asked for ``max_rows`` at a time."""
+        num, k = len(meta.token_ids), max(meta.num_logprobs)
+        step = num if max_rows is None else max_rows
+        parts = [gather_logprobs(logits_of(slice(i, i + step)).float().log_softmax(dim=-1),
+                                 meta.token_ids[i:i + step], k) for i in range(0, num, step)]
+        tensors = parts[0] if len(parts) == 1 else LogprobsTensors(
+            *(torch.cat(column) for column in zip(*((t.token_ids, t.logprobs, t.ranks) for t in parts))))
         dicts = tensors.to_dicts([k for k, count in zip(meta.num_logprobs, meta.counts) for _ in range(count)])
         out, start = [], 0
         for count in meta.counts:
@@ -138,6 +144,10 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     counts, seen = counts[:, :vocab], seen[:, :vocab]
     repetition = p.repetition_penalties.unsqueeze(1)
     sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    # A penalty far from 1 (SamplingParams takes down to about 1e-45) overflows to inf, which the sampler's
+    # shift by the row maximum would turn into NaN: the most favoured token is then the largest finite logit.
+    fmax = torch.finfo(sub.dtype).max
+    sub.clamp_(-fmax, fmax)
     sub -= p.frequency_penalties.unsqueeze(1) * counts
     sub -= p.presence_penalties.unsqueeze(1) * (counts > 0)
     return logits.index_copy(0, p.rows, sub)

@@ -194,3 +194,82 @@ def test_linear_and_yarn_scaled_models_serve_past_their_trained_length_as_transf
     with pytest.raises(ValueError, match=r"max_model_len=65 exceeds the model's (linear-RoPE|YaRN)-scaled context "
                                          r"\(.* 32 x factor 2\) of 64"):
         LLM(model=str(tmp_path), max_model_len=65)
+
+
+def _greedy(path, prompt, n=6, **params):
+    params = {"ignore_eos": True, **params}
+    out = LLM(model=str(path), max_model_len=64).generate({"prompt_token_ids": prompt},
+                                                          SamplingParams(max_tokens=n, temperature=0.0, **params))[0]
+    return out.outputs[0]
+
+
+def _from_pretrained_greedy(path, prompt, n=6):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    return hf_greedy(hf, prompt, n)
+
+
+@pytest.mark.parametrize("first, then", [("single", "sharded"), ("sharded", "single")])
+def test_a_stale_checkpoint_beside_a_new_save_is_ignored_as_transformers_ignores_it(tmp_path, first, then):
+    """Saved once as one file and once sharded into the same folder (save_pretrained leaves the other's files),
+    the folder loads what transformers' from_pretrained loads: model.safetensors before the index's shards."""
+    import transformers
+
+    a = make_hf_checkpoint(tmp_path, "llama", seed=1)
+    torch.manual_seed(2)
+    b = transformers.LlamaForCausalLM(a.config).eval()
+    shard = {"single": {}, "sharded": {"max_shard_size": "300KB"}}
+    a.save_pretrained(tmp_path, **shard[first])
+    b.save_pretrained(tmp_path, **shard[then])
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "model.safetensors.index.json").is_file()
+    prompt = [5, 9, 33, 2, 7]
+    expected = _from_pretrained_greedy(tmp_path, prompt)
+    assert expected != hf_greedy(a if then == "single" else b, prompt, 6), "the two saves should differ"
+    assert _greedy(tmp_path, prompt).token_ids == expected
+
+
+def test_pytorch_model_bin_is_read_before_other_safetensors_and_bin_shards(tmp_path):
+    """pytorch_model.bin beside an adapter's safetensors and stale .bin shards: the single file is the model, as
+    transformers reads it (the adapter's tensors were read instead, refused as having no place in it)."""
+    hf = make_hf_checkpoint(tmp_path / "src", "llama", seed=3)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    torch.save(state, path / "pytorch_model.bin")
+    torch.save({k: torch.zeros_like(v) for k, v in state.items()}, path / "pytorch_model-00001-of-00001.bin")
+    save_file({"base_model.model.lora_A.weight": torch.zeros(2, 2)}, str(path / "adapter_model.safetensors"))
+    prompt = [5, 9, 33, 2, 7]
+    assert _greedy(path, prompt).token_ids == hf_greedy(hf, prompt, 6)
+
+
+def test_an_index_naming_a_missing_shard_is_refused_with_the_index_named(tmp_path):
+    hf = make_hf_checkpoint(tmp_path / "src", "llama", seed=3)
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    weight_map = dict.fromkeys(hf.state_dict(), "pytorch_model-00001-of-00002.bin")
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=r"lacks pytorch_model-00001-of-00002.bin \(listed in "
+                                         r"pytorch_model.bin.index.json\)"):
+        _greedy(path, [5, 9])
+
+
+def test_a_generation_config_without_eos_stops_on_none_as_transformers_does(tmp_path):
+    """config.json names an EOS but generation_config.json none: transformers' generate stops on none, and so
+    does the engine (it stopped on config.json's)."""
+    import transformers
+
+    hf = make_hf_checkpoint(tmp_path, "llama", seed=1)
+    prompt = [5, 9, 33, 2, 7]
+    greedy = hf_greedy(hf, prompt, 8)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["eos_token_id"] = greedy[2]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    expected = reloaded.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+    out = _greedy(tmp_path, prompt, 8, ignore_eos=False)
+    assert out.token_ids == expected == greedy and out.finish_reason == "length"

@@ -296,7 +296,8 @@ class ModelExecutor(Executor):
             decode = DecodeGraphs(self.model, self.backend, kv_cache, capture_sizes(config.max_num_seqs),
                                   config.max_model_len, config.block_size)
         sampler = Sampler(generator, self.fused_ops)
-        self.runner = ModelRunner(self.model, self.backend, preparer, sampler, kv_cache, num_cpu_blocks, decode)
+        self.runner = ModelRunner(self.model, self.backend, preparer, sampler, kv_cache, num_cpu_blocks, decode,
+                                  max_logit_rows=config.max_num_seqs)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), swap space %d blocks", num_blocks,
                     config.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20, num_cpu_blocks)
 

@@ -27,17 +27,29 @@ def check_prompt_logprobs(prompt_logprobs, prompt, reference, k):
         check_entry(entry, token, ref, k)
 
 
-def count_positions(llm):
-    """Spy on the sampler: how many prompt positions it computed logprobs of, per request."""
+def count_positions(llm, chunks=None):
+    """Spy on the sampler: how many prompt positions it computed logprobs of, per request (and into ``chunks``
+    the rows of each batch of logits it asked for)."""
     sampler = llm.engine.executor.runner.sampler
     counted: dict[str, int] = {}
     compute = sampler.prompt_logprobs
 
-    def spy(logits, meta):
-        assert logits.shape[0] == sum(meta.counts), "logits only of the positions asked for"
+    def spy(logits_of, meta, max_rows):
+        rows = []
+
+        def recorded(part):
+            logits = logits_of(part)
+            rows.append(logits.shape[0])
+            return logits
+
+        result = compute(recorded, meta, max_rows)
+        assert sum(rows) == sum(meta.counts), "logits only of the positions asked for"
+        assert max(rows) <= max_rows == llm.engine.config.max_num_seqs, "at most max_num_seqs rows of logits at once"
+        if chunks is not None:
+            chunks.extend(rows)
         for rid, count in zip(meta.req_ids, meta.counts):
             counted[rid] = counted.get(rid, 0) + count
-        return compute(logits, meta)
+        return result
 
     sampler.prompt_logprobs = spy
     return counted
@@ -55,7 +67,8 @@ def test_prompt_logprobs_match_transformers_chunked_and_preempted(llama_ckpt, pr
     mid_prompt = []
     llm.engine.step_callbacks.append(lambda stats, out: mid_prompt.extend(
         r for r in out.preempted if r.prompt_logprobs is not None and 1 < len(r.prompt_logprobs) < r.num_prompt_tokens))
-    counted = count_positions(llm)
+    chunks = []
+    counted = count_positions(llm, chunks)
     prompts = parity_prompts(n=10)
     ks = [None if i % 4 == 0 else i % 3 for i in range(len(prompts))]  # off, or 0 to 2
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -69,6 +82,7 @@ def test_prompt_logprobs_match_transformers_chunked_and_preempted(llama_ckpt, pr
             continue
         check_prompt_logprobs(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf_model, prompt), k)
         assert counted[out.request_id] == len(prompt) - 1, "each prompt position computed once"
+    assert max(chunks) == 8 and len(chunks) > len(set(counted)), "a step's 16 positions should come 8 at a time"
 
 
 @pytest.mark.parametrize("preparer", ["v0", "v1"])

@@ -198,3 +198,12 @@ def test_no_row_asking_for_logprobs_computes_none(monkeypatch):
     logits = torch.randn(3, 50)
     out = Sampler().sample(logits, SamplingMetadata(temperature=torch.zeros(3)))
     assert out.logprobs is None and out.sampled.tolist() == logits.argmax(dim=-1).tolist() and not called
+
+
+def test_a_repetition_penalty_that_overflows_still_favours_its_token():
+    """A tiny repetition penalty divides a positive logit past float32's range: random rows sample the favoured
+    token as greedy rows take it (an inf logit made the row NaN after the shift by its maximum: token 0)."""
+    logits = torch.tensor([[0.5, 1.0, 2.0, 3.0]]).repeat(2, 1)
+    pen = penalties([0, 1], [[2], [2]], [1, 1], [0.0, 0.0], [0.0, 0.0], [1e-40, 1e-40])
+    meta = SamplingMetadata(temperature=torch.tensor([0.0, 1.0]), all_greedy=False, penalties=pen)
+    assert Sampler(torch.Generator().manual_seed(0))(logits, meta).tolist() == [2, 2]
