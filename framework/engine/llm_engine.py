@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -113,7 +114,14 @@ class LLMEngine:
                 f"the KV cache holds {usable} blocks x {config.block_size} tokens = {capacity} tokens, "
                 f"less than one request of max_model_len={config.max_model_len}; raise {_kv_cache_setting(config)} "
                 f"or lower max_model_len")
-        self.executor.initialize(num_blocks, num_cpu_blocks)
+        try:
+            self.executor.initialize(num_blocks, num_cpu_blocks)
+        except (MemoryError, OSError, RuntimeError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            raise ValueError(f"the KV cache of {num_blocks} blocks x {config.block_size} tokens does not fit in "
+                             f"{self.executor.device} memory ({type(exc).__name__}); lower "
+                             f"{_kv_cache_setting(config)}") from None
         self.allocator = ALLOCATORS.create_with(config.allocator, config.allocator_options, num_blocks=num_blocks,
                                                 block_size=config.block_size, num_cpu_blocks=num_cpu_blocks,
                                                 enable_prefix_caching=config.enable_prefix_caching)
@@ -438,6 +446,12 @@ def _seeded_generator_states(out: SchedulerOutput) -> list[tuple[Any, Any]]:
     sample still to be forked from one of them (its first token is drawn from its own generator)."""
     return [(r.generator, r.generator.get_state()) for req in out.scheduled for r in (req, *req.forks)
             if r.generator is not None]
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory ran out: Python's, the OS's (ENOMEM, a mapping refused) or torch's (CUDA)."""
+    return (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)
+            or type(exc).__name__ == "OutOfMemoryError")
 
 
 def _kv_cache_setting(config: EngineConfig) -> str:

@@ -123,9 +123,10 @@ class SyntheticWorkload(Workload):
         return classes
 
     def check_lengths(self, max_model_len: int) -> int:
-        """Refuses a length distribution that reaches past ``max_model_len``: by its bound, before anything is
-        drawn (a huge ``max`` would be costly to draw from), or, for one without a bound, by what it draws. Returns
-        the longest prompt (with the shared prefix) it may send."""
+        """Refuses a length distribution, or a prompt and output length together, that reaches past
+        ``max_model_len`` (a request would stop short of its output length): by the bounds, before anything is
+        drawn (a huge ``max`` would be costly to draw from), or, without a bound, by what is drawn. Returns the
+        longest prompt (with the shared prefix) it may send."""
         prefix = self._prefix_len()
         if prefix >= max_model_len:
             raise ValueError(f"workload.shared_prefix.prefix_len={prefix} leaves no room within max_model_len="
@@ -140,7 +141,9 @@ class SyntheticWorkload(Workload):
             for (what, dist), (limit, why) in zip(pair, limits):
                 check_bound(what, dist, limit, why)
         longest = [pair[0][1].max for pair in dists]  # None for a prompt length without a bound
-        if any(dist.max is None for pair in dists for _, dist in pair):
+        # Each class's longest prompt and output together: by the bounds, else by what is drawn.
+        totals = [None if p.max is None or o.max is None else p.max + o.max for (_, p), (_, o) in dists]
+        if None in totals:
             _, class_of, prompt_lens, output_lens = self._lengths(self._streams())
             for c, pair in enumerate(dists):
                 members = class_of == c
@@ -152,6 +155,15 @@ class SyntheticWorkload(Workload):
                         check_bound(what, dist, limit, why, drawn=n)
                 if longest[c] is None:
                     longest[c] = drawn[0]
+                if totals[c] is None:
+                    totals[c] = int((prompt_lens[members] + output_lens[members]).max())
+        for ((prompt, _), (output, _)), total in zip(dists, totals):
+            if total is not None and prefix + total > max_model_len:
+                raise ValueError(
+                    f"workload.{prompt} and workload.{output} reach {total} tokens together"
+                    f"{f' after the shared prefix of {prefix}' if prefix else ''}, beyond max_model_len={max_model_len}: "
+                    f"the longest requests would stop short of their output length; lower them or raise "
+                    f"engine.max_model_len")
         return max((n for n in longest if n is not None), default=0) + prefix
 
     def _named_dists(self) -> list[list[tuple[str, LengthDist]]]:

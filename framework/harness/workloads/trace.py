@@ -212,8 +212,9 @@ class TraceWorkload(Workload):
 
     def check_lengths(self, max_model_len: int) -> int | None:
         """Refuses, naming its line, a ``prompt_len`` or ``output_len`` of a request sent beyond what ``max_model_len``
-        holds, before any prompt is drawn; a longer prompt given as ids or text is sent, and the engine refuses it.
-        Returns the longest prompt within the limit, or None when text prompts are sent (tokenised later)."""
+        holds, alone or together (a prompt given as ids by its length), before any prompt is drawn; a longer prompt
+        given as ids or text is sent, and the engine refuses it. Returns the longest prompt within the limit, or
+        None when text prompts are sent (tokenised later)."""
         self._entries = read_entries(resolve_path(self.path))
         longest, text = 0, False
         for where, entry in self._sent(self._entries):
@@ -227,8 +228,13 @@ class TraceWorkload(Workload):
                                  f"engine.max_model_len")
             ids = entry.get("prompt_token_ids")
             n = len(ids) if isinstance(ids, list) else prompt_len if is_int(prompt_len) else 0
-            if n <= max_model_len:
-                longest = max(longest, n)
+            if n > max_model_len:
+                continue  # sent as given: the engine refuses it, and the run counts it
+            longest = max(longest, n)
+            if is_int(output_len) and n + output_len > max_model_len:
+                raise TraceError(f"{where}: a prompt of {n} tokens and output_len {output_len} reach "
+                                 f"{n + output_len}, beyond max_model_len={max_model_len}: the request would stop "
+                                 f"short of its output length; lower them or raise engine.max_model_len")
             text = text or "prompt" in entry
         return None if text else longest
 

@@ -1,3 +1,5 @@
+import errno
+
 import numpy as np
 import pytest
 
@@ -135,6 +137,29 @@ def test_generate_takes_a_1d_torch_tensor_as_one_prompt():
 def test_unknown_component_names_list_registered_ones(kwargs, match):
     with pytest.raises(UnknownNameError, match=match):
         small_llm(**kwargs)
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named as torch's CUDA one."""
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOMEM, "Cannot allocate memory"), MemoryError(),
+                                   OutOfMemoryError("CUDA out of memory")])
+def test_a_kv_cache_that_does_not_fit_in_memory_names_the_setting(monkeypatch, error):
+    """Allocating the cache ran out of memory (a mapping the OS refused, past the host's memory): a one-line
+    error naming the setting that sized it, not a traceback."""
+    from framework.execution.executors.model import ModelExecutor
+
+    def refuse(self, num_blocks, num_cpu_blocks):
+        raise error
+
+    monkeypatch.setattr(ModelExecutor, "initialize", refuse)
+    with pytest.raises(ValueError, match=r"^the KV cache of \d+ blocks x 16 tokens does not fit in cpu memory "
+                                         rf"\({type(error).__name__}\); lower kv_cache_memory_gb \(now 0.5\)$"):
+        small_llm(block_size=16, kv_cache_memory_gb=0.5)
+    monkeypatch.setattr(ModelExecutor, "initialize", lambda *a: (_ for _ in ()).throw(OSError(errno.EACCES, "no")))
+    with pytest.raises(PermissionError):  # not memory: as raised
+        small_llm(block_size=16, kv_cache_memory_gb=0.5)
 
 
 @pytest.mark.parametrize("kwargs, match", [

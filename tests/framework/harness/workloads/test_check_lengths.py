@@ -49,6 +49,33 @@ def test_a_bound_beyond_max_model_len_is_refused_before_anything_is_drawn(monkey
         w.check_lengths(1024)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"prompt_len": [900, 1000], "output_len": [100, 200]},
+     r"^workload.prompt_len and workload.output_len reach 1200 tokens together, beyond max_model_len=1024: the "
+     r"longest requests would stop short of their output length; lower them or raise engine.max_model_len$"),
+    ({"prompt_len": [16, 600], "output_len": 300, "shared_prefix": {"fraction": 0.5, "prefix_len": 200}},
+     r"^workload.prompt_len and workload.output_len reach 900 tokens together after the shared prefix of 200, "),
+    ({"priority_classes": [{"priority": 0}, {"priority": 1, "prompt_len": 1000, "output_len": [1, 30]}]},
+     r"^workload.priority_classes\[1\].prompt_len and workload.priority_classes\[1\].output_len reach 1030 "),
+])
+def test_a_prompt_and_output_that_reach_past_max_model_len_together_are_refused(monkeypatch, options, message):
+    """Each within the limit, together beyond it: the longest requests would be cut short (their runs were
+    summarised as all successful, with a third of the output tokens asked for)."""
+    w = workload(**options)
+    never_drawn(monkeypatch)
+    with pytest.raises(ValueError, match=message):
+        w.check_lengths(1024)
+    assert workload(**{**options, "output_len": 1}).check_lengths(1024 + 1000) > 0
+
+
+def test_unbounded_prompt_and_output_lengths_are_checked_together_by_what_they_draw():
+    w = workload(num_requests=64, prompt_len={"dist": "normal", "mean": 600, "std": 10},
+                 output_len={"dist": "normal", "mean": 600, "std": 10})
+    with pytest.raises(ValueError, match=r"^workload.prompt_len and workload.output_len reach 1\d{3} tokens together"):
+        w.check_lengths(1024)
+    assert w.check_lengths(2048) > 0
+
+
 def test_a_distribution_without_a_bound_is_checked_by_what_it_draws():
     huge = workload(prompt_len={"dist": "lognormal", "mean": 1e8, "std": 10})
     with pytest.raises(ValueError, match=r"^workload.prompt_len: dist lognormal without a max drew \d{9}, beyond "
@@ -94,6 +121,10 @@ def test_a_trace_length_beyond_max_model_len_is_refused_naming_its_line(tmp_path
         w.check_lengths(1024)
     w, _ = trace(tmp_path, [{"prompt_len": 8, "output_len": 1024}])
     with pytest.raises(TraceError, match=r":1: output_len 1024 is beyond 1023, the most output max_model_len=1024"):
+        w.check_lengths(1024)
+    w, _ = trace(tmp_path, [{"prompt_len": 8, "output_len": 4}, {"prompt_token_ids": [5] * 1000, "output_len": 30}])
+    with pytest.raises(TraceError, match=r":2: a prompt of 1000 tokens and output_len 30 reach 1030, beyond "
+                                         r"max_model_len=1024: the request would stop short of its output length"):
         w.check_lengths(1024)
 
 
