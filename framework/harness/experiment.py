@@ -514,13 +514,20 @@ def _handed_over(requests: list[WorkloadRequest]) -> Iterator[WorkloadRequest]:
 
 def warm_up(engine: LLMEngine, num_requests: int) -> None:
     """Run a few short requests first, so one-time costs (first kernel calls, allocations)
-    do not land on the measured requests; as ``vllm bench serve --num-warmups``."""
+    do not land on the measured requests; as ``vllm bench serve --num-warmups``. Each fits the engine's
+    token budget and ``max_model_len``; one the engine would not run is a warning."""
     vocab, low = engine.model_config.vocab_size, WorkloadContext.first_token_id  # no special tokens
+    config = engine.config
+    length = max(1, min(32, config.max_num_batched_tokens, config.max_model_len - 4))
+    params = SamplingParams(max_tokens=max(1, min(4, config.max_model_len - length)), temperature=0.0, ignore_eos=True)
     for i in range(num_requests):
-        prompt = [low + (7 * i + j) % (vocab - low) for j in range(32)]
-        engine.add_request(f"warmup-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        engine.add_request(f"warmup-{i}", [low + (7 * i + j) % (vocab - low) for j in range(length)], params)
+    unrun = []
     while engine.has_unfinished_requests():
-        engine.step()
+        unrun += [o for o in engine.step(final_only=True) if len(o.outputs[0].token_ids) < params.max_tokens]
+    if unrun:
+        log.warning("%d of %d warm-up requests did not run (%s): one-time costs land on the measured requests",
+                    len(unrun), num_requests, unrun[0].status_message or unrun[0].outputs[0].finish_reason)
 
 
 def _hit_rate(stats: list[AllocatorStats], since: list[tuple[int, int]]) -> float | None:

@@ -46,6 +46,9 @@ class SamplingRequest(BaseModel):
         """APIError (400) for fields this server cannot honour, rather than answers that silently ignore them."""
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this server", param="logit_bias")
+        if not self.skip_special_tokens:
+            raise APIError("skip_special_tokens=false is not supported by this server: output text always skips "
+                           "special tokens", param="skip_special_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options can only be given when stream is true", param="stream_options")
 

@@ -748,3 +748,26 @@ def test_the_workload_is_drawn_with_what_the_engine_would_tell_it():
     engine = LLMEngine(experiment.engine_config(cfg))
     assert (context.vocab_size, context.tokenizer, context.max_model_len) == (
         engine.model_config.vocab_size, engine.tokenizer, engine.config.max_model_len)
+
+
+def test_warm_up_requests_fit_the_token_budget_and_a_refused_one_is_a_warning(caplog):
+    """A budget of 24 tokens without chunked prefills: the warm-up prompts fit it and run (a fixed 32-token
+    prompt was ignored without a word); where the policy refuses them all, a warning says so."""
+    import logging
+
+    from framework import EngineConfig, LLMEngine
+
+    common = dict(model="tiny-llama", max_model_len=64, max_num_batched_tokens=24, max_num_seqs=8, block_size=16)
+    engine = LLMEngine(EngineConfig(**common), max_prompt_len=24)  # the workload's longest prompt
+    decoded = []
+    engine.step_callbacks.append(lambda stats, out: decoded.append(stats.num_decode_tokens))
+    with caplog.at_level(logging.WARNING, logger="framework.harness.experiment"):
+        experiment.warm_up(engine, 2)
+    assert not caplog.records and sum(decoded) == 2 * 3, "each warm-up request decodes after its first token"
+    strict = LLMEngine(EngineConfig(**common, num_gpu_blocks_override=17, policy="fcfs",
+                                    policy_options={"watermark": 0.95}), max_prompt_len=24)
+    with caplog.at_level(logging.WARNING, logger="framework.harness.experiment"):
+        experiment.warm_up(strict, 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 of 2 warm-up requests did not run (prompt of 24 tokens needs 2 KV blocks but policy 'fcfs' admits at most "
+        "1 (watermark=0.95 keeps 15 of 16 free)): one-time costs land on the measured requests"]

@@ -40,6 +40,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": " ".join(["w4"] * 300)}, "prompt", "maximum context length is 256"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "skip_special_tokens=false is not supported"),
     ({"n": "many"}, "n", "integer"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
 ])
