@@ -116,10 +116,10 @@ def _held_job(cfg: DictConfig, hc: HydraConf, run_dir: Path) -> None:
     """``_job`` in the folder it holds."""
     global _job_interrupted
     _start_afresh(cfg, run_dir)
-    try:
-        previous = signal.signal(signal.SIGTERM, terminate)
-    except ValueError:  # not the main thread (a launcher running jobs in threads): leave it
-        previous = None
+    previous = {}
+    with suppress(ValueError):  # not the main thread (a launcher running jobs in threads): leave them
+        for sig in (signal.SIGTERM, *_submitit_signal()):
+            previous[sig] = signal.signal(sig, terminate)
     try:
         if _job_interrupted and multiprocessing.parent_process() is not None:
             raise KeyboardInterrupt  # a worker's next job, queued before its last one was interrupted
@@ -133,6 +133,9 @@ def _held_job(cfg: DictConfig, hc: HydraConf, run_dir: Path) -> None:
         print(f"interrupted: {'what was measured is' if measured else 'nothing was measured yet; the run is'} "
               f"in {run_dir}", file=sys.stderr)
         sys.exit(stopped_status())
+    except SystemExit:
+        mark(run_dir, "interrupted")  # exited from within (a launcher's handler): it keeps what was measured
+        raise
     except Exception as exc:
         mark(run_dir, "failed", exc)
         # Configuration errors (run_experiment's ValueError), parts this machine cannot run and
@@ -154,13 +157,24 @@ def _held_job(cfg: DictConfig, hc: HydraConf, run_dir: Path) -> None:
             sys.exit(EXIT_CONFIG_ERROR)
         raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print("\n".join(finished_lines(run_dir, summary)))  # where the files are; simulated times; wandb sync
     if summary.get("interrupted"):
         _job_interrupted = True
         print(f"interrupted: what was measured is in {run_dir}", file=sys.stderr)
         sys.exit(stopped_status())
+
+
+def _submitit_signal() -> list[signal.Signals]:
+    """In a job Submitit runs, its signal before a SLURM time limit or a preemption (``SUBMITIT_PREEMPT_SIGNAL``,
+    USR2 by default), which stops the run as SIGTERM does: Submitit's own handler would fail the job, or requeue
+    it to start the measurement over, the metrics measured so far unwritten."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return []
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper()
+    sig = getattr(signal, name if name.startswith("SIG") else f"SIG{name}", None)
+    return [sig] if isinstance(sig, signal.Signals) else []
 
 
 def _hydra_config_error(exc: SystemExit) -> bool:

@@ -632,14 +632,15 @@ def test_a_ctrl_c_during_a_stopped_sweeps_comparison_ends_the_command_as_interru
     assert json.loads((tmp_path / "0" / "summary.json").read_text())["status"] == "interrupted"
 
 
-def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
-    """A batch scheduler's time limit (or ``kill``) sends SIGTERM: the run keeps what it measured,
-    its summary says ``interrupted`` and counts the rows written, and the status is 143."""
+@pytest.mark.parametrize("sig, env", [(signal.SIGTERM, {}), (signal.SIGUSR2, {"SUBMITIT_EXECUTOR": "slurm"})])
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path, sig, env):
+    """A batch scheduler's time limit (or ``kill``) sends SIGTERM, Submitit's jobs get USR2 before it: the run
+    keeps what it measured, its summary says ``interrupted`` and counts the rows written, and the status is 143."""
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "framework.run", "workload.num_requests=5000", "progress=false",
                              "plots=false", f"hydra.run.dir={tmp_path}"],
-                            cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.PIPE,
+                            cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     def rows_written():
         path = tmp_path / "requests.csv"
@@ -648,7 +649,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     deadline = time.monotonic() + 240
     while proc.poll() is None and rows_written() < 5 and time.monotonic() < deadline:
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
