@@ -27,6 +27,8 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
         row("  of which never run (ignored):", "num_ignored", "{}")
     for reason, count in (summary.get("failure_reasons") or {}).items():
         lines.append(f"  {count} x {reason}")
+    if summary.get("num_unfinished"):  # a stopped run's requests still in flight: neither counted above
+        row("Unfinished (the run stopped):", "num_unfinished", "{}")
     row("Benchmark duration (s):", "duration_s")
     row("Total input tokens:", "total_input_tokens", "{}")
     row("Total generated tokens:", "total_output_tokens", "{}")

@@ -150,6 +150,9 @@ def test_failed_requests_are_counted_by_reason():
     assert "failure_reasons" not in summarize(records(), duration=2.0)
     report = format_summary(s)
     assert "  2 x prompt of N tokens is longer than max_model_len=512" in report and "  1 x abort" in report
+    assert "Unfinished" not in report
+    stopped = format_summary({**s, "status": "interrupted", "num_unfinished": 40})
+    assert "Unfinished (the run stopped):" + " " * 19 + "40" in stopped.splitlines()
 
 
 def test_latency_statistics_do_not_depend_on_the_order_of_the_values():
