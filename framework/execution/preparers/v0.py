@@ -93,6 +93,12 @@ class SequenceGroupPreparer(InputPreparer):
                 n_old = data.get_len()
                 if req.num_tokens > n_old:
                     data.extend_token_ids(req.token_ids[n_old:])
+            if self.check and (data.get_token_ids() != req.token_ids
+                               or data.get_num_computed_tokens() != req.num_computed_tokens):
+                raise AssertionError(
+                    f"v0 sequence of {rid} diverged from its request: {data.get_num_computed_tokens()} of "
+                    f"{data.get_len()} tokens computed, request {req.num_computed_tokens} of {req.num_tokens}"
+                    f"{'' if data.get_token_ids()[:req.num_tokens] == req.token_ids else ', other token ids'}")
             sid, group, n = seq.seq_id, self._group_of[seq.seq_id], num_sched[rid]
             if data.stage is _PREFILL:
                 computed = data.get_num_computed_tokens()
