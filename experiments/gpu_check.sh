@@ -84,7 +84,7 @@ fi
 WORKERS=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")  # pytest-xdist where installed
 step gpu_tests 200 "$PY" -m pytest -rfEs -p no:randomly -p no:cacheprovider $WORKERS -m gpu tests/backends \
     tests/models tests/framework/execution tests/framework/engine &
-step compile_sm"$ARCH" 100 env -u TRITON_INTERPRET "$PY" -m tests.backends.gpu_compile "$ARCH" &
+step compile_sm"$ARCH" 200 env -u TRITON_INTERPRET "$PY" -m tests.backends.gpu_compile "$ARCH" &
 HAS_HYDRA=$("$PY" -c "import hydra, omegaconf, orjson" 2>/dev/null && echo 1 || echo 0)
 [ "$HAS_HYDRA" = 1 ] || echo "== run_*: skipped (no hydra-core/omegaconf/orjson: bash experiments/gpu_wheels.sh, carry .whl)"
 for backend in $([ "$HAS_HYDRA" = 1 ] && echo torch_paged triton naive); do

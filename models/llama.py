@@ -275,8 +275,11 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.prefetch_args = window(layer.mlp.down_proj.weight)
         self.norm.prefetch_args = {"prefetch": self.lm_head.weight.detach().view(-1)[:count]} if count else {}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of ``hidden``; written into ``out`` when given (a CUDA graph's
+        buffer: the conversion to float32 is the copy)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class DecodeOutput:
     """A decode step's hidden states ``[rows, hidden]``, float32 logits ``[rows, vocab]`` and each row's
-    argmax (``greedy``, int64 ``[rows]``); a replayed graph's own buffers, which its next replay overwrites."""
+    argmax (``greedy``, int64 ``[rows]``); buffers the next forward pass overwrites."""
 
     hidden: torch.Tensor
     logits: torch.Tensor
@@ -68,6 +68,10 @@ class PaddedDecode:
         self.padding = torch.tensor([[0], [1], [0]], dtype=torch.int64, device=dev)
         self.block_table = torch.zeros(n, -(-max_model_len // block_size), dtype=torch.int64, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=dev)
+        # Every size's logits and argmax, made by the first (largest) forward pass: a graph's own outputs
+        # would stay in the shared pool, a [size, vocab] float32 tensor per graph.
+        self.logits: torch.Tensor | None = None
+        self.greedy = torch.zeros(n, dtype=torch.int64, device=dev)
 
     def size_for(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
@@ -116,8 +120,11 @@ class PaddedDecode:
         """The model's output for the buffers' first ``size`` rows."""
         meta = self.backend.build_graph_metadata(self.metadata(size, max_seq_len))
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
-        logits = self.model.compute_logits(hidden)
-        return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
+        if self.logits is None:
+            first = self.model.compute_logits(hidden[:1])
+            self.logits = first.new_empty(self.sizes[-1], first.shape[1])
+        logits = self.model.compute_logits(hidden, out=self.logits[:size])
+        return DecodeOutput(hidden, logits, torch.argmax(logits, dim=-1, out=self.greedy[:size]))
 
     def run(self, inputs: ModelInput) -> DecodeOutput:
         """The output of a decode-only step (``is_graph_decode``), a row per request."""
@@ -149,7 +156,7 @@ class DecodeGraphs(PaddedDecode):
                 with torch.cuda.graph(graph, pool=pool):
                     output = self.forward(*key)
                 self.graphs[key] = (graph, output)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(kv_cache.device)
         logger.info("captured %d CUDA graphs of decode steps at batch sizes %s", len(self.graphs), self.sizes)
 
     def padded_forward(self, key: tuple[int, int]) -> DecodeOutput:

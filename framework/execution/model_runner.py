@@ -130,7 +130,7 @@ class ModelRunner:
             step.host = torch.empty(step.sampled.shape, dtype=step.sampled.dtype, pin_memory=True)
             step.host.copy_(step.sampled, non_blocking=True)
             step.ready = torch.cuda.Event()
-            step.ready.record()
+            step.ready.record(torch.cuda.current_stream(step.sampled.device))
         return step
 
     def collect(self, step: LaunchedStep) -> ExecutorOutput:

@@ -1,6 +1,8 @@
 """The real executor: loads the model and runs each step's forward pass."""
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import importlib
 import logging
@@ -203,8 +205,10 @@ class ModelExecutor(Executor):
         if float32_matmul and self.dtype != torch.float32:
             compute_linears_in_float32(self.model)
         #: ``models.cuda_matmul.Choice`` per weight shape and row bucket, with ``decode_matmul=tuned``.
-        self.matmul_choices = tune_decode_matmuls(self.model, capture_sizes(config.max_num_seqs)) \
-            if decode_matmul == "tuned" else []
+        self.matmul_choices = []
+        if decode_matmul == "tuned":
+            with self._on_device():
+                self.matmul_choices = tune_decode_matmuls(self.model, capture_sizes(config.max_num_seqs))
         if weight_prefetch_mb:
             if ops is None:
                 raise UnavailableError("executor.weight_prefetch_mb needs the fused operators, which cannot be had "
@@ -232,6 +236,11 @@ class ModelExecutor(Executor):
             logger.info("attention backend %r cannot capture decode steps: they run eagerly (CUDA graphs with "
                         "backend=%s)", name, " or ".join(graph_backends()))
         return option is True or (option == "auto" and self._device.type == "cuda" and capable)
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """This engine's CUDA device the current one inside (Triton launches on the current device), so that an
+        engine on ``cuda:1`` runs there; nothing on a CPU."""
+        return torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
 
     @property
     def tokenizer(self) -> Any | None:
@@ -267,6 +276,10 @@ class ModelExecutor(Executor):
     def profile_step_bytes(self) -> int:
         """The peak CUDA memory of this engine's worst-case steps (``memory_profile.dummy_steps``: forward,
         logits, sampling), and with CUDA graphs the decode step's once more, which their memory pool keeps."""
+        with self._on_device():
+            return self._profile_step_bytes()
+
+    def _profile_step_bytes(self) -> int:
         cfg, config = self.source.config, self.config
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         cache = torch.zeros(2, cfg.num_hidden_layers, 1, config.block_size, cfg.num_key_value_heads, cfg.head_dim,
@@ -283,6 +296,10 @@ class ModelExecutor(Executor):
         return peak
 
     def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        with self._on_device():
+            self._initialize(num_blocks, num_cpu_blocks)
+
+    def _initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
         cfg, config = self.source.config, self.config
         kv_cache = lazy_zeros((2, cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads,
                                cfg.head_dim), self.dtype, self._device)
@@ -303,11 +320,13 @@ class ModelExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> ExecutorOutput:
         assert self.runner is not None, "initialize() must be called before execute()"
-        return self.runner.execute(out)
+        with self._on_device():
+            return self.runner.execute(out)
 
     def launch(self, out: SchedulerOutput) -> LaunchedStep:
         assert self.runner is not None, "initialize() must be called before launch()"
-        return self.runner.launch(out)
+        with self._on_device():
+            return self.runner.launch(out)
 
     def collect(self, handle: LaunchedStep) -> ExecutorOutput:
         assert self.runner is not None, "initialize() must be called before collect()"

@@ -121,6 +121,25 @@ def test_greedy_padded_decode_steps_take_the_argmax_of_the_forward_pass(llama_ck
     assert len(eager_calls) == len(calls) + len(pads) and calls == eager_calls[: len(calls)]
 
 
+def test_every_size_writes_its_logits_and_argmax_into_one_pair_of_buffers(llama_ckpt):
+    """A graph's own outputs would each stay in the shared memory pool (a [size, vocab] float32 tensor per
+    graph): every size's forward pass writes into the first rows of buffers the largest one made."""
+    path, _ = llama_ckpt
+    llm = LLM(model=str(path), backend="triton", block_size=8, max_model_len=128, num_gpu_blocks_override=66,
+              max_num_seqs=6)
+    runner = llm.engine.executor.runner
+    decode = runner.decode = PaddedDecode(runner.model, runner.backend, runner.kv_cache, capture_sizes(6), 128, 8)
+    outputs = {size: decode.forward(size, 128) for size in (6, 4, 1)}
+    vocab = llm.engine.model_config.vocab_size
+    assert decode.logits.shape == (6, vocab) and decode.greedy.shape == (6,)
+    for size, out in outputs.items():
+        assert out.logits.data_ptr() == decode.logits.data_ptr() and out.logits.shape == (size, vocab)
+        assert out.greedy.data_ptr() == decode.greedy.data_ptr() and out.greedy.shape == (size,)
+    fresh = decode.forward(4, 128)
+    assert torch.equal(fresh.greedy, fresh.logits.argmax(dim=-1))
+    assert torch.equal(fresh.logits, runner.model.compute_logits(fresh.hidden))
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0.8, "seed": 7}, {"temperature": 0.8, "top_k": 5},
                                       {"temperature": 0.0, "logprobs": 3},
                                       {"temperature": 0.0, "repetition_penalty": 1.5, "frequency_penalty": 0.5}])
