@@ -26,6 +26,7 @@ case (decode, 256 requests x 16,384 tokens, bfloat16, 8 K/V heads of 128) peaks 
 from __future__ import annotations
 
 import argparse
+import re
 import os
 import statistics
 import sys
@@ -175,7 +176,12 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'decode_contexts' else 'positive'}, "
                     f"got {','.join(map(str, values))}")
 
-    device = resolve_device(args.device)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        p.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:  # its message names the engine option; here it is --device
+        p.error(f"--device {args.device}: {str(exc).split(': ', 1)[-1].replace('device=', '--device ')}")
     gpu = device.type == "cuda"
     if args.threads:
         torch.set_num_threads(args.threads)

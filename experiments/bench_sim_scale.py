@@ -73,6 +73,8 @@ def main() -> None:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if not (0 < args.rate < float("inf")):
         ap.error(f"--rate must be a positive number of requests per second, got {args.rate}")
+    if args.replicas == 1 and args.router != ap.get_default("router"):
+        ap.error(f"--router {args.router} routes among replicas: give --replicas 2 or more")
 
     t_compose = time.perf_counter()
     before = _mtimes(Path(args.out))

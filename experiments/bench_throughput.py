@@ -21,6 +21,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from framework import EngineConfig  # noqa: E402
+from models import resolve_model  # noqa: E402
+
 
 def build_checkpoint(path: str, seed: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,13 +70,19 @@ def check_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in ("num_requests", "threads", "hf_batch", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    from framework import BACKENDS, EngineConfig
+    from framework import BACKENDS
+    from framework.common.registry import UnavailableError
 
     try:  # the checkpoint has tiny-llama's shapes, so its config is checked alike
-        BACKENDS.get(args.backend)
+        backend = BACKENDS.get(args.backend)
         EngineConfig(model="tiny-llama", **engine_kwargs(args))
-    except ValueError as exc:
-        ap.error(str(exc))
+        cfg = resolve_model("tiny-llama").config
+        # Built here as the engine builds it: one this machine cannot run says why before the checkpoint is made.
+        backend(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                scale=cfg.head_dim ** -0.5, block_size=EngineConfig.block_size, dtype=torch.float32,
+                device=torch.device("cpu"))
+    except (ValueError, UnavailableError) as exc:
+        ap.error(str(exc).splitlines()[0])
 
 
 def _time_linears(model: torch.nn.Module, acc: list[float]) -> None:
@@ -159,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backend", default="naive")
+    ap.add_argument("--backend", default=EngineConfig.backend, help="attention backend (default: the engine's)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--hf-batch", type=int, default=32, help="batch size for plain generate")
@@ -191,8 +200,6 @@ def main(argv: list[str] | None = None) -> None:
     for name, t in rows:
         print(f"{name:44s} {t:8.2f} {useful / t:10.0f} {t / base:10.2f}")
     if args.profile_linear:
-        from models import resolve_model
-
         cfg = resolve_model("tiny-llama").config  # the same shapes as build_checkpoint's model
         head = cfg.vocab_size * cfg.hidden_size
         body = 2 * (cfg.num_params() - 2 * head)  # per computed token; the embedding is a lookup

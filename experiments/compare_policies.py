@@ -29,6 +29,8 @@ from framework.harness.cluster import Cluster  # noqa: E402
 from framework.harness.experiment import warm_up  # noqa: E402
 from framework.harness.workload import WorkloadRequest  # noqa: E402
 
+BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_SEQS = 16, 896, 32
+
 
 def workload(args, seed) -> tuple[list[WorkloadRequest], dict[str, str]]:
     """The requests in arrival order (exactly ``args.chats`` chats and ``args.long`` long
@@ -47,8 +49,8 @@ def workload(args, seed) -> tuple[list[WorkloadRequest], dict[str, str]]:
 
 
 def run(args, seed, name, policy, **engine_kw):
-    config = dict(model="tiny-llama", policy=policy, block_size=16, max_model_len=896, max_num_seqs=32,
-                  num_gpu_blocks_override=args.blocks, swap_space=1.0, dtype="float32", num_threads=args.threads,
+    config = dict(model="tiny-llama", policy=policy, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                  max_num_seqs=MAX_NUM_SEQS, num_gpu_blocks_override=args.blocks, swap_space=1.0, dtype="float32", num_threads=args.threads,
                   enable_prefix_caching=False)
     config.update(engine_kw)
     engine = LLMEngine(EngineConfig(**config), clock=CPUClock() if args.clock == "cpu" else WallClock())
@@ -112,6 +114,12 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if not (0 < args.rate < float("inf")):
         p.error(f"--rate must be a positive number of arrivals per second, got {args.rate}")
+    # The cache holds one request of max_model_len besides the null block; the budget a token per running request.
+    if args.blocks < MAX_MODEL_LEN // BLOCK_SIZE + 1:
+        p.error(f"--blocks must hold one request of {MAX_MODEL_LEN} tokens: at least {MAX_MODEL_LEN // BLOCK_SIZE + 1} "
+                f"blocks of {BLOCK_SIZE}, got {args.blocks}")
+    if args.budget < MAX_NUM_SEQS:
+        p.error(f"--budget must be at least {MAX_NUM_SEQS} tokens, one per running request, got {args.budget}")
     configs = [
         # fcfs admits whole prompts only: its budget must hold the longest one.
         ("fcfs", "fcfs", dict(max_num_batched_tokens=1024)),

@@ -47,6 +47,7 @@ from framework.sim.profile import (STATISTICS, Profiler, calibrate, calibration_
                                profile_engine_config, record_shapes)
 from framework.harness.workload import WorkloadContext, WorkloadRequest
 from framework.harness.workloads.synthetic import SyntheticWorkload
+from models.presets import SHAPE_ONLY_PRESETS
 
 #: The profile grid covers the regime the workload runs in: batches of 1-16, prompts up to 320.
 LENGTHS, COUNTS = [16, 48, 96, 192, 320], [1, 2, 3, 4, 6, 8, 12, 16]
@@ -169,6 +170,12 @@ def main() -> None:
     for name in ("repeats", "profile_repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.model in SHAPE_ONLY_PRESETS:
+        ap.error(f"--model {args.model} is a shape-only preset (no weights), and the real runs need weights: give a "
+                 f"checkpoint directory or a preset with weights (tiny-llama)")
+    if args.calibration is not None and args.save_calibration is not None:
+        ap.error("--save-calibration writes the calibration measured alongside each real run, which --calibration "
+                 "replaces: give one of them")
     try:  # a bad --model or --calibration fails here, not after a real run of tens of seconds
         LLMEngine(engine_config("sim", args.model, hardware="cpu",
                                 cost_model={"name": "roofline", "calibration": args.calibration}))

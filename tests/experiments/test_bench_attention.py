@@ -1,5 +1,6 @@
 """experiments/bench_attention.py: bad arguments are usage errors, before anything is timed."""
 import pytest
+import torch
 
 import experiments.bench_attention as bench_attention
 
@@ -18,6 +19,18 @@ import experiments.bench_attention as bench_attention
 ])
 def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):
     assert match in usage_error(bench_attention, argv, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("device, match", [
+    ("tpu", "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),  # was torch's RuntimeError traceback
+    pytest.param("cuda", "--device cuda: device 'cuda' requested but CUDA is not available; use --device cpu or auto",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")),
+])
+def test_a_device_this_machine_cannot_use_is_a_usage_error(device, match, capsys, monkeypatch):
+    monkeypatch.setattr(bench_attention, "copy_bandwidth", lambda *a: pytest.fail("timed despite a bad device"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention.main(["--device", device])
+    assert exit_info.value.code == 2 and match in capsys.readouterr().err
 
 
 def usage_error(bench, argv: list[str], capsys, monkeypatch) -> str:

@@ -21,6 +21,9 @@ spec.loader.exec_module(compare_policies)
     (["--rate", "0"], "--rate must be a positive number"),
     (["--rate", "inf"], "--rate must be a positive number"),
     (["--rate", "nan"], "--rate must be a positive number"),
+    # A traceback naming num_gpu_blocks_override, which the script has no option for.
+    (["--blocks", "20"], "--blocks must hold one request of 896 tokens: at least 57 blocks of 16, got 20"),
+    (["--budget", "8"], "--budget must be at least 32 tokens, one per running request, got 8"),
 ])
 def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):
     monkeypatch.setattr(compare_policies, "run", lambda *a, **k: pytest.fail("served despite a bad argument"))

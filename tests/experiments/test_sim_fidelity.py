@@ -42,6 +42,8 @@ def test_noise_floor_without_large_groups_is_none():
 @pytest.mark.parametrize("argv, message", [
     (["--calibration", "no-such-calibration.yaml"], "calibration file 'no-such-calibration.yaml' does not exist"),
     (["--model", "tiny-lama"], "model 'tiny-lama' is neither a preset"),
+    (["--model", "llama-3-8b"], "--model llama-3-8b is a shape-only preset (no weights)"),  # failed in the real run
+    (["--calibration", "c.yaml", "--save-calibration", "s.yaml"], "give one of them"),  # silently wrote nothing
 ])
 def test_a_bad_model_or_calibration_is_a_usage_error_before_any_real_run(argv, message, monkeypatch, capsys):
     """Either used to fail with a traceback, the calibration only after a real run of ~20 s."""
