@@ -59,8 +59,11 @@ def hydra_error_line(exc: BaseException) -> str:
         valid = sorted(str(k) for k in parent.keys())
         if valid:  # a node with none (null, or open) takes Hydra's own advice: +KEY=VALUE
             near = difflib.get_close_matches(key, valid, n=1)
+            # A part without a config file (a plugin's, or one registered in code) holds its name alone.
+            plus = f"; options of a part without a config file are added: +{node}.{key}=VALUE" \
+                if valid == ["name"] and node else ""
             return (f"{node or 'config'}: unknown key {key}{f' (did you mean {near[0]}?)' if near else ''}; "
-                    f"valid: {', '.join(valid)}")
+                    f"valid: {', '.join(valid)}{plus}")
     parts: list[str] = []
     for line in str(exc).splitlines():
         if line.startswith("Config search path"):

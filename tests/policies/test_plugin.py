@@ -193,6 +193,24 @@ def test_a_registered_policy_without_a_config_file_is_an_option(monkeypatch):
     assert config.policy == "fcfs_without_file" and config.policy_options == {"preemption_mode": "swap"}
 
 
+def test_an_option_of_a_policy_without_a_config_file_set_without_plus_says_to_add_it(monkeypatch):
+    """Its node holds only ``name``: Hydra refuses ``policy.KEY=VALUE``, and the error says to add the key with a +
+    (it listed ``name`` as the only valid key, as if the policy took no options)."""
+    from hydra.errors import HydraException
+
+    from framework.harness.overrides import hydra_error_line
+    from policies.fcfs import FCFSPolicy
+
+    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))
+    POLICIES.register("fcfs_without_file")(type("FcfsWithoutFile", (FCFSPolicy,), {}))
+    store_plugin_options(CONF)
+    with pytest.raises(HydraException) as error:
+        compose_with(["+policy=fcfs_without_file", "policy.preemption_mode=swap"])
+    assert hydra_error_line(error.value) == (
+        "policy: unknown key preemption_mode; valid: name; options of a part without a config file are added: "
+        "+policy.preemption_mode=VALUE")
+
+
 def test_without_the_package_the_name_is_unknown():
     POLICIES.refresh_plugins()
     assert "srpt" not in POLICIES.list()
