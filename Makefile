@@ -53,7 +53,7 @@ bench: setup
 	$(BENCH) --benchmark-compare=0001 --benchmark-columns=min,median,mean,stddev,rounds $(ARGS)
 
 bench-baseline: setup
-	rm -rf tests/benchmarks/baselines/*/0001_*.json
+	rm -f tests/benchmarks/baselines/$$($(PY) -c "from pytest_benchmark.utils import get_machine_id; print(get_machine_id())")/0001_*.json
 	$(BENCH) --benchmark-save=baseline $(ARGS)
 
 clean:
