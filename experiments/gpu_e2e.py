@@ -176,6 +176,20 @@ def replay_ms(llm: LLM, key: tuple[int, int], device: str, rounds: int = 20) -> 
     return seconds / rounds * 1e3
 
 
+def per_round(prof, rounds: int, cuda: bool = True) -> tuple[list[tuple[float, float, str]], float]:
+    """A profile's (µs, launches, name) per round, costliest first, by device time (on a CPU, by operator's
+    own time), and their total µs."""
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    rows = sorted(((own(e) / rounds, e.count / rounds, e.key) for e in prof.key_averages() if own(e)), reverse=True)
+    return rows, sum(r[0] for r in rows)
+
+
+def print_top(label: str, rows: list[tuple[float, float, str]], total: float) -> None:
+    """The 15 costliest of ``per_round``'s rows, one line each under ``label``."""
+    for us, count, name in rows[:15]:
+        print(f"{label}   {us / 1e3:7.3f} ms {us / max(total, 1e-9):4.0%} x{count:<5.1f} {name[:110]}", flush=True)
+
+
 def kernel_times(llm: LLM, key: tuple[int, int], rounds: int = 5) -> None:
     """Print the GPU time per replay of the decode graph ``key`` by kernel (torch's profiler over ``rounds``
     replays), the 15 costliest and the total."""
@@ -188,17 +202,10 @@ def kernel_times(llm: LLM, key: tuple[int, int], rounds: int = 5) -> None:
         for _ in range(rounds):
             graphs.padded_forward(key)
         torch.cuda.synchronize()
-    rows = []
-    for event in prof.key_averages():
-        if event.self_device_time_total:
-            rows.append((event.self_device_time_total / rounds, event.count // rounds, event.key))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    print(f"KERNELS batch {key[0]} (sequences up to {key[1]}): {sum(r[1] for r in rows)} launches, "
-          f"{total / 1e3:.3f} ms of GPU time a replay",
-          flush=True)
-    for us, count, name in rows[:15]:
-        print(f"KERNELS   {us / 1e3:7.3f} ms {us / max(total, 1e-9):4.0%} x{count:<4d} {name[:110]}", flush=True)
+    rows, total = per_round(prof, rounds)
+    print(f"KERNELS batch {key[0]} (sequences up to {key[1]}): {sum(r[1] for r in rows):.0f} launches, "
+          f"{total / 1e3:.3f} ms of GPU time a replay", flush=True)
+    print_top("KERNELS", rows, total)
 
 
 def step_kernel_times(llm: LLM, prompts: list[list[int]], device: str, rounds: int = 10) -> None:
@@ -209,7 +216,6 @@ def step_kernel_times(llm: LLM, prompts: list[list[int]], device: str, rounds: i
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
-
     engine = llm.engine
     params = SamplingParams(max_tokens=rounds + 8, temperature=0.0, ignore_eos=True)
     ids = [f"profiled-{i}" for i in range(len(prompts))]
@@ -235,15 +241,11 @@ def step_kernel_times(llm: LLM, prompts: list[list[int]], device: str, rounds: i
         while engine.has_unfinished_requests():
             engine.step()
     decodes = sum(not s.num_prefill_tokens and s.num_decode_tokens == len(prompts) for s in taken)
-    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    rows = sorted(((own(e) / rounds, e.count / rounds, e.key) for e in prof.key_averages() if own(e)), reverse=True)
-    total = sum(r[0] for r in rows)
+    rows, total = per_round(prof, rounds, cuda)
     print(f"STEPKERNELS batch {len(prompts)}: {decodes}/{rounds} steps decoded every request; per step "
           f"{sum(r[1] for r in rows):.0f} {'launches' if cuda else 'operators'}, {total / 1e3:.3f} ms of "
           f"{'GPU' if cuda else 'CPU'} time in {wall * 1e3:.3f} ms (profiled)", flush=True)
-    for us, count, name in rows[:15]:
-        print(f"STEPKERNELS   {us / 1e3:7.3f} ms {us / max(total, 1e-9):4.0%} x{count:<5.1f} {name[:110]}",
-              flush=True)
+    print_top("STEPKERNELS", rows, total)
 
 
 def speed(args: argparse.Namespace) -> int:

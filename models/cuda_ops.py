@@ -51,11 +51,9 @@ def _prefetch_l2(ptr, nbytes, program, programs, THREADS: tl.constexpr):
 
 def _prefetch(weight: torch.Tensor | None, like: torch.Tensor, num_warps: int) -> dict:
     """A launch's prefetch arguments: ``weight``'s bytes (rounded down to 16), none without one or interpreted."""
-    if weight is None or INTERPRETED:
-        return {"pf_ptr": like, "pf_bytes": 0, "PREFETCH": False, "THREADS": 32 * num_warps, "num_warps": num_warps}
-    nbytes = weight.numel() * weight.element_size() // 16 * 16
-    return {"pf_ptr": weight, "pf_bytes": nbytes, "PREFETCH": True, "THREADS": 32 * num_warps,
-            "num_warps": num_warps}
+    nbytes = 0 if weight is None or INTERPRETED else weight.numel() * weight.element_size() // 16 * 16
+    return {"pf_ptr": weight if nbytes else like, "pf_bytes": nbytes, "PREFETCH": nbytes > 0,
+            "THREADS": 32 * num_warps, "num_warps": num_warps}
 
 
 def _norm_launch(n: int, like: torch.Tensor, prefetch: torch.Tensor | None) -> dict:

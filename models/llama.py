@@ -9,11 +9,11 @@ operators each can also prefetch the next matrix product's weights into L2 (``pr
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from types import MethodType, ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -225,10 +225,9 @@ class LlamaForCausalLM(nn.Module):
             # (``prefetch_weights``). Only then: one buffer keeps every matrix alive until the last is freed.
             linears = model.read_order()
             align = PACK_ALIGN // dtype.itemsize
-            ends = np.cumsum([-(-lin.weight.numel() // align) * align for lin in linears])
-            model.packed_weights = torch.empty(int(ends[-1]) if linears else 0, dtype=dtype, device=device)
-            for lin, end in zip(linears, ends):
-                start = int(end) - -(-lin.weight.numel() // align) * align
+            sizes = [-(-lin.weight.numel() // align) * align for lin in linears]
+            model.packed_weights = torch.empty(sum(sizes), dtype=dtype, device=device)
+            for lin, start in zip(linears, itertools.accumulate(sizes, initial=0)):
                 lin.weight = nn.Parameter(
                     model.packed_weights[start:start + lin.weight.numel()].view(lin.weight.shape),
                     requires_grad=lin.weight.requires_grad)
