@@ -142,7 +142,10 @@ class Registry(Generic[T]):
         if ep is not None:
             try:
                 cls = ep.load()
-            except Exception as exc:  # a broken plugin must say which one it is
+            except ImportError as exc:  # a module missing or not installed here: a one-line error, as any part's
+                raise UnavailableError(f"{self.kind} plugin {name!r} ({ep.value}) cannot be imported: {exc}; "
+                                       f"install its package in this environment") from exc
+            except Exception as exc:  # a defect in the plugin's own code: its author needs the traceback
                 raise ImportError(f"{self.kind} plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 # A ValueError naming the entry point, where register's TypeError would name none.

@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from framework import ALLOCATORS, BACKENDS, POLICIES, PREPARERS, Registry, SchedulerPolicy, UnknownNameError
-from framework.common.registry import BadOptionsError
+from framework.common.registry import BadOptionsError, UnavailableError
 from framework.scheduling.output import Step
 from framework.scheduling.scheduler import Scheduler
 
@@ -84,21 +84,12 @@ def test_a_built_in_name_is_refused_even_before_the_built_ins_are_imported():
 def test_a_plugin_declaring_a_taken_name_is_refused_not_ignored(tmp_path, monkeypatch):
     """A plugin entry point named like a registered class was silently ignored (the registered
     class served its name), and of two plugins declaring one name the last found won."""
-    pkg = tmp_path / "rival_widget_pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(
-        "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
-        "    def schedule(self, scheduler, step):\n        pass\n\n\nclass Gadget(Widget):\n    pass\n")
-    declared = {"a": "builtin = rival_widget_pkg:Widget\ntwice = rival_widget_pkg:Widget\n"
-                     "own = rival_widget_pkg:Gadget\n",
-                "b": "twice = rival_widget_pkg:Gadget\n"}
-    for dist, lines in declared.items():
-        info = tmp_path / f"rival_widget_{dist}-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: rival-widget-{dist}\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text(f"[tests.rival-widgets]\n{lines}")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "rival_widget_pkg", raising=False)
+    _plugin_package(tmp_path, monkeypatch, "rival_widget_pkg",
+                    "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
+                    "    def schedule(self, scheduler, step):\n        pass\n\n\nclass Gadget(Widget):\n    pass\n",
+                    {"rival-widget-a": "builtin = rival_widget_pkg:Widget\ntwice = rival_widget_pkg:Widget\n"
+                                       "own = rival_widget_pkg:Gadget\n",
+                     "rival-widget-b": "twice = rival_widget_pkg:Gadget\n"}, "tests.rival-widgets")
     reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.rival-widgets")
 
     @reg.register("builtin")
@@ -122,16 +113,8 @@ def test_a_plugin_declaring_a_taken_name_is_refused_not_ignored(tmp_path, monkey
 def test_a_plugin_naming_something_other_than_a_class_of_the_kind_says_which_plugin(tmp_path, monkeypatch):
     """An entry point naming the module (``srpt = my_policies.srpt``, the ``:Class`` forgotten)
     failed with register's TypeError and a traceback, naming no entry point."""
-    pkg = tmp_path / "odd_widget_pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("class NotAWidget:\n    pass\n")
-    info = tmp_path / "odd_widget-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: odd-widget\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[tests.odd-widgets]\nmodule = odd_widget_pkg\n"
-                                           "other = odd_widget_pkg:NotAWidget\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "odd_widget_pkg", raising=False)
+    _plugin_package(tmp_path, monkeypatch, "odd_widget_pkg", "class NotAWidget:\n    pass\n",
+                    {"odd-widget": "module = odd_widget_pkg\nother = odd_widget_pkg:NotAWidget\n"}, "tests.odd-widgets")
     reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.odd-widgets")
     with pytest.raises(ValueError, match=r"widget plugin 'module' \(odd_widget_pkg\) is <module 'odd_widget_pkg'.*, "
                                          r"not a subclass of SchedulerPolicy: its entry point must name the class"):
@@ -270,3 +253,33 @@ def test_refresh_plugins_loads_a_package_installed_editable_in_this_interpreter(
     finally:
         sys.modules.pop("refresh_widget_pkg", None)
         sys.modules.pop("_refresh_widget_finder", None)
+
+
+def test_a_plugin_whose_module_is_missing_is_an_unavailable_part_not_a_traceback(tmp_path, monkeypatch):
+    """An entry point naming a module not installed here (a package uninstalled, a typo) raised a bare
+    ImportError, which the command line printed as a traceback; a defect inside the plugin keeps its own."""
+    _plugin_package(tmp_path, monkeypatch, "faulty_widget_pkg", "raise ZeroDivisionError('in the plugin')\n",
+                    {"gone-widget": "gone = no_such_widget_pkg:Widget\nfaulty = faulty_widget_pkg:Widget\n"},
+                    "tests.gone-widgets")
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.gone-widgets")
+    with pytest.raises(UnavailableError, match=r"widget plugin 'gone' \(no_such_widget_pkg:Widget\) cannot be "
+                                               r"imported: No module named 'no_such_widget_pkg'; install its package"):
+        reg.get("gone")
+    with pytest.raises(ImportError, match=r"widget plugin 'faulty' .* failed to load: in the plugin") as err:
+        reg.get("faulty")
+    assert isinstance(err.value.__cause__, ZeroDivisionError)
+
+
+def _plugin_package(tmp_path, monkeypatch, package: str, source: str, dists: dict[str, str], group: str) -> None:
+    """Put ``package`` (its ``__init__`` is ``source``) on the path, with a distribution per ``dists`` item
+    (name: its entry points' lines in ``group``), as installed plugins are."""
+    pkg = tmp_path / package
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(source)
+    for dist, lines in dists.items():
+        info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, package, raising=False)
