@@ -130,10 +130,13 @@ def is_int(value: Any) -> bool:
 
 
 def is_finite_number(value: Any) -> bool:
-    """A finite number (a bool, NaN or infinity is none)."""
-    if type(value) is float or type(value) is int:
-        return math.isfinite(value)
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number (a bool, NaN, infinity or an integer past float's range is none)."""
+    try:
+        if type(value) is float or type(value) is int:
+            return math.isfinite(value)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float: every later float() of it would fail
+        return False
 
 
 def parse_finite_float(value: Any) -> float | None:

@@ -194,14 +194,16 @@ class Request:
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last appended token implies, or None to keep generating. A
         stop string the token's text completes ends the sequence even on its last allowed token
-        (as vLLM); an EOS or stop token's text is never decoded, so it completes none."""
+        (as vLLM); an EOS or stop token's text is decoded only with ``include_stop_str_in_output``."""
         last = self.token_ids[-1]
         params = self.sampling_params
-        if not params.ignore_eos and last in self.eos_token_ids:
-            self.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            self.stop_reason = last
+        eos = not params.ignore_eos and last in self.eos_token_ids
+        if eos or last in params.stop_token_ids:
+            self.stop_reason = None if eos else last
+            if self.detokenizer is not None and params.include_stop_str_in_output:
+                stop = self.detokenizer.append(last, final=True)
+                if stop is not None:  # vLLM's stop strings are searched in the text the token adds too
+                    self.stop_reason = stop
             return RequestStatus.FINISHED_STOPPED
         capped = (self.num_output_tokens >= self.max_tokens
                   or self.max_model_len is not None and self.num_tokens >= self.max_model_len)

@@ -61,8 +61,10 @@ class OutputProcessor:
                 # The text decoded as it grew: cut at a stop string, held back while one may start.
                 text = req.detokenizer.output_text(req.is_finished)
             elif self.tokenizer is not None and req.sampling_params.detokenize and ids:
-                # The stop token's text is left out (a non-special EOS or stop id would show).
-                shown = ids[:-1] if req.status == RequestStatus.FINISHED_STOPPED else ids
+                # The stop token's text is left out (a non-special EOS or stop id would show), unless asked for.
+                dropped = (req.status == RequestStatus.FINISHED_STOPPED
+                           and not req.sampling_params.include_stop_str_in_output)
+                shown = ids[:-1] if dropped else ids
                 text = decode_continuation(self.tokenizer, first.prompt_token_ids, shown)
             logprobs = req.logprobs
             if logprobs is not None and not req.is_finished:

@@ -161,9 +161,12 @@ class APIKeyCheck:
 
 
 def _validation_message(exc: RequestValidationError) -> str:
-    """Pydantic's errors as one line: ``field: problem; ...``."""
+    """Pydantic's errors as one line: ``field: problem; ...`` (a body that is no JSON: where it breaks, and why)."""
     parts = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # its location is ("body", character offset), no field
+            why = error.get("ctx", {}).get("error", "")
+            return f"the body is not valid JSON: {why + ' ' if why else ''}at character {error['loc'][-1]}"
         where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
         parts.append(f"{where or 'body'}: {error.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
@@ -171,5 +174,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 def _validation_param(exc: RequestValidationError) -> str | None:
     errors = exc.errors()
-    loc = [p for p in errors[0].get("loc", ()) if p != "body"] if errors else []
+    if not errors or errors[0].get("type") == "json_invalid":
+        return None
+    loc = [p for p in errors[0].get("loc", ()) if p != "body"]
     return str(loc[0]) if loc else None

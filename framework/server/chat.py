@@ -44,9 +44,10 @@ class ChatJob:
         body.check_supported()
         self.serving, self.body, self.arrival_time = serving, body, arrival_time
         self.prompt = chat_prompt(serving, body)
-        self.params = body.sampling_params(serving.max_tokens(len(self.prompt), body.requested_max_tokens),
-                                           body.num_logprobs)
-        serving.check_params(self.params)
+        self.params = body.sampling_params(
+            serving.max_tokens(len(self.prompt), body.requested_max_tokens, body.fields["max_tokens"]),
+            body.num_logprobs)
+        serving.check_params(self.params, body.fields)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.ids = [self.id]
         self.created = int(time.time())

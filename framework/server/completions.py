@@ -40,7 +40,7 @@ class CompletionJob:
         self.params = [body.sampling_params(serving.max_tokens(len(p), body.max_tokens), body.logprobs)
                        for p in self.prompts]
         for params in self.params:
-            serving.check_params(params)
+            serving.check_params(params, body.fields)
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.ids = [f"{self.id}-{i}" for i in range(len(self.prompts))]
         self.created = int(time.time())

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from framework.common.outputs import RequestOutput
 from framework.common.sampling_params import SamplingParams
 from framework.engine.llm_engine import LLMEngine
+from framework.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class EngineLoop:
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, ValueError):  # the engine refused the request: the client's error
+                    raise APIError.from_value_error(item)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -160,6 +163,9 @@ class EngineLoop:
                     engine.add_request(command.request_id, {"prompt_token_ids": command.prompt_token_ids},
                                        command.params, arrival_time=command.arrival_time, priority=command.priority)
                 except ValueError as exc:
+                    errors.append((command.request_id, exc))
+                except Exception as exc:  # a bug the request found: it fails alone, the engine serves the others
+                    log.exception("adding request %s failed", command.request_id)
                     errors.append((command.request_id, exc))
             elif command is None:
                 engine.abort_request(list(engine.output_processor.requests))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -21,11 +22,16 @@ class APIError(Exception):
         self.param = param
 
     @classmethod
-    def from_value_error(cls, exc: ValueError, param: str | None = None) -> APIError:
-        """The engine's one-line ValueError as a 400, naming the sampling option it is about when it names one."""
+    def from_value_error(cls, exc: ValueError, param: str | None = None, fields: Mapping[str, str] = {}) -> APIError:
+        """The engine's one-line ValueError as a 400, naming the sampling option it is about when it names one,
+        by the request field that set it (``fields``: option -> field, where the two differ)."""
         message = str(exc)
         found = _PARAM.search(message)
-        return cls(message, param=param or (found.group(1) if found else None))
+        option = found.group(1) if found else None
+        if option in fields:
+            message = message.replace(found.group(0), fields[option], 1)
+            option = fields[option]
+        return cls(message, param=param or option)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status, self.error_type, self.param)

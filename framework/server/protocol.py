@@ -9,6 +9,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from framework.common.sampling_params import RequestOutputKind, SamplingParams
 from framework.server.errors import APIError
 
+#: The most samples a request may ask for (OpenAI's limit): a request's samples are built at once, on the
+#: engine's thread, which serves no other client meanwhile.
+MAX_N = 128
+
+#: vLLM's sampling fields this server cannot honour, with the values that ask for nothing (accepted).
+UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
+    "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
+    "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (), "logits_processors": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "structured_outputs": (),
+}
+
 
 class StreamOptions(BaseModel):
     include_usage: bool | None = False
@@ -21,7 +33,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, le=MAX_N)  # n < 1: SamplingParams says what n takes
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -40,12 +52,15 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=-2**63, le=2**63 - 1)  # a signed 64-bit integer, as vLLM's
 
     def check_supported(self) -> None:
         """APIError (400) for fields this server cannot honour, rather than answers that silently ignore them."""
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this server", param="logit_bias")
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_VLLM_FIELDS and value is not None and value not in UNSUPPORTED_VLLM_FIELDS[name]:
+                raise APIError(f"{name}={value!r} is not supported by this server", param=name)
         if not self.skip_special_tokens:
             raise APIError("skip_special_tokens=false is not supported by this server: output text always skips "
                            "special tokens", param="skip_special_tokens")
@@ -69,7 +84,12 @@ class SamplingRequest(BaseModel):
                 else self.repetition_penalty,
                 logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
         except ValueError as exc:
-            raise APIError.from_value_error(exc) from None
+            raise APIError.from_value_error(exc, fields=self.fields) from None
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """The request fields that set ``SamplingParams`` options of another name (an error names the field)."""
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -154,6 +174,11 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def fields(self) -> dict[str, str]:
+        used = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {"logprobs": "top_logprobs", "max_tokens": used}
 
     @property
     def num_logprobs(self) -> int | None:

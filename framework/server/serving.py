@@ -42,23 +42,25 @@ class Serving:
             raise APIError.from_value_error(exc, param="prompt") from None
         return ids
 
-    def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+    def max_tokens(self, num_prompt_tokens: int, requested: int | None, field: str = "max_tokens") -> int:
         """The output budget: ``requested`` (None: all that is left), at most what ``max_model_len`` leaves after
-        the prompt (as vLLM); APIError (400) for a prompt that leaves no room for one token."""
+        the prompt (as vLLM); APIError (400) for a prompt that leaves no room for one token, or a ``requested`` (the
+        request's ``field``) below 1."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                            f"{num_prompt_tokens}, which leaves no room for output: send at most "
                            f"{self.max_model_len - 1} prompt tokens", param="prompt")
         if requested is not None and (isinstance(requested, bool) or requested < 1):
-            raise APIError(f"max_tokens must be an integer >= 1, got {requested!r}", param="max_tokens")
+            raise APIError(f"{field} must be an integer >= 1, got {requested!r}", param=field)
         return room if requested is None else min(requested, room)
 
-    def check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams, fields: dict[str, str]) -> None:
+        """APIError (400) for options the engine refuses, naming the request field (``fields``: option -> field)."""
         try:
             self.engine.check_params(params)
         except ValueError as exc:
-            raise APIError.from_value_error(exc) from None
+            raise APIError.from_value_error(exc, fields=fields) from None
 
     async def run(self, ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence[SamplingParams],
                   arrival_time: float, priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:

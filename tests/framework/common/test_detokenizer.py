@@ -116,6 +116,29 @@ def test_max_tokens_stop_tokens_and_stop_strings_whichever_comes_first(setup):
     assert (out.token_ids, out.finish_reason, out.stop_reason) == (greedy[:4], "stop", greedy[3])
 
 
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+@pytest.mark.parametrize("stop", [None, "zz"], ids=["no-stop-string", "stop-string"])
+def test_include_stop_str_in_output_shows_a_stop_tokens_text(llama_ckpt, setup, kind, stop):
+    """As vLLM's detokenizer: the stop token's text is left out unless ``include_stop_str_in_output``; it
+    was left out always, on either path (incremental text with stop strings or deltas, decoded at the end)."""
+    _, tok, prompt, greedy, text = setup
+    assert greedy[2] not in greedy[:2]
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt[0]), max_model_len=128, block_size=4, seed=0))
+    for include in (False, True):
+        engine.add_request(str(include), prompt, greedy_params(stop=stop, stop_token_ids=[greedy[2]], output_kind=kind,
+                                                               include_stop_str_in_output=include))
+    texts = {"False": "", "True": ""}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done = out.outputs[0]
+            texts[out.request_id] = texts[out.request_id] + done.text if kind == "delta" else done.text
+            if out.finished:
+                assert (done.finish_reason, done.stop_reason) == ("stop", greedy[2])
+    assert texts == {"False": reference(tok, prompt, greedy[:2], [])[0],
+                     "True": reference(tok, prompt, greedy[:3], [])[0]}
+    assert texts["True"] != texts["False"]
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_streamed_text_never_shows_what_a_stop_string_cuts(llama_ckpt, setup, include):
     _, tok, prompt, greedy, text = setup

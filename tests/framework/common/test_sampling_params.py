@@ -45,6 +45,13 @@ def test_a_float_option_the_sampler_casts_out_of_its_range_is_refused(option, va
         SamplingParams(**{option: value})
 
 
+@pytest.mark.parametrize("option", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"])
+def test_an_int_past_floats_range_is_a_value_error_naming_the_option(option):
+    """``math.isfinite`` of such an int raised a bare OverflowError, naming no option."""
+    with pytest.raises(ValueError, match=rf"^SamplingParams.{option} must be "):
+        SamplingParams(**{option: 10**400})
+
+
 @pytest.mark.parametrize("option, value", [
     ("repetition_penalty", 1e-40), ("repetition_penalty", 3e38), ("temperature", 1e-300), ("temperature", 3e38),
     ("top_p", 1e-40), ("min_p", 1e-300), ("presence_penalty", -1e-300), ("frequency_penalty", 1e-300),

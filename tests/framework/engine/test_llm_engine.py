@@ -255,6 +255,8 @@ def test_a_numpy_seed_samples_as_the_same_int_seed(n):
     (lambda llm: llm.generate(5, GREEDY), "prompts must be"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, arrival_time="now"), "arrival_time"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, priority=None), "priority"),
+    # math.isfinite of it raised an OverflowError, which killed the server's engine thread.
+    (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, priority=10**400), "priority must be a finite number"),
     (lambda llm: llm.engine.abort_request(5), "abort_request takes"),
     # An int id used to be queued, and then could not be aborted (abort_request takes str ids).
     (lambda llm: llm.engine.add_request(5, [4, 5], GREEDY), "request_id must be a str, got int"),

@@ -43,6 +43,13 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"skip_special_tokens": False}, "skip_special_tokens", "skip_special_tokens=false is not supported"),
     ({"n": "many"}, "n", "integer"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"n": 129}, "n", "less than or equal to 128"),
+    ({"priority": 10**30}, "priority", "less than or equal to"),
+    ({"min_tokens": 8}, "min_tokens", "min_tokens=8 is not supported"),
+    ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"bad_words": ["w5"]}, "bad_words", "not supported"),
+    ({"allowed_token_ids": [5]}, "allowed_token_ids", "not supported"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
 ])
 def test_bad_completion_requests_are_400s(server, chat_ckpt, body, param, match):
     assert_error(post(server, "/v1/completions", {"model": str(chat_ckpt), "prompt": "w5 w6", **body}), 400, param,
@@ -55,8 +62,30 @@ def test_an_unknown_model_is_a_404_as_in_vllm(server, client):
         client.chat.completions.create(model="gpt-nothing", messages=[{"role": "user", "content": "w5"}])
 
 
+@pytest.mark.parametrize("body, param, match", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "^max_completion_tokens must be"),
+    ({"max_tokens": 0}, "max_tokens", "^max_tokens must be"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "^top_logprobs=21 exceeds"),
+])
+def test_a_chat_error_names_the_field_the_client_sent(server, chat_ckpt, body, param, match):
+    """Chat's output length and logprob count have two names: the error said max_tokens and logprobs
+    whichever the client sent."""
+    assert_error(post(server, "/v1/chat/completions",
+                      {"model": str(chat_ckpt), "messages": [{"role": "user", "content": "w5"}], **body}),
+                 400, param, match)
+
+
+def test_vllm_fields_that_ask_for_nothing_are_accepted(client, chat_ckpt):
+    out = client.completions.create(model=str(chat_ckpt), prompt="w5 w6", max_tokens=2, extra_body={
+        "min_tokens": 0, "use_beam_search": False, "bad_words": [], "prompt_logprobs": None, "length_penalty": 1.0})
+    assert out.usage.completion_tokens >= 1
+
+
 def test_malformed_bodies_are_400s(server, chat_ckpt):
     assert_error(post(server, "/v1/completions", "{not json"), 400)
+    response = post(server, "/v1/completions", '{"prompt": "hi",')
+    assert_error(response, 400, match=r"^the body is not valid JSON: .* at character 16$")
+    assert response.json()["error"]["param"] is None  # not the offset, as a field name
     assert_error(post(server, "/v1/completions", {"model": str(chat_ckpt)}), 400, "prompt", "prompt")
     assert_error(post(server, "/v1/chat/completions", {"model": str(chat_ckpt), "messages": []}), 400, "messages")
     assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "tools": [{}]}),
@@ -80,3 +109,21 @@ def test_metrics_use_vllms_names(server, client, chat_ckpt):
     count = re.search(r'vllm:e2e_request_latency_seconds_count\{[^}]*\} (\S+)', text)
     assert count and float(count.group(1)) >= 1
     assert 'finished_reason="length"' in text and "_created" not in text
+
+
+def test_a_request_the_engine_fails_to_add_fails_alone(server, chat_ckpt, monkeypatch):
+    """An add that raised anything but a ValueError (an int priority past float's range did) killed the
+    engine thread: that request never got an answer, and every later one a 503."""
+    engine = server.server.engine
+    add = engine.add_request
+
+    def failing(request_id, *args, **kwargs):
+        monkeypatch.setattr(engine, "add_request", add)  # only this one
+        raise OverflowError("as a bug below would")
+
+    monkeypatch.setattr(engine, "add_request", failing)
+    body = {"model": str(chat_ckpt), "prompt": "w5 w6", "max_tokens": 2}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 500 and "OverflowError" in response.json()["error"]["message"]
+    assert post(server, "/v1/completions", body).status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200
