@@ -41,7 +41,7 @@ from omegaconf import DictConfig
 
 from framework.common.config import PART_NAMES, EngineConfig
 from framework.harness.overrides import REPEAT_KEYS, restore_hydra_reports
-from framework.harness.recorder import claim_run_dir
+from framework.harness.recorder import claim_run_dir, make_run_dir
 from framework.harness.stats import mean_ci95, overlap
 
 log = logging.getLogger(__name__)
@@ -471,13 +471,15 @@ def _differences(configs: Sequence[dict[str, Any]], x: str) -> list[str]:
 
 
 def _ratio(a: dict[str, Any], b: dict[str, Any], metric: str) -> str:
-    """``a``'s mean of ``metric`` over ``b``'s, marked **n.s.** where their intervals overlap."""
-    if not a.get(metric) or not b.get(metric):
+    """``a``'s mean of ``metric`` over ``b``'s, marked **n.s.** where their intervals overlap (a mean of 0 is
+    a measured one: goodput when no request met the SLO)."""
+    if a.get(metric) is None or b.get(metric) is None or a[metric] == b[metric] == 0:
         return "-"
     same = overlap((a[f"{metric}_ci95_low"], a[f"{metric}_ci95_high"]),
                    (b[f"{metric}_ci95_low"], b[f"{metric}_ci95_high"]))
+    ratio = "inf" if b[metric] == 0 else f"{a[metric] / b[metric]:.2f}x"
     # No interval where only one repeat had the metric: unknown, not significant.
-    return f"{a[metric] / b[metric]:.2f}x" + {True: " **n.s.**", False: "", None: " (no interval)"}[same]
+    return ratio + {True: " **n.s.**", False: "", None: " (no interval)"}[same]
 
 
 def _identical(config: dict[str, Any]) -> bool:
@@ -493,7 +495,8 @@ def _noise(runs: Sequence[dict[str, Any]]) -> list[str]:
                        for r in runs if r.get("step_time_noise_cv") is not None), key=lambda m: m[0])
     head = "## Timing noise"
     if not measured:
-        if runs and all((r.get("summary") or {}).get("hardware") for r in runs):
+        ran = [r for r in runs if r.get("status") != "failed"]  # a failed job's summary says nothing of its executor
+        if ran and all((r.get("summary") or {}).get("hardware") for r in ran):
             return [head, "None: simulated runs are deterministic (their repeats differ only by seed)."]
         return [head, "Not measured (no step shape came 5 times, or the runs predate the measure)."]
     cv, steps = measured[len(measured) // 2]
@@ -607,7 +610,12 @@ class CompareCallback(Callback):
     _held = ExitStack()
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        restore_hydra_reports()  # composed: what fails from here (the run's folder, its logging) Hydra reports
+        restore_hydra_reports()  # composed: what fails from here (its logging) Hydra reports
+        try:
+            make_run_dir(Path(config.hydra.run.dir), "hydra.run.dir")  # before Hydra, which would give a traceback
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         restore_hydra_reports()  # a job's errors are reported by Hydra, as ever

@@ -75,7 +75,7 @@ def claim_run_dir(run_dir: str | Path, setting: str = "hydra.run.dir") -> Iterat
     ``setting``, while another run holds it. A claim within the same thread's is free; a folder it made goes if empty."""
     path = Path(run_dir)
     created = not path.is_dir()
-    path.mkdir(parents=True, exist_ok=True)
+    make_run_dir(path, setting)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         key = _key(fd)
@@ -99,6 +99,16 @@ def claim_run_dir(run_dir: str | Path, setting: str = "hydra.run.dir") -> Iterat
                     path.rmdir()
     finally:
         os.close(fd)  # releases the lock
+
+
+def make_run_dir(path: Path, setting: str = "hydra.run.dir") -> None:
+    """Make the folder ``path`` (and its parents) unless it is one; ValueError, one line naming ``setting``, where it
+    cannot be (a file in the way, no permission)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{setting}={path} cannot be made a folder: {exc.strerror or exc}"
+                         f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(path) else ''}") from None
 
 
 def _key(fd: int) -> tuple[int, int, int]:

@@ -186,6 +186,11 @@ class ModelExecutor(Executor):
             config.backend, config.backend_options, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
             block_size=config.block_size, dtype=self.dtype, device=self._device)
+        # Before the weights load, so that a bad preparer option costs no load.
+        self._preparer = PREPARERS.create_with(
+            config.preparer, {"check": config.check_invariants, **config.preparer_options},
+            max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len, block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens, device=self._device)
         self.cuda_graphs = self._use_cuda_graphs(cuda_graphs)
         if config.backend_options.get("fuse_rotary") and not self.cuda_graphs:
             logger.warning("backend.fuse_rotary applies to decode steps replayed from CUDA graphs, and this engine "
@@ -302,10 +307,7 @@ class ModelExecutor(Executor):
         cfg, config = self.source.config, self.config
         kv_cache = lazy_zeros((2, cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads,
                                cfg.head_dim), self.dtype, self._device)
-        preparer = PREPARERS.create_with(
-            config.preparer, {"check": config.check_invariants, **config.preparer_options},
-            max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len, block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens, device=self._device)
+        preparer = self._preparer
         generator = torch.Generator(device=self._device).manual_seed(config.seed)
         decode = None
         if self.cuda_graphs:

@@ -202,6 +202,24 @@ def test_an_option_the_engine_sets_itself_is_a_one_line_configuration_error(kwar
         small_llm(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"allocator_options": {"promote_duplicate": "newst"}}, "promote_duplicate must be one of 'oldest', 'newest'"),
+    ({"allocator_options": {"promote_duplicat": "oldest"}}, r"allocator 'paged': .*promote_duplicat"),
+    ({"preparer_options": {"chek": True}}, r"preparer 'v1': .*chek"),
+    ({"preparer": "v0", "preparer_options": {"chek": True}}, r"preparer 'v0': .*chek"),
+])
+def test_a_bad_allocator_or_preparer_option_is_refused_before_the_model_is_built(kwargs, match, monkeypatch):
+    """Both parts were first built after the weights loaded and the KV cache was allocated."""
+    from framework.execution.executors import model
+
+    def built(*args, **kw):
+        raise AssertionError("the model was built before the options were checked")
+
+    monkeypatch.setattr(model.LlamaForCausalLM, "empty_on", built)
+    with pytest.raises(ValueError, match=match):
+        small_llm(**kwargs)
+
+
 def test_a_cost_model_option_the_simulator_sets_itself_is_named_as_such():
     with pytest.raises(BadOptionsError, match=r"cost model 'roofline': block_size is given by the framework"):
         LLMEngine(model="tiny-llama", executor="sim",

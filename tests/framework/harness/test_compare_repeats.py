@@ -7,7 +7,7 @@ import math
 import pytest
 import yaml
 
-from framework.harness.compare import aggregate, comparison_rows, main, markdown, write_comparison
+from framework.harness.compare import _ratio, aggregate, comparison_rows, main, markdown, write_comparison
 
 HALF_3 = 4.3027 / math.sqrt(3)  # t(0.975, 2) / sqrt(3): the half-width of 3 repeats per unit of their std
 
@@ -138,3 +138,28 @@ def test_single_runs_say_there_is_no_interval(tmp_path, capsys):
     assert "One run per configuration: no confidence intervals" in out and "## Differences" not in out
     assert "model tiny-llama · device CPU (test, 2 threads) · workload synthetic, 8 requests at 4 req/s." in out
     assert "throughput_vs_rate.pdf" in out and "latency_vs_rate.pdf" in out
+
+
+def test_a_simulated_sweep_with_a_failed_job_is_still_deterministic(tmp_path):
+    """The failed job's summary names no hardware (it never built an executor): the note said "Not measured"."""
+    fake_run(tmp_path / "0", "a", 0, 100.0, 10.0, hardware="a100-80gb")
+    fake_run(tmp_path / "1", "b", 0, 90.0, 10.0, hardware="a100-80gb")
+    fake_run(tmp_path / "2", "c", 0, 1.0, 10.0, status="failed")
+    assert "None: simulated runs are deterministic" in table(tmp_path)
+
+
+def test_a_mean_of_zero_is_a_difference_not_a_missing_metric(tmp_path):
+    """Goodput 0 (no request met the SLO) against a positive one showed "-", hiding the largest difference."""
+    for repeat in range(3):
+        fake_run(tmp_path / f"a{repeat}", "a", repeat, 100.0 + repeat, 10.0)
+        fake_run(tmp_path / f"b{repeat}", "b", repeat, 0.0, 10.0)
+        fake_run(tmp_path / f"c{repeat}", "c", repeat, 0.0, 10.0)
+    md = table(tmp_path).splitlines()
+    header = next(line for line in md if line.startswith("| workload.rate | configurations |"))
+    column = [c.strip() for c in header.split("|")].index("output_throughput")
+    cells = {row.split("|")[2].strip(): row.split("|")[column].strip() for row in md if row.startswith("| 4 | policy=")}
+    # a's interval is apart from b's and c's [0, 0]: significant; b and c are the same zero.
+    assert cells == {"policy=a / policy=b": "inf", "policy=a / policy=c": "inf", "policy=b / policy=c": "-"}
+    zero = {"output_throughput": 0.0, "output_throughput_ci95_low": 0.0, "output_throughput_ci95_high": 0.0}
+    some = {"output_throughput": 5.0, "output_throughput_ci95_low": 4.0, "output_throughput_ci95_high": 6.0}
+    assert _ratio(zero, some, "output_throughput") == "0.00x"

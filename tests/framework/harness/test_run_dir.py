@@ -172,3 +172,18 @@ def test_a_sweep_job_refused_its_folder_is_reported_and_fails_the_sweep_leaving_
     assert files(job, skip={".hydra"}) == before  # .hydra/ is Hydra's, written before any job starts
     assert json.loads((tmp_path / "1" / "summary.json").read_text())["status"] == "completed"
     assert sweep(tmp_path).returncode == 0  # the marker of the refused job is gone with the folder free again
+
+
+@pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
+def test_a_run_dir_that_cannot_be_a_folder_is_one_line_with_status_2(tmp_path, multirun):
+    """A file where the folder goes gave Hydra's traceback (status 2 for a run, 1 for a sweep)."""
+    (tmp_path / "afile").write_text("mine\n")
+    setting = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    for where, why in ((tmp_path / "afile", "File exists"), (tmp_path / "afile" / "sub", "Not a directory")):
+        done = subprocess.run([sys.executable, "-m", "framework.run", *(["-m"] if multirun else []), *SIM,
+                               f"{setting}={where}"], cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1] == f"error: {setting}={where} cannot be made a folder: {why}"
+        assert "Traceback" not in done.stderr
+    assert (tmp_path / "afile").read_text() == "mine\n"
