@@ -1,6 +1,7 @@
 """Model description read from a Hugging Face ``config.json`` (or a preset): no weights needed."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,6 +15,29 @@ OPTIONAL_SHAPE_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddin
 #: original_max_position_embeddings has a default).
 ROPE_REQUIRED_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+#: RoPE scaling parameters that are numbers when given (``factor`` always, where its type requires it).
+ROPE_NUMBER_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                    "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _check_rope_numbers(scaling: dict[str, Any] | None) -> None:
+    """ValueError naming the key unless each RoPE number ``scaling`` gives is a positive number."""
+    for key in ROPE_NUMBER_KEYS:
+        value = (scaling or {}).get(key)
+        if value is not None and not _positive_number(value):
+            raise ValueError(f"model config: rope scaling's {key} must be a positive number, got {value!r}")
+
+
+def _positive_number(value: Any) -> bool:
+    """A finite number > 0 from JSON (a bool, string or null is none)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def eos_token_ids(value: Any, source: str) -> list[int]:
@@ -83,9 +107,10 @@ class ModelConfig:
         if head_dim % 2:  # refused as transformers does, rather than failing mid-forward
             raise ValueError(f"model config: head_dim={head_dim} must be even (rotary embeddings turn pairs of "
                              f"dimensions); give an even head_dim or hidden_size / num_attention_heads")
-        rope = dict(d.get("rope_parameters") or {})
+        # As transformers 5 reads them: a legacy rope_scaling replaces rope_parameters whole (its theta too).
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
-        scaling = rope or d.get("rope_scaling") or None
+        scaling = rope or None
         if scaling is not None:
             scaling = dict(scaling)
             scaling.setdefault("rope_type", scaling.pop("type", "default"))
@@ -104,6 +129,12 @@ class ModelConfig:
                 if top is not None:
                     scaling["original_max_position_embeddings"] = top
                 scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+                if scaling["rope_type"] == "yarn" and scaling["factor"] is None:  # as transformers derives it
+                    scaling["factor"] = d.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
+            _check_rope_numbers(scaling)
+        eps = d.get("rms_norm_eps", 1e-6)
+        if not _positive_number(eps):
+            raise ValueError(f"model config: rms_norm_eps must be a positive number, got {eps!r}")
         # As transformers reads it: Mistral's and Qwen2's configs default the window to 4096 when
         # the key is absent (Qwen2 uses it only with use_sliding_window, and only in the layers
         # layer_types marks sliding: by default those from max_window_layers (28) on, often none).
@@ -138,7 +169,8 @@ class ModelConfig:
             # Mistral has none whatever its config says; Llama reads both switches.
             attention_bias=model_type == "qwen2" or (model_type == "llama" and bool(d.get("attention_bias", False))),
             mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
-            hidden_act=d.get("hidden_act", "silu"),
+            # transformers' ACT2FN runs "swish" as SiLU.
+            hidden_act="silu" if d.get("hidden_act") == "swish" else d.get("hidden_act", "silu"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),

@@ -111,6 +111,30 @@ def test_config_parses_old_and_new_rope_formats():
     assert ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}).rope_scaling is None
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    {"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}, "rope_theta": 7e4,
+     "rope_scaling": {"type": "dynamic", "factor": 3.0}},
+    {"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}, "rope_scaling": None},
+    {"rope_parameters": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64}},
+], ids=["scaling-beside-parameters", "scaling-with-top-level-theta", "null-scaling", "yarn-without-factor"])
+def test_rope_settings_read_as_transformers_reads_them(rope):
+    """A transformers-5 config (rope_parameters) given a legacy rope_scaling, as guides for transformers 4 say:
+    transformers takes the rope_scaling whole, and the engine read the rope_parameters (wrong outputs)."""
+    import transformers
+
+    shape = {**SHAPE, "max_position_embeddings": 256}
+    theirs = dict(transformers.LlamaConfig(**{k: v for k, v in shape.items() if k != "model_type"}, **rope)
+                  .rope_parameters)
+    ours = ModelConfig.from_hf({**shape, **rope})
+    assert ours.rope_theta == theirs.pop("rope_theta")
+    theirs.setdefault("rope_type", theirs.pop("type", "default"))
+    if theirs["rope_type"] == "yarn":
+        assert ours.max_context() == (256, "YaRN-scaled context (original_max_position_embeddings 64 x factor 4)")
+        theirs["factor"] = 256 / 64  # None, which their yarn derives as this
+    assert ours.rope_scaling == theirs
+
+
 SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
              num_attention_heads=4)
 
@@ -132,6 +156,13 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
      "rope_type 'llama3' scaling lacks low_freq_factor, high_freq_factor"),
     ({**SHAPE, "rope_scaling": {"type": "linear"}}, "rope_type 'linear' scaling lacks factor"),
     ({**SHAPE, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn' scaling lacks factor"),
+    # Taken, then a 39-line TypeError from the fused norm at the first step, or a format error naming no key.
+    ({**SHAPE, "rms_norm_eps": None}, "rms_norm_eps must be a positive number, got None"),
+    ({**SHAPE, "rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive number, got '1e-6'"),
+    ({**SHAPE, "rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope scaling's factor must be a positive "
+                                                                          "number, got '2'"),
+    ({**SHAPE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": True, "high_freq_factor": 4}},
+     "rope scaling's low_freq_factor must be a positive number, got True"),
 ])
 def test_bad_configs_are_named(config, message):
     with pytest.raises(ValueError, match=message):
@@ -194,6 +225,13 @@ def test_linear_and_yarn_scaled_models_serve_past_their_trained_length_as_transf
     with pytest.raises(ValueError, match=r"max_model_len=65 exceeds the model's (linear-RoPE|YaRN)-scaled context "
                                          r"\(.* 32 x factor 2\) of 64"):
         LLM(model=str(tmp_path), max_model_len=65)
+
+
+def test_a_swish_activation_runs_as_transformers_runs_it(tmp_path):
+    """transformers' ACT2FN takes "swish" for SiLU; the engine refused it as unsupported."""
+    hf = make_hf_checkpoint(tmp_path, seed=5, hidden_act="swish")
+    prompt = list(range(3, 20))
+    assert _greedy(tmp_path, prompt).token_ids == hf_greedy(hf, prompt, 6)
 
 
 def _greedy(path, prompt, n=6, **params):
