@@ -108,9 +108,10 @@ class SamplingParams:
                              f"{self.repetition_penalty!r}")
         _check_float32("repetition_penalty", self.repetition_penalty, "a finite number > 0", "about 1.4e-45 to 3.4e38",
                        positive=True)
-        # The seed feeds a 64-bit torch generator: a larger one would fail mid-step, not here.
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        # The seed feeds a 64-bit torch generator: a larger one would fail mid-step, not here. Signed, as vLLM's.
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"SamplingParams.seed must be None or a signed 64-bit integer, in [-2**63, 2**63), "
+                             f"got {self.seed!r}")
         if self.seed is not None:  # a numpy integer fails torch's manual_seed and overflows seed + i
             self.seed = int(self.seed)
         if self.stop_token_ids is None:  # as vLLM: None is no stop tokens

@@ -176,9 +176,9 @@ class LLMEngine:
         for i, rid in enumerate(rids):
             child_params = params
             if params.n > 1:
-                # Sample i takes seed + i (as vLLM), wrapped into SamplingParams' [0, 2**63): a
+                # Sample i takes seed + i (as vLLM), wrapped into SamplingParams' signed 64 bits: a
                 # seed near the top is valid and must not fail for the samples after it.
-                seed = None if params.seed is None else (params.seed + i) % 2**63
+                seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
                 # The prompt's logprobs are the request's, not a sample's: the first computes them.
                 prompt_logprobs = params.prompt_logprobs if i == 0 else None
                 child_params = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)

@@ -233,7 +233,7 @@ def test_a_cost_model_option_the_simulator_sets_itself_is_named_as_such():
     ({"temperature": "hot"}, "temperature"), ({"top_p": float("nan")}, "top_p"),
     ({"top_k": 2.5}, "top_k"), ({"top_k": None}, "top_k"),
     ({"max_tokens": True}, "max_tokens"), ({"n": True}, "n must be"),
-    ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"seed": 2**70}, "seed"), ({"seed": -2**63 - 1}, "signed 64-bit"), ({"seed": 1.5}, "seed"),
     ({"stop_token_ids": 12}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"max_tokens": 2.0}, "max_tokens"), ({"max_tokens": "8"}, "max_tokens"),
     ({"stop_token_ids": "12"}, "stop_token_ids"),
@@ -498,10 +498,17 @@ def test_parallel_sampling_n():
                         SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len({tuple(c.token_ids) for c in cold.outputs}) == 1
     assert cold.metrics.num_generated_tokens == 24
-    # The largest valid seed used to fail for sample 1 (seed 2**63, out of range).
+    # The largest valid seed used to fail for sample 1 (seed 2**63, out of range); it wraps to the smallest.
     top = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
                        SamplingParams(n=2, max_tokens=8, temperature=1.5, seed=2**63 - 1, ignore_eos=True))[0]
     assert len({tuple(c.token_ids) for c in top.outputs}) == 2
+    bottom = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
+                          SamplingParams(max_tokens=8, temperature=1.5, seed=-2**63, ignore_eos=True))[0]
+    assert bottom.outputs[0].token_ids == top.outputs[1].token_ids
+    # Negative seeds are seeds, as vLLM's (a client may send -1): reproducible, and not seed 1's.
+    minus_one, again, one = (llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(
+        max_tokens=8, temperature=1.5, seed=seed, ignore_eos=True))[0].outputs[0].token_ids for seed in (-1, -1, 1))
+    assert minus_one == again != one
 
 
 def test_generate_accepts_a_list_of_sampling_params_and_checks_its_length():
