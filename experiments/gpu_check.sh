@@ -29,6 +29,8 @@
 # .whl here with experiments/gpu_wheels.sh and carry it; this script installs it (without, step 3 is skipped).
 # STEPS="parity e2e" runs only the steps whose names contain one of those words (two device calls, say).
 # E2E_CASES="default,prefetch12" and E2E_BATCHES=32 narrow step 6 (gpu_e2e.py speed --cases/--batches) when time is short.
+# DEADLINE_S=540 ends the whole check within 540 s of its start: each step's limit is cut to what is left (one
+# left under 15 s is skipped, status 124), so a device call's logs come back even when a step runs long.
 # Each step is time-limited, logs to LOG_DIR/<step>.log, and a failed step does not stop the others;
 # the exit status is the number of failed steps; LOG_DIR/summary.txt has the figures. The device tool brings
 # back at most 8 files from $OUT: there, log to another folder and put it in $OUT as one archive.
@@ -43,26 +45,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 LOG_DIR=${1:-${OUT:-gpu_check_logs}}
 mkdir -p "$LOG_DIR"
+START=$(date +%s)
 
-step() {  # step NAME SECONDS COMMAND...: runs it, logs to LOG_DIR/NAME.log, its exit status to NAME.status
-    local name=$1 seconds=$2
-    shift 2
-    if [ -n "${STEPS:-}" ]; then
-        local word wanted=0
-        for word in $STEPS; do case $name in *"$word"*) wanted=1 ;; esac; done
-        [ "$wanted" = 1 ] || return 0
-    fi
-    echo "== $name: $*"
-    local status=0
-    timeout "$seconds" "$@" >"$LOG_DIR/$name.log" 2>&1 || status=$?
-    echo "$status" >"$LOG_DIR/$name.status"
-    if [ "$status" = 0 ]; then
-        echo "   $name ok ($(tail -n 1 "$LOG_DIR/$name.log"))"
-    else
-        echo "   $name FAILED (status $status); last lines of $LOG_DIR/$name.log:"
-        tail -n 25 "$LOG_DIR/$name.log" | sed "s/^/   $name | /"
-    fi
-}
+. experiments/gpu_step.sh  # step NAME SECONDS COMMAND...
 
 "$PY" - <<'EOF' | tee "$LOG_DIR/device.log"
 import torch

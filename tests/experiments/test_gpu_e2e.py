@@ -98,6 +98,23 @@ def test_the_gpu_scripts_parse(script):
     assert done.returncode == 0, done.stderr
 
 
+def test_a_check_step_is_cut_to_the_deadline_and_skipped_past_it(tmp_path):
+    """DEADLINE_S bounds the whole check, so that a device call's logs come back: the steps' own limits add up
+    to more than a call may run."""
+    script = ("now=$(date +%s); START=$((now - 500)); DEADLINE_S=540; . experiments/gpu_step.sh; "
+              "step quick 100 echo done; step cut_off 100 false; START=$((now - 530)); step late 100 echo ran; "
+              "STEPS=other step filtered 100 echo ran")
+    done = subprocess.run(["bash", "-c", script], env={"LOG_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert re.fullmatch(r"== quick \((39|40) s at most\): echo done", lines[0]) and lines[1] == "   quick ok (done)"
+    assert "   cut_off FAILED (status 1); last lines of" in done.stdout
+    assert "== late: skipped, DEADLINE_S=540 reached" in lines and "ran" not in done.stdout
+    statuses = {p.stem: p.read_text().strip() for p in tmp_path.glob("*.status")}
+    assert statuses == {"quick": "0", "cut_off": "1", "late": "124"}
+
+
 def test_gpu_check_without_a_gpu_says_so_and_runs_nothing(tmp_path):
     """On a machine without CUDA the check stops at once, with a non-zero status, before any step."""
     if torch.cuda.is_available():
