@@ -93,11 +93,15 @@ class LLMEngine:
             BACKENDS.get(config.backend)
             preparer_forks = PREPARERS.get(config.preparer).forks_parallel_samples
             preparer_defers = PREPARERS.get(config.preparer).defers_sampled
-        async_capable = EXECUTORS.get(config.executor).supports_async and preparer_defers
+        executor_async = EXECUTORS.get(config.executor).supports_async
+        async_capable = executor_async and preparer_defers
         if config.async_scheduling is True and not async_capable:
-            raise ValueError(f"async_scheduling=true needs an executor that runs steps without waiting (model, "
-                             f"sim) and a preparer that defers sampled tokens (v1); executor={config.executor} and "
-                             f"preparer={config.preparer} cannot: set async_scheduling to auto or false")
+            lacking = [f"executor={config.executor}, whose steps are not run without waiting (model and sim's are)"
+                       ] if not executor_async else []
+            if not preparer_defers:
+                lacking.append(f"preparer={config.preparer}, which does not defer sampled tokens (v1 does)")
+            raise ValueError(f"async_scheduling=true cannot run with {' nor '.join(lacking)}: set async_scheduling "
+                             f"to auto or false")
         self.policy = POLICIES.create_with(config.policy, config.policy_options)
         # A two-block allocator checks its options before the model loads (the real one needs the KV cache's size).
         ALLOCATORS.create_with(config.allocator, config.allocator_options, num_blocks=2, block_size=config.block_size,

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from array import array
@@ -62,6 +63,11 @@ StepListener = Callable[[dict[str, Any]], None]
 #: folder used before removes them, so it mixes nothing of an earlier run's. Hydra's ``.hydra/`` and log are Hydra's.
 RUN_FILES = ("config.yaml", "workload.jsonl", "summary.json", "summary.json.tmp", "requests.csv", "steps.csv",
              "latency_cdf.png", "latency_cdf.pdf", "timeline.png", "timeline.pdf")
+
+
+#: The folders a run writes in its directory: W&B's offline runs (``wandb sync <run dir>/wandb/offline-run-*``
+#: would upload an earlier run's beside this one's).
+RUN_FOLDERS = ("wandb",)
 
 
 #: The run directories this process's threads hold, as (device, inode, thread): a run claims its folder in
@@ -136,13 +142,18 @@ def _lock(fd: int, path: Path, setting: str) -> bool:
 
 
 def clear_run_files(run_dir: str | Path, keep: Iterable[str] = ()) -> None:
-    """Remove the ``RUN_FILES`` an earlier run left in ``run_dir`` (a ``hydra.run.dir`` given twice means to
-    overwrite, as Hydra's fresh default folders do), but none that a path in ``keep`` names (the run's inputs)."""
+    """Remove the ``RUN_FILES`` and ``RUN_FOLDERS`` an earlier run left in ``run_dir`` (a ``hydra.run.dir`` given
+    twice means to overwrite, as Hydra's fresh default folders do), but none that holds or is a path in ``keep``
+    (the run's inputs)."""
     kept = {_resolved(name) for name in keep}
     for name in RUN_FILES:
         path = Path(run_dir) / name
         if path.resolve() not in kept:
             path.unlink(missing_ok=True)  # a link itself, not what it points to
+    for name in RUN_FOLDERS:
+        path = Path(run_dir) / name
+        if path.is_dir() and not path.is_symlink() and not any(k and k.is_relative_to(path.resolve()) for k in kept):
+            shutil.rmtree(path)
 
 
 def _resolved(name: str) -> Path | None:

@@ -230,7 +230,8 @@ def test_a_block_ending_in_a_placeholder_is_cached_once_its_token_is_known():
 
 
 def test_async_scheduling_is_refused_where_it_cannot_run_and_off_by_default_on_a_cpu():
-    with pytest.raises(ValueError, match=r"^async_scheduling=true needs .* executor=model and preparer=v0 cannot"):
+    with pytest.raises(ValueError, match=r"^async_scheduling=true cannot run with preparer=v0, which does not defer "
+                                         r"sampled tokens \(v1 does\): set async_scheduling to auto or false$"):
         LLMEngine(EngineConfig(model="tiny-llama", preparer="v0", async_scheduling=True))
     with pytest.raises(ValueError, match=r"^async_scheduling must be auto, true or false, got 'yes'$"):
         EngineConfig(async_scheduling="yes")

@@ -225,7 +225,7 @@ def cli(*args, cwd):
     (["scheduler.check_invariants=maybe"], "scheduler.check_invariants must be true or false"),
     (["scheduler.async_scheduling=maybe"], "scheduler.async_scheduling must be auto, true or false, got 'maybe'"),
     (["executor=sim", "preparer=v0", "scheduler.async_scheduling=true"],
-     r"async_scheduling=true needs an executor that runs steps"),
+     r"async_scheduling=true cannot run with preparer=v0"),
     (["executor=sim", "executor.fast_forward=maybe"], "executor.fast_forward must be true or false"),
     (["executor=sim", "cost_model=bogus"], "unknown cost model 'bogus'; registered cost models: .*roofline"),
     # A simulated device or cost model given to the real forward pass used to be ignored silently.

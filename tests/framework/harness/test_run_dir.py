@@ -77,6 +77,21 @@ def test_a_run_in_a_used_run_dir_leaves_none_of_the_earlier_runs_files(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "requests.csv", "steps.csv", "summary.json"]
 
 
+def test_a_run_in_a_used_run_dir_clears_the_earlier_runs_wandb_runs(tmp_path):
+    """``wandb sync <run dir>/wandb/offline-run-*`` uploaded the earlier run's offline run beside the new one's."""
+    earlier = tmp_path / "wandb" / "offline-run-20261128_000000-earlier"
+    earlier.mkdir(parents=True)
+    (earlier / "run-earlier.wandb").write_bytes(b"\0")
+    (tmp_path / "wandb" / "latest-run").symlink_to(earlier)
+    assert run_experiment(compose_config(*SIM), tmp_path)["status"] == "completed"
+    assert not (tmp_path / "wandb").exists()
+    # A workload read from there is the run's input: kept.
+    earlier.mkdir(parents=True)
+    (earlier / "trace.jsonl").write_text((tmp_path / "workload.jsonl").read_text())
+    replay = ["executor=sim", "progress=false", "workload=trace", f"workload.path={earlier / 'trace.jsonl'}"]
+    assert run_experiment(compose_config(*replay), tmp_path)["completed"] == 6
+
+
 def test_every_file_a_run_writes_is_one_a_run_starting_there_clears(tmp_path):
     run_experiment(compose_config(*SIM, "workload.rate=4"), tmp_path)
     assert {p.name for p in tmp_path.iterdir()} <= set(RUN_FILES)
