@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import logging
 import os
@@ -272,7 +273,10 @@ class ModelExecutor(Executor):
         workspace = self.backend.workspace_bytes(config.max_num_seqs, config.max_model_len,
                                                  config.max_num_batched_tokens)
         step = max(self.profile_step_bytes(), workspace)
-        # What this process's allocator caches (an earlier engine's freed cache) is free to take.
+        # An earlier engine the caller dropped may be held by a reference cycle only (the first engine of a process
+        # is: importing torch inside it leaves one): collected here, its cache counts as free, as what this
+        # process's allocator caches does.
+        gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self._device)
         return max(0.0, total * config.gpu_memory_utilization - (total - free) - step)

@@ -1,5 +1,9 @@
 """The dummy steps KV sizing profiles on a GPU: their shapes, and that they run through every CPU backend
 touching nothing but the null block. The ``gpu`` case checks the profile bounds a real run's peak."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,3 +69,26 @@ def test_on_a_gpu_memory_torch_caches_counts_as_free_for_the_kv_cache():
     kv_bytes = engine.allocator.num_usable_blocks * engine.executor.bytes_per_block
     # Margin for what other test processes on the card hold meanwhile (about 24 GiB of 140 seen with -n 4).
     assert kv_bytes > 0.2 * total, f"{kv_bytes / 2**30:.1f} GiB of KV cache on a {total / 2**30:.0f} GiB card"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_dropped_engine_held_by_a_cycle_leaves_its_memory_to_the_next():
+    """An engine the caller dropped but a reference cycle holds (the first of a process that had not imported
+    torch is: its import leaves one) kept its KV cache until Python's collector ran: the next engine's pool shrank."""
+    script = """
+import gc, sys
+gc.disable()  # as between the collector's rare full runs in a large process
+from framework import LLMEngine, EngineConfig
+config = dict(backend="torch_paged", max_model_len=256, max_num_seqs=4, device="cuda", gpu_memory_utilization=0.5)
+first = LLMEngine(EngineConfig(**config))
+blocks = first.allocator.num_usable_blocks
+first.cycle = first  # held by a cycle alone once dropped
+del first
+print(blocks, LLMEngine(EngineConfig(**config)).allocator.num_usable_blocks)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = map(int, done.stdout.split()[-2:])
+    assert second > 0.9 * first  # other test processes on the card move the free memory a little
