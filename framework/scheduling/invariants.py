@@ -1,11 +1,14 @@
 """The scheduling invariants, checked after each step when ``EngineConfig.check_invariants`` is set."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from framework.common.request import RequestStatus
+from framework.common.request import Request, RequestStatus
+from framework.kv.block_allocator import NULL_BLOCK
 
 if TYPE_CHECKING:
+    from framework.kv.block_allocator import BlockAllocator
     from framework.scheduling.output import SchedulerOutput
     from framework.scheduling.scheduler import Scheduler
 
@@ -46,4 +49,35 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
             f"{req.request_id}: {len(req.block_ids)} blocks cannot hold its {req.num_computed_tokens} computed tokens")
     live = len(scheduler.waiting) + len(scheduler.running) + len(scheduler.swapped) + len(scheduler._finishing)
     assert live == len(scheduler.requests), f"{live} queued requests but {len(scheduler.requests)} unfinished"
+    check_block_holders(scheduler.allocator, scheduler.requests.values())
     scheduler.allocator.check_invariants(scheduler.requests.values())
+
+
+def check_block_holders(allocator: BlockAllocator, requests: Iterable[Request]) -> None:
+    """AssertionError unless the live requests' blocks agree with any allocator's counts: the distinct device
+    blocks they hold are its used ones (none leaked, none handed out twice unseen), never the null block; a block
+    held twice is at one position with the same tokens in both (a prefix or a fork); a swap block has one holder."""
+    positions: dict[int, tuple[int, Request]] = {}
+    swap_blocks: set[int] = set()
+    bs = allocator.block_size
+    for req in requests:
+        assert NULL_BLOCK not in req.block_ids, f"{req.request_id} holds the null block"
+        for i, bid in enumerate(req.block_ids):
+            if bid not in positions:
+                positions[bid] = (i, req)
+                continue
+            j, other = positions[bid]
+            assert i == j, f"block {bid} is block {j} of {other.request_id} and block {i} of {req.request_id}"
+            a = req.token_ids[i * bs:min((i + 1) * bs, req.num_computed_tokens)]
+            b = other.token_ids[i * bs:min((i + 1) * bs, other.num_computed_tokens)]
+            k = min(len(a), len(b))
+            assert a[:k] == b[:k], f"block {bid} holds other tokens for {req.request_id} than for {other.request_id}"
+        for bid in req.cpu_block_ids:
+            assert bid not in swap_blocks, f"swap block {bid} is held twice (again by {req.request_id})"
+            swap_blocks.add(bid)
+    assert len(positions) == allocator.num_used_blocks, (
+        f"the live requests hold {len(positions)} distinct device blocks but the allocator counts "
+        f"{allocator.num_used_blocks} used")
+    used_cpu = allocator.num_cpu_blocks - allocator.num_free_cpu_blocks
+    assert len(swap_blocks) == used_cpu, (
+        f"the live requests hold {len(swap_blocks)} swap blocks but the allocator counts {used_cpu} used")
