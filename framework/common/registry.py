@@ -90,6 +90,9 @@ class Registry(Generic[T]):
                 raise ValueError(f"cannot register {cls.__qualname__} as a {self.kind}: give it a name")
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 raise TypeError(f"{cls!r} is not a subclass of {self.base.__name__}; cannot register it as a {self.kind}")
+            if inspect.isabstract(cls):  # refused here, not by Python at the first run's construction
+                raise TypeError(f"{cls!r} does not implement {', '.join(sorted(cls.__abstractmethods__))} of "
+                                f"{self.base.__name__}; cannot register it as a {self.kind}")
             # The built-ins first, so that a name they take is refused here: taken before their import,
             # it would make that import fail and leave the built-ins after it unregistered.
             self._load_builtins()
@@ -140,17 +143,14 @@ class Registry(Generic[T]):
                 self._check_plugin_is(name, ep, cls)
             return cls
         if ep is not None:
-            try:
-                cls = ep.load()
-            except ImportError as exc:  # a module missing or not installed here: a one-line error, as any part's
-                raise UnavailableError(f"{self.kind} plugin {name!r} ({ep.value}) cannot be imported: {exc}; "
-                                       f"install its package in this environment") from exc
-            except Exception as exc:  # a defect in the plugin's own code: its author needs the traceback
-                raise ImportError(f"{self.kind} plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
+            cls = self._load_plugin(name, ep)
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 # A ValueError naming the entry point, where register's TypeError would name none.
                 raise ValueError(f"{self.kind} plugin {name!r} ({ep.value}) is {cls!r}, not a subclass of "
                                  f"{self.base.__name__}: its entry point must name the class (module:Class)")
+            if inspect.isabstract(cls):
+                raise ValueError(f"{self.kind} plugin {name!r} ({ep.value}) does not implement "
+                                 f"{', '.join(sorted(cls.__abstractmethods__))} of {self.base.__name__}")
             if name not in self._classes:
                 self.register(name)(cls)
             self._plugin_names.add(name)
@@ -158,6 +158,22 @@ class Registry(Generic[T]):
         raise UnknownNameError(
             f"unknown {self.kind} {name!r}; registered {self.plural}: {', '.join(self.list()) or '(none)'}"
         )
+
+    def _load_plugin(self, name: str, ep: Any) -> Any:
+        """What entry point ``ep`` names: UnavailableError (one line) where its module cannot be imported here or
+        lacks the name; ImportError with the traceback for an exception in the plugin's own code."""
+        try:
+            found = importlib.import_module(ep.module)
+        except ImportError as exc:  # a module missing or not installed here: a one-line error, as any part's
+            raise UnavailableError(f"{self.kind} plugin {name!r} ({ep.value}) cannot be imported: {exc}; "
+                                   f"install its package in this environment") from exc
+        except Exception as exc:  # a defect in the plugin's own code: its author needs the traceback
+            raise ImportError(f"{self.kind} plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
+        for part in (ep.attr or "").split(".") if ep.attr else ():
+            if not hasattr(found, part):  # a typo in the entry point's class name
+                raise UnavailableError(f"{self.kind} plugin {name!r} ({ep.value}): {ep.module} has no {ep.attr}")
+            found = getattr(found, part)
+        return found
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> T:
         """An instance of ``name``. Arguments its constructor does not take (an unknown or missing option)
@@ -177,11 +193,15 @@ class Registry(Generic[T]):
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
         fixed = {*positional, *given}
         # What the user may set, so that a typo (long_prefil) is answered with the right spelling.
-        valid = [p.name for p in signature.parameters.values()
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
-        if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+        takes, closed = _keywords(cls)
+        valid = [key for key in takes if key not in fixed]
+        if not closed:
             valid.append("(other keywords it checks itself)")
         its_options = f"its options: {', '.join(valid)}" if valid else "it takes no options"
+        unknown = [key for key in options if key not in takes and key not in fixed]
+        if closed and unknown:  # a **kwargs constructor forwarding to its base's: bind would take them
+            raise BadOptionsError(f"{self.kind} {name!r}: got an unexpected keyword argument {unknown[0]!r}; "
+                                  f"{its_options}")
         taken = sorted(set(options) & fixed)
         if taken:
             raise BadOptionsError(f"{self.kind} {name!r}: {', '.join(map(str, taken))} "
@@ -281,6 +301,27 @@ def read_new_path_files() -> None:
                     path = os.path.abspath(os.path.join(site_dir, line))
                     if os.path.exists(path) and path not in sys.path:
                         sys.path.append(path)
+
+
+def _keywords(cls: type) -> tuple[list[str], bool]:
+    """The keyword arguments ``cls(...)`` takes, its ``__init__``'s and, where that passes ``**kwargs`` on, its
+    bases' in MRO order; and whether that list is all of them (False: a ``**kwargs`` reaches a class outside it)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass is object:
+            return names, True
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):  # a builtin's __init__: what it takes is unknown
+            return names, False
+        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and p.name != "self" and p.name not in names]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            return names, True
+    return names, True
 
 
 def _qualified(cls: type) -> str:

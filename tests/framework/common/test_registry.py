@@ -169,6 +169,39 @@ def test_a_bad_option_is_answered_with_the_options_the_part_takes():
         ALLOCATORS.create("paged", 8)
 
 
+def test_a_policy_passing_kwargs_to_its_base_is_answered_with_every_option_it_takes():
+    """The usual way to add an option (``def __init__(self, alpha=1.0, **kw): super().__init__(**kw)``) let a
+    typo through signature checks, to fail as the base's TypeError traceback naming no part."""
+    from policies.chunked import ChunkedPolicy
+
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+
+    @reg.register("alpha")
+    class Alpha(ChunkedPolicy):
+        def __init__(self, alpha: float = 1.0, **kw):
+            super().__init__(**kw)
+            self.alpha = alpha
+
+    with pytest.raises(BadOptionsError, match=r"^widget 'alpha': got an unexpected keyword argument 'long_prefil'; "
+                                              r"its options: alpha, preemption_mode, long_prefill_token_threshold, "
+                                              r"reserve_full_prompt, long_prefill_cap_when_alone$"):
+        reg.create("alpha", long_prefil=3)
+    made = reg.create("alpha", alpha=2.0, long_prefill_token_threshold=8)
+    assert (made.alpha, made.long_prefill_token_threshold) == (2.0, 8)
+
+
+def test_an_abstract_class_is_refused_when_registered_not_when_first_built():
+    """A policy without ``schedule`` failed at the first run with Python's "Can't instantiate abstract class"."""
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+
+    class NoSchedule(SchedulerPolicy):
+        pass
+
+    with pytest.raises(TypeError, match=r"NoSchedule'> does not implement schedule of SchedulerPolicy; cannot "
+                                        r"register it as a widget"):
+        reg.register("none")(NoSchedule)
+
+
 def test_engine_reports_an_unknown_policy_option_as_a_value_error():
     from framework import LLMEngine
     from framework.common.config import EngineConfig
@@ -268,6 +301,21 @@ def test_a_plugin_whose_module_is_missing_is_an_unavailable_part_not_a_traceback
     with pytest.raises(ImportError, match=r"widget plugin 'faulty' .* failed to load: in the plugin") as err:
         reg.get("faulty")
     assert isinstance(err.value.__cause__, ZeroDivisionError)
+
+
+def test_a_plugin_naming_a_missing_or_abstract_class_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A typo in the class name (the module fine) kept the traceback of an AttributeError; a class missing a
+    method of the interface failed at its first run with Python's "Can't instantiate abstract class"."""
+    _plugin_package(tmp_path, monkeypatch, "half_widget_pkg",
+                    "from framework import SchedulerPolicy\n\n\nclass Half(SchedulerPolicy):\n    pass\n",
+                    {"half-widget": "typo = half_widget_pkg:Hlaf\nhalf = half_widget_pkg:Half\n"}, "tests.half-widgets")
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.half-widgets")
+    with pytest.raises(UnavailableError, match=r"^widget plugin 'typo' \(half_widget_pkg:Hlaf\): half_widget_pkg "
+                                               r"has no Hlaf$"):
+        reg.get("typo")
+    with pytest.raises(ValueError, match=r"^widget plugin 'half' \(half_widget_pkg:Half\) does not implement "
+                                         r"schedule of SchedulerPolicy$"):
+        reg.get("half")
 
 
 def _plugin_package(tmp_path, monkeypatch, package: str, source: str, dists: dict[str, str], group: str) -> None:
