@@ -11,12 +11,7 @@ from typing import Any
 
 import yaml
 
-from framework.harness.plugin_configs import store_plugin_options
-
-
-#: conf/ by its absolute path: Hydra resolves a relative one against the calling module's package
-#: when run as a console script (``servelab-run``), and conf/ is not a package.
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+from framework.harness.plugin_configs import CONF_DIR, store_plugin_options
 
 
 #: ``GROUP/NAME`` options of parts from installed packages (+policy=NAME for such a policy).

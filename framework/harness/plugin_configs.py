@@ -11,6 +11,10 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
+#: conf/ by its absolute path: Hydra resolves a relative one against the calling module's package
+#: when run as a console script (``servelab-run``), and conf/ is not a package.
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
 #: Config group -> the entry-point group its plugins are declared in.
 PLUGIN_GROUPS = {
     "policy": "framework.policies",
@@ -20,10 +24,11 @@ PLUGIN_GROUPS = {
 }
 
 
-def store_plugin_options(conf_dir: str | Path) -> list[str]:
+def store_plugin_options(conf_dir: str | Path = CONF_DIR) -> list[str]:
     """Adds an option ``{name: NAME}`` to each group of ``PLUGIN_GROUPS`` for every plugin of
     that kind (and every registered policy) that has no file ``conf_dir/GROUP/NAME.yaml`` (a file,
-    shipped or the user's own, wins). Returns the options added, as ``GROUP/NAME``. Call before Hydra composes."""
+    shipped or the user's own, wins). Returns the options added, as ``GROUP/NAME``. Call before Hydra composes
+    (again after registering a policy in a running interpreter)."""
     store, added = ConfigStore.instance(), []
     for group, ep_group in PLUGIN_GROUPS.items():
         names = {ep.name for ep in entry_points(group=ep_group)} | set(_registered(group))

@@ -188,7 +188,7 @@ def test_a_registered_policy_without_a_config_file_is_an_option(monkeypatch):
 
     monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))
     POLICIES.register("fcfs_without_file")(type("FcfsWithoutFile", (FCFSPolicy,), {}))
-    assert "policy/fcfs_without_file" in store_plugin_options(CONF)
+    assert "policy/fcfs_without_file" in store_plugin_options()  # the package's conf/, as a notebook calls it
     config = engine_config(compose_with(["+policy=fcfs_without_file", "+policy.preemption_mode=swap"]))
     assert config.policy == "fcfs_without_file" and config.policy_options == {"preemption_mode": "swap"}
 
