@@ -39,7 +39,7 @@ import numpy as np
 
 from framework.common.clock import CPUClock, WallClock
 from framework.harness.cluster import Cluster
-from framework.common.config import EngineConfig
+from framework.common.config import EngineConfig, check_writable_file
 from framework.sim.cost_model import BatchShape
 from framework.engine.llm_engine import LLMEngine
 from framework.sim.hardware import load_hardware
@@ -176,7 +176,9 @@ def main() -> None:
     if args.calibration is not None and args.save_calibration is not None:
         ap.error("--save-calibration writes the calibration measured alongside each real run, which --calibration "
                  "replaces: give one of them")
-    try:  # a bad --model or --calibration fails here, not after a real run of tens of seconds
+    try:  # a bad --model, --calibration or --save-calibration fails here, not after a real run of tens of seconds
+        if args.save_calibration is not None:
+            check_writable_file("--save-calibration", args.save_calibration)
         LLMEngine(engine_config("sim", args.model, hardware="cpu",
                                 cost_model={"name": "roofline", "calibration": args.calibration}))
     except ValueError as exc:

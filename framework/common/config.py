@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -161,6 +162,21 @@ def read_yaml(path: str | Path, what: str) -> Any:
             return yaml.safe_load(f)
         except yaml.YAMLError as exc:
             raise ValueError(f"{what} is not valid YAML: {exc}") from None
+
+
+def check_writable_file(name: str, path: str | Path) -> None:
+    """ValueError naming the option ``name`` unless a file can be written at ``path`` (its folders made as
+    needed): checked before a long measurement whose result goes there. Makes nothing."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{name} {path} is a folder; give a file path")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{name} {path}: {parent} is a file, not a folder")
+    if not os.access(target if target.exists() else parent, os.W_OK):
+        raise ValueError(f"{name} {path}: no permission to write {target if target.exists() else 'in ' + str(parent)}")
 
 
 def check_positive_int(name: str, value: Any, optional: bool = False) -> None:

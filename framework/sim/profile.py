@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-from framework.common.config import EngineConfig
+from framework.common.config import EngineConfig, check_writable_file
 from framework.sim.cost_model import COST_MODELS, BatchShape, CostModel, model_shape
 from framework.sim.hardware import load_hardware
 
@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not calibratable(COST_MODELS.get(args.cost_model)):  # else it would fail after the whole grid
             raise ValueError(f"cost model {args.cost_model!r} has no parameters to calibrate; calibratable: "
                              f"{', '.join(calibratable_cost_models())}")
+        check_writable_file("--out", args.out)
         hardware = load_hardware(args.hardware) if args.hardware is not None else None
         cells = grid_cells(args.grid, args.lengths, args.counts)
         engine = LLMEngine(profile_engine_config(cells, args.model, backend=args.backend, preparer=args.preparer,

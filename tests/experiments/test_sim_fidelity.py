@@ -44,6 +44,8 @@ def test_noise_floor_without_large_groups_is_none():
     (["--model", "tiny-lama"], "model 'tiny-lama' is neither a preset"),
     (["--model", "llama-3-8b"], "--model llama-3-8b is a shape-only preset (no weights)"),  # failed in the real run
     (["--calibration", "c.yaml", "--save-calibration", "s.yaml"], "give one of them"),  # silently wrote nothing
+    # Failed after the real run, its results lost.
+    (["--save-calibration", "/dev/null/s.yaml"], "--save-calibration /dev/null/s.yaml: /dev/null is a file, not a folder"),
 ])
 def test_a_bad_model_or_calibration_is_a_usage_error_before_any_real_run(argv, message, monkeypatch, capsys):
     """Either used to fail with a traceback, the calibration only after a real run of ~20 s."""

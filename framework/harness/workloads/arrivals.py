@@ -14,6 +14,10 @@ import numpy as np
 from framework.common.config import is_finite_number
 
 
+#: The longest a synthetic workload's arrivals may spread (float64 seconds keep sub-microsecond steps below it).
+MAX_SPAN_S = 1e9
+
+
 def check_rate(rate: float | None, burstiness: float = 1.0, what: str = "rate") -> None:
     # An infinite rate is all at once too; a bool is no rate.
     if rate is not None and not (isinstance(rate, numbers.Real) and not isinstance(rate, bool) and rate > 0):
@@ -31,5 +35,8 @@ def arrival_times(n: int, rate: float | None, burstiness: float, rng: np.random.
     check_rate(rate, burstiness)
     if rate is None:
         return np.zeros(n)
+    if n / rate > MAX_SPAN_S:
+        raise ValueError(f"rate {rate:g} spreads {n} requests over about {n / rate:.3g} s, more than {MAX_SPAN_S:g} s "
+                         f"(30 years): simulated times that large lose step durations to float rounding; raise the rate")
     gaps = rng.gamma(shape=burstiness, scale=1.0 / burstiness, size=n)
     return np.cumsum(gaps) / rate

@@ -93,6 +93,20 @@ def test_bad_arguments_are_usage_errors_before_anything_is_measured(tmp_path, ca
     assert not (tmp_path / "c.yaml").exists()
 
 
+def test_an_out_path_that_cannot_be_written_is_a_usage_error_before_anything_is_measured(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """It failed with a traceback after the whole measurement, which was lost."""
+    monkeypatch.setattr("framework.sim.profile.measure", lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "afile").write_text("mine\n")
+    for out, message in ((tmp_path, f"--out {tmp_path} is a folder; give a file path"),
+                         (tmp_path / "afile" / "c.yaml", f"--out {tmp_path / 'afile' / 'c.yaml'}: "
+                                                         f"{tmp_path / 'afile'} is a file, not a folder")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--grid", "quick", "--repeats", "1", "--out", str(out)])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
 def test_a_grid_too_small_to_fit_is_a_usage_error(tmp_path, capsys):
     # One cell of the quick grid is three step shapes, fewer than the roofline's seven parameters:
     # this measured, then ended in a ValueError traceback from the fit.

@@ -49,3 +49,11 @@ def test_same_seed_same_times_and_rate_only_rescales():
 def test_bad_arguments(rate, burstiness, match):
     with pytest.raises(ValueError, match=match):
         arrival_times(3, rate, burstiness, np.random.default_rng(0))
+
+
+def test_a_rate_spreading_arrivals_past_float_precision_is_refused():
+    """At 1e-200 requests/s every latency came out 0 (a 10 ms step below the spacing of floats near the arrival
+    times) and the run failed drawing its plots."""
+    with pytest.raises(ValueError, match=r"^rate 1e-200 spreads 4 requests over about 4e\+200 s, more than 1e\+09 s"):
+        arrival_times(4, 1e-200, 1.0, np.random.default_rng(0))
+    assert arrival_times(4, 1e-8, 1.0, np.random.default_rng(0))[-1] > 1e7  # 4e8 s: within the limit
