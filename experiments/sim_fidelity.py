@@ -34,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -192,6 +193,7 @@ def main() -> None:
             if args.save_calibration:
                 import yaml
 
+                Path(args.save_calibration).parent.mkdir(parents=True, exist_ok=True)
                 with open(args.save_calibration, "w") as f:
                     yaml.safe_dump(calibration, f, sort_keys=False, default_flow_style=None, width=120)
         else:

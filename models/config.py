@@ -17,17 +17,21 @@ ROPE_REQUIRED_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("f
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
-#: RoPE scaling parameters that are numbers when given (``factor`` always, where its type requires it).
-ROPE_NUMBER_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-                    "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+#: RoPE scaling parameters that are positive numbers when given (``factor`` always, where its type requires it),
+#: and those that are numbers >= 0 (0 asks for the default, as transformers reads YaRN's).
+ROPE_POSITIVE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_NON_NEGATIVE_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def _check_rope_numbers(scaling: dict[str, Any] | None) -> None:
-    """ValueError naming the key unless each RoPE number ``scaling`` gives is a positive number."""
-    for key in ROPE_NUMBER_KEYS:
+    """ValueError naming the key unless each RoPE number ``scaling`` gives is in its range."""
+    for key in ROPE_POSITIVE_KEYS + ROPE_NON_NEGATIVE_KEYS:
         value = (scaling or {}).get(key)
-        if value is not None and not _positive_number(value):
-            raise ValueError(f"model config: rope scaling's {key} must be a positive number, got {value!r}")
+        zero_allowed = key in ROPE_NON_NEGATIVE_KEYS
+        if value is None or _positive_number(value) or (zero_allowed and type(value) in (int, float) and value == 0):
+            continue
+        raise ValueError(f"model config: rope scaling's {key} must be a "
+                         f"{'number >= 0' if zero_allowed else 'positive number'}, got {value!r}")
 
 
 def _positive_number(value: Any) -> bool:

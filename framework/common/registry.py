@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import site
 import sys
 from collections.abc import Mapping
@@ -185,6 +186,27 @@ class Registry(Generic[T]):
         """An instance of ``name`` from the caller's own arguments (``args``, ``given``: an allocator's
         ``num_blocks``, say) and a user's ``options`` (``EngineConfig.*_options``). An option that is a
         caller's argument, unknown or missing raises ``BadOptionsError`` naming the part and its options."""
+        cls, kwargs, fixed = self._bind(name, options, args, given)
+        try:
+            return cls(*args, **kwargs)
+        except TypeError as exc:
+            # A **kwargs constructor passing an option on to its base's, which refuses it (the usual way to add
+            # an option to a subclass): named as a bad option with those of the classes along its MRO.
+            refused = _UNEXPECTED.search(str(exc))
+            if not (refused and refused.group(1) in options and refused.group(1) not in fixed):
+                raise
+            known = [key for key in _keywords(cls) if key not in fixed]
+            raise BadOptionsError(f"{self.kind} {name!r}: got an unexpected keyword argument {refused.group(1)!r}; "
+                                  f"its options: {', '.join(known)}") from None
+
+    def check_options(self, name: str, options: Mapping[str, Any], *args: Any, **given: Any) -> None:
+        """``create_with``'s checks of the options' names, building nothing (for a part built once a size is
+        known: a typo is reported before the model loads). What the constructor checks of their values is not."""
+        self._bind(name, options, args, given)
+
+    def _bind(self, name: str, options: Mapping[str, Any], args: tuple[Any, ...], given: Mapping[str, Any]
+              ) -> tuple[type[T], dict[str, Any], set[str]]:
+        """(The class, its keyword arguments, the caller's own argument names); BadOptionsError as ``create_with``."""
         cls = self.get(name)
         # An option named like one of the caller's arguments would fail as Python's "got multiple
         # values" TypeError, which does not say it is an option.
@@ -193,15 +215,11 @@ class Registry(Generic[T]):
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
         fixed = {*positional, *given}
         # What the user may set, so that a typo (long_prefil) is answered with the right spelling.
-        takes, closed = _keywords(cls)
-        valid = [key for key in takes if key not in fixed]
-        if not closed:
+        valid = [p.name for p in signature.parameters.values()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
+        if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
             valid.append("(other keywords it checks itself)")
         its_options = f"its options: {', '.join(valid)}" if valid else "it takes no options"
-        unknown = [key for key in options if key not in takes and key not in fixed]
-        if closed and unknown:  # a **kwargs constructor forwarding to its base's: bind would take them
-            raise BadOptionsError(f"{self.kind} {name!r}: got an unexpected keyword argument {unknown[0]!r}; "
-                                  f"{its_options}")
         taken = sorted(set(options) & fixed)
         if taken:
             raise BadOptionsError(f"{self.kind} {name!r}: {', '.join(map(str, taken))} "
@@ -213,7 +231,7 @@ class Registry(Generic[T]):
             signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise BadOptionsError(f"{self.kind} {name!r}: {exc}; {its_options}") from None
-        return cls(*args, **kwargs)
+        return cls, kwargs, fixed
 
     def create_from(self, spec: str | Mapping[str, Any] | None, *args: Any, default: str | None = None,
                     **given: Any) -> T:
@@ -303,25 +321,26 @@ def read_new_path_files() -> None:
                         sys.path.append(path)
 
 
-def _keywords(cls: type) -> tuple[list[str], bool]:
-    """The keyword arguments ``cls(...)`` takes, its ``__init__``'s and, where that passes ``**kwargs`` on, its
-    bases' in MRO order; and whether that list is all of them (False: a ``**kwargs`` reaches a class outside it)."""
+#: Python's TypeError for a keyword argument a function does not take.
+_UNEXPECTED = re.compile(r"got an unexpected keyword argument '(\w+)'")
+
+
+def _keywords(cls: type) -> list[str]:
+    """The keyword arguments of ``cls.__init__`` and, while each passes ``**kwargs`` on, of its bases' in MRO order."""
     names: list[str] = []
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
-        if init is None:
+        if init is None or klass is object:
             continue
-        if klass is object:
-            return names, True
         try:
             params = inspect.signature(init).parameters.values()
-        except (TypeError, ValueError):  # a builtin's __init__: what it takes is unknown
-            return names, False
+        except (TypeError, ValueError):  # a builtin's __init__: nothing to list
+            break
         names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                   and p.name != "self" and p.name not in names]
         if not any(p.kind == p.VAR_KEYWORD for p in params):
-            return names, True
-    return names, True
+            break
+    return names
 
 
 def _qualified(cls: type) -> str:

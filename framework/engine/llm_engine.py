@@ -103,9 +103,9 @@ class LLMEngine:
             raise ValueError(f"async_scheduling=true cannot run with {' nor '.join(lacking)}: set async_scheduling "
                              f"to auto or false")
         self.policy = POLICIES.create_with(config.policy, config.policy_options)
-        # A two-block allocator checks its options before the model loads (the real one needs the KV cache's size).
-        ALLOCATORS.create_with(config.allocator, config.allocator_options, num_blocks=2, block_size=config.block_size,
-                               enable_prefix_caching=config.enable_prefix_caching)
+        # The allocator is built once the KV cache's size is known: a typo in its options is reported now.
+        ALLOCATORS.check_options(config.allocator, config.allocator_options, num_blocks=0, block_size=config.block_size,
+                                 num_cpu_blocks=0, enable_prefix_caching=config.enable_prefix_caching)
         self.executor = EXECUTORS.create_with(config.executor, config.executor_options, config, self.source, self.clock)
         #: Whether a step is scheduled while the one before runs (``EngineConfig.async_scheduling``).
         self.async_scheduling = config.async_scheduling is True or (

@@ -178,7 +178,7 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def fields(self) -> dict[str, str]:
         used = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        return {"logprobs": "top_logprobs", "max_tokens": used}
+        return {"max_tokens": used, **({"logprobs": "top_logprobs"} if self.top_logprobs is not None else {})}
 
     @property
     def num_logprobs(self) -> int | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from framework.common.config import EngineConfig, check_writable_file
+from framework.common.registry import UnavailableError
 from framework.sim.cost_model import COST_MODELS, BatchShape, CostModel, model_shape
 from framework.sim.hardware import load_hardware
 
@@ -179,7 +180,7 @@ def calibratable_cost_models() -> list[str]:
         try:
             if calibratable(COST_MODELS.get(name)):
                 names.append(name)
-        except (ImportError, ValueError):  # the registry's refusals; the name was not asked for
+        except (ImportError, ValueError, UnavailableError):  # the registry's refusals; the name was not asked for
             pass
     return names
 
@@ -244,7 +245,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--repeats must be >= 1")
 
     from framework.engine.llm_engine import LLMEngine
-    from framework.common.registry import UnavailableError
 
     # Everything a bad argument can break is built before the measurement starts, and reported as
     # a usage error (status 2), not a traceback.

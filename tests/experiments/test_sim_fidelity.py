@@ -70,3 +70,25 @@ def test_a_zero_count_is_a_usage_error_before_any_real_run(argv, message, monkey
     with pytest.raises(SystemExit) as exit_:
         sim_fidelity.main()
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_save_calibration_makes_its_folder(tmp_path, monkeypatch):
+    """The check before the real run passed a path in a folder yet to be made; the write after it then failed."""
+
+    class Saved(Exception):
+        pass
+
+    real_engine = sim_fidelity.LLMEngine
+
+    def engine(config, *args, **kwargs):  # the simulation after the save: the test is over
+        if config.executor_options.get("cost_model", {}).get("calibration") == {"fitted": 1}:
+            raise Saved
+        return real_engine(config, *args, **kwargs)
+
+    monkeypatch.setattr(sim_fidelity, "real_run_with_calibration", lambda *a, **k: (None, [], {"fitted": 1}))
+    monkeypatch.setattr(sim_fidelity, "LLMEngine", engine)
+    target = tmp_path / "new" / "folder" / "cal.yaml"
+    monkeypatch.setattr("sys.argv", ["sim_fidelity.py", "--repeats", "1", "--save-calibration", str(target)])
+    with pytest.raises(Saved):
+        sim_fidelity.main()
+    assert target.read_text() == "{fitted: 1}\n"  # flow style, as the script writes it

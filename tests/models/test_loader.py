@@ -117,7 +117,11 @@ def test_config_parses_old_and_new_rope_formats():
      "rope_scaling": {"type": "dynamic", "factor": 3.0}},
     {"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}, "rope_scaling": None},
     {"rope_parameters": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64}},
-], ids=["scaling-beside-parameters", "scaling-with-top-level-theta", "null-scaling", "yarn-without-factor"])
+    # 0 asks for the default (common in real YaRN configs): refused as not positive by the first number checks.
+    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0,
+                         "mscale_all_dim": 0, "beta_fast": 0, "beta_slow": 0}},
+], ids=["scaling-beside-parameters", "scaling-with-top-level-theta", "null-scaling", "yarn-without-factor",
+        "yarn-zeros"])
 def test_rope_settings_read_as_transformers_reads_them(rope):
     """A transformers-5 config (rope_parameters) given a legacy rope_scaling, as guides for transformers 4 say:
     transformers takes the rope_scaling whole, and the engine read the rope_parameters (wrong outputs)."""
@@ -163,6 +167,8 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
                                                                           "number, got '2'"),
     ({**SHAPE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": True, "high_freq_factor": 4}},
      "rope scaling's low_freq_factor must be a positive number, got True"),
+    ({**SHAPE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": -1}},
+     "rope scaling's mscale_all_dim must be a number >= 0, got -1"),
 ])
 def test_bad_configs_are_named(config, message):
     with pytest.raises(ValueError, match=message):

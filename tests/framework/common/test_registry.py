@@ -189,6 +189,14 @@ def test_a_policy_passing_kwargs_to_its_base_is_answered_with_every_option_it_ta
     made = reg.create("alpha", alpha=2.0, long_prefill_token_threshold=8)
     assert (made.alpha, made.long_prefill_token_threshold) == (2.0, 8)
 
+    @reg.register("tunable")
+    class Tunable(ChunkedPolicy):  # keeps its **options: none of them is its base's to refuse
+        def __init__(self, **options):
+            super().__init__()
+            self.options = options
+
+    assert reg.create("tunable", boost=3).options == {"boost": 3}
+
 
 def test_an_abstract_class_is_refused_when_registered_not_when_first_built():
     """A policy without ``schedule`` failed at the first run with Python's "Can't instantiate abstract class"."""

@@ -203,7 +203,6 @@ def test_an_option_the_engine_sets_itself_is_a_one_line_configuration_error(kwar
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"allocator_options": {"promote_duplicate": "newst"}}, "promote_duplicate must be one of 'oldest', 'newest'"),
     ({"allocator_options": {"promote_duplicat": "oldest"}}, r"allocator 'paged': .*promote_duplicat"),
     ({"preparer_options": {"chek": True}}, r"preparer 'v1': .*chek"),
     ({"preparer": "v0", "preparer_options": {"chek": True}}, r"preparer 'v0': .*chek"),

@@ -66,6 +66,7 @@ def test_an_unknown_model_is_a_404_as_in_vllm(server, client):
     ({"max_completion_tokens": 0}, "max_completion_tokens", "^max_completion_tokens must be"),
     ({"max_tokens": 0}, "max_tokens", "^max_tokens must be"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "^top_logprobs=21 exceeds"),
+    ({"max_tokens": 0, "max_completion_tokens": 0}, "max_completion_tokens", "^max_completion_tokens must be"),
 ])
 def test_a_chat_error_names_the_field_the_client_sent(server, chat_ckpt, body, param, match):
     """Chat's output length and logprob count have two names: the error said max_tokens and logprobs
@@ -127,3 +128,14 @@ def test_a_request_the_engine_fails_to_add_fails_alone(server, chat_ckpt, monkey
     assert response.status_code == 500 and "OverflowError" in response.json()["error"]["message"]
     assert post(server, "/v1/completions", body).status_code == 200
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_chat_error_about_logprobs_names_top_logprobs_only_where_the_client_sent_it():
+    """With ``logprobs: true`` alone, an error about the count (the sim executor returns none) blamed top_logprobs."""
+    from framework.server.errors import APIError
+    from framework.server.protocol import ChatCompletionRequest
+
+    refused = ValueError("executor=sim cannot return logprobs (SamplingParams.logprobs=0)")
+    for top, param in ((None, "logprobs"), (3, "top_logprobs")):
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "w5"}], logprobs=True, top_logprobs=top)
+        assert APIError.from_value_error(refused, fields=body.fields).param == param

@@ -149,3 +149,18 @@ def test_profiles_time_synchronous_steps_only():
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, async_scheduling=True))
     with pytest.raises(ValueError, match=r"^profile an engine with async_scheduling=false"):
         Profiler(engine)
+
+
+def test_an_unimportable_cost_model_plugin_is_left_out_of_the_calibratable_ones(tmp_path, monkeypatch):
+    """Its one-line refusal (an UnavailableError) answered a question about another cost model."""
+    from framework.sim.cost_model import COST_MODELS
+    from framework.sim.profile import calibratable_cost_models
+
+    info = tmp_path / "gone_cost_model-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: gone-cost-model\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[framework.cost_models]\ngone = no_such_cost_model_pkg:Gone\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(COST_MODELS, "_entry_points", None)  # read the installed plugins again
+    assert "gone" in COST_MODELS.list()
+    assert calibratable_cost_models() == ["roofline"]
