@@ -22,7 +22,7 @@ def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("device, match", [
-    ("tpu", "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),  # was torch's RuntimeError traceback
+    ("tpu", "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),  # checked before torch is asked for it
     pytest.param("cuda", "--device cuda: device 'cuda' requested but CUDA is not available; use --device cpu or auto",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")),
 ])

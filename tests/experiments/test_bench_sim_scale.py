@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "bench_sim_scale.
     (["--tp", "0"], "--tp must be at least 1, got 0"),
     (["--rate", "-1"], "--rate must be a positive number"),
     (["--rate", "0"], "--rate must be a positive number"),
-    (["--router", "bogus"], "--router bogus routes among replicas: give --replicas 2 or more"),  # was ignored
+    (["--router", "bogus"], "--router bogus routes among replicas: give --replicas 2 or more"),  # one replica has no routing to do
 ])
 def test_bad_arguments_are_usage_errors(argv, match, tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path / "out")],

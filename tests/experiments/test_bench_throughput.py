@@ -20,7 +20,7 @@ spec.loader.exec_module(bench_throughput)
     (["--max-num-seqs", "-1"], "--max-num-seqs must be at least 1"),
     (["--backend", "nope"], "unknown backend 'nope'; registered backends: "),
     (["--max-num-batched-tokens", "100"], "max_num_batched_tokens (100) must be >= max_num_seqs (256)"),
-    # Failed with a traceback once the checkpoint was built (the tests run on a CPU).
+    # Refused before the checkpoint is built (the tests run on a CPU).
     (["--backend", "flash_attn"], "attention backend 'flash_attn' cannot run here"),
 ])
 def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):

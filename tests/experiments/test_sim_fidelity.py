@@ -42,7 +42,7 @@ def test_noise_floor_without_large_groups_is_none():
 @pytest.mark.parametrize("argv, message", [
     (["--calibration", "no-such-calibration.yaml"], "calibration file 'no-such-calibration.yaml' does not exist"),
     (["--model", "tiny-lama"], "model 'tiny-lama' is neither a preset"),
-    (["--model", "llama-3-8b"], "--model llama-3-8b is a shape-only preset (no weights)"),  # failed in the real run
+    (["--model", "llama-3-8b"], "--model llama-3-8b is a shape-only preset (no weights)"),  # the real runs need weights
     (["--calibration", "c.yaml", "--save-calibration", "s.yaml"], "give one of them"),  # silently wrote nothing
     # Failed after the real run, its results lost.
     (["--save-calibration", "/dev/null/s.yaml"], "--save-calibration /dev/null/s.yaml: /dev/null is a file, not a folder"),
@@ -73,7 +73,7 @@ def test_a_zero_count_is_a_usage_error_before_any_real_run(argv, message, monkey
 
 
 def test_save_calibration_makes_its_folder(tmp_path, monkeypatch):
-    """The check before the real run passed a path in a folder yet to be made; the write after it then failed."""
+    """A calibration path in a folder yet to be made is valid: the folder is made when the calibration is written."""
 
     class Saved(Exception):
         pass

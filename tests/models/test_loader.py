@@ -117,14 +117,14 @@ def test_config_parses_old_and_new_rope_formats():
      "rope_scaling": {"type": "dynamic", "factor": 3.0}},
     {"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}, "rope_scaling": None},
     {"rope_parameters": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64}},
-    # 0 asks for the default (common in real YaRN configs): refused as not positive by the first number checks.
+    # 0 asks for the default (common in real YaRN configs): a number >= 0, not a positive one.
     {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0,
                          "mscale_all_dim": 0, "beta_fast": 0, "beta_slow": 0}},
 ], ids=["scaling-beside-parameters", "scaling-with-top-level-theta", "null-scaling", "yarn-without-factor",
         "yarn-zeros"])
 def test_rope_settings_read_as_transformers_reads_them(rope):
     """A transformers-5 config (rope_parameters) given a legacy rope_scaling, as guides for transformers 4 say:
-    transformers takes the rope_scaling whole, and the engine read the rope_parameters (wrong outputs)."""
+    transformers takes the rope_scaling whole, and so must the engine, or its outputs differ."""
     import transformers
 
     shape = {**SHAPE, "max_position_embeddings": 256}
@@ -160,7 +160,7 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
      "rope_type 'llama3' scaling lacks low_freq_factor, high_freq_factor"),
     ({**SHAPE, "rope_scaling": {"type": "linear"}}, "rope_type 'linear' scaling lacks factor"),
     ({**SHAPE, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn' scaling lacks factor"),
-    # Taken, then a 39-line TypeError from the fused norm at the first step, or a format error naming no key.
+    # Refused with the key named, not a TypeError from the fused norm at the first step.
     ({**SHAPE, "rms_norm_eps": None}, "rms_norm_eps must be a positive number, got None"),
     ({**SHAPE, "rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive number, got '1e-6'"),
     ({**SHAPE, "rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope scaling's factor must be a positive "
@@ -234,7 +234,7 @@ def test_linear_and_yarn_scaled_models_serve_past_their_trained_length_as_transf
 
 
 def test_a_swish_activation_runs_as_transformers_runs_it(tmp_path):
-    """transformers' ACT2FN takes "swish" for SiLU; the engine refused it as unsupported."""
+    """transformers' ACT2FN takes "swish" for SiLU, and so does the engine."""
     hf = make_hf_checkpoint(tmp_path, seed=5, hidden_act="swish")
     prompt = list(range(3, 20))
     assert _greedy(tmp_path, prompt).token_ids == hf_greedy(hf, prompt, 6)
@@ -275,7 +275,7 @@ def test_a_stale_checkpoint_beside_a_new_save_is_ignored_as_transformers_ignores
 
 def test_pytorch_model_bin_is_read_before_other_safetensors_and_bin_shards(tmp_path):
     """pytorch_model.bin beside an adapter's safetensors and stale .bin shards: the single file is the model, as
-    transformers reads it (the adapter's tensors were read instead, refused as having no place in it)."""
+    transformers reads it (not the adapter's tensors, which have no place in it)."""
     hf = make_hf_checkpoint(tmp_path / "src", "llama", seed=3)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     path = tmp_path / "bin"
@@ -302,7 +302,7 @@ def test_an_index_naming_a_missing_shard_is_refused_with_the_index_named(tmp_pat
 
 def test_a_generation_config_without_eos_stops_on_none_as_transformers_does(tmp_path):
     """config.json names an EOS but generation_config.json none: transformers' generate stops on none, and so
-    does the engine (it stopped on config.json's)."""
+    does the engine (not on config.json's)."""
     import transformers
 
     hf = make_hf_checkpoint(tmp_path, "llama", seed=1)

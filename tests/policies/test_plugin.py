@@ -195,7 +195,7 @@ def test_a_registered_policy_without_a_config_file_is_an_option(monkeypatch):
 
 def test_an_option_of_a_policy_without_a_config_file_set_without_plus_says_to_add_it(monkeypatch):
     """Its node holds only ``name``: Hydra refuses ``policy.KEY=VALUE``, and the error says to add the key with a +
-    (it listed ``name`` as the only valid key, as if the policy took no options)."""
+    (``name`` alone as the valid key would read as if the policy took no options)."""
     from hydra.errors import HydraException
 
     from framework.harness.overrides import hydra_error_line

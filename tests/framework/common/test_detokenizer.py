@@ -119,8 +119,8 @@ def test_max_tokens_stop_tokens_and_stop_strings_whichever_comes_first(setup):
 @pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
 @pytest.mark.parametrize("stop", [None, "zz"], ids=["no-stop-string", "stop-string"])
 def test_include_stop_str_in_output_shows_a_stop_tokens_text(llama_ckpt, setup, kind, stop):
-    """As vLLM's detokenizer: the stop token's text is left out unless ``include_stop_str_in_output``; it
-    was left out always, on either path (incremental text with stop strings or deltas, decoded at the end)."""
+    """As vLLM's detokenizer: the stop token's text is left out unless ``include_stop_str_in_output``, on either
+    path (incremental text with stop strings or deltas, decoded at the end)."""
     _, tok, prompt, greedy, text = setup
     assert greedy[2] not in greedy[:2]
     engine = LLMEngine(EngineConfig(model=str(llama_ckpt[0]), max_model_len=128, block_size=4, seed=0))

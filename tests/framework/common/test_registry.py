@@ -170,8 +170,8 @@ def test_a_bad_option_is_answered_with_the_options_the_part_takes():
 
 
 def test_a_policy_passing_kwargs_to_its_base_is_answered_with_every_option_it_takes():
-    """The usual way to add an option (``def __init__(self, alpha=1.0, **kw): super().__init__(**kw)``) let a
-    typo through signature checks, to fail as the base's TypeError traceback naming no part."""
+    """The usual way to add an option (``def __init__(self, alpha=1.0, **kw): super().__init__(**kw)``) passes a
+    typo on to the base, whose TypeError names no part: it is answered with every option along the MRO."""
     from policies.chunked import ChunkedPolicy
 
     reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
@@ -199,7 +199,8 @@ def test_a_policy_passing_kwargs_to_its_base_is_answered_with_every_option_it_ta
 
 
 def test_an_abstract_class_is_refused_when_registered_not_when_first_built():
-    """A policy without ``schedule`` failed at the first run with Python's "Can't instantiate abstract class"."""
+    """A policy without ``schedule`` is refused when registered, not at its first run by Python's
+    "Can't instantiate abstract class"."""
     reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
 
     class NoSchedule(SchedulerPolicy):
@@ -297,8 +298,8 @@ def test_refresh_plugins_loads_a_package_installed_editable_in_this_interpreter(
 
 
 def test_a_plugin_whose_module_is_missing_is_an_unavailable_part_not_a_traceback(tmp_path, monkeypatch):
-    """An entry point naming a module not installed here (a package uninstalled, a typo) raised a bare
-    ImportError, which the command line printed as a traceback; a defect inside the plugin keeps its own."""
+    """An entry point naming a module not installed here (a package uninstalled, a typo) is an unavailable part,
+    which the command line reports in one line; a defect inside the plugin keeps its traceback."""
     _plugin_package(tmp_path, monkeypatch, "faulty_widget_pkg", "raise ZeroDivisionError('in the plugin')\n",
                     {"gone-widget": "gone = no_such_widget_pkg:Widget\nfaulty = faulty_widget_pkg:Widget\n"},
                     "tests.gone-widgets")
@@ -312,8 +313,8 @@ def test_a_plugin_whose_module_is_missing_is_an_unavailable_part_not_a_traceback
 
 
 def test_a_plugin_naming_a_missing_or_abstract_class_is_one_line_naming_it(tmp_path, monkeypatch):
-    """A typo in the class name (the module fine) kept the traceback of an AttributeError; a class missing a
-    method of the interface failed at its first run with Python's "Can't instantiate abstract class"."""
+    """A typo in the class name (the module fine) and a class missing a method of the interface are one-line
+    errors naming the plugin, before any run."""
     _plugin_package(tmp_path, monkeypatch, "half_widget_pkg",
                     "from framework import SchedulerPolicy\n\n\nclass Half(SchedulerPolicy):\n    pass\n",
                     {"half-widget": "typo = half_widget_pkg:Hlaf\nhalf = half_widget_pkg:Half\n"}, "tests.half-widgets")

@@ -47,7 +47,7 @@ def test_a_float_option_the_sampler_casts_out_of_its_range_is_refused(option, va
 
 @pytest.mark.parametrize("option", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"])
 def test_an_int_past_floats_range_is_a_value_error_naming_the_option(option):
-    """``math.isfinite`` of such an int raised a bare OverflowError, naming no option."""
+    """``math.isfinite`` of such an int raises OverflowError: the check names the option instead."""
     with pytest.raises(ValueError, match=rf"^SamplingParams.{option} must be "):
         SamplingParams(**{option: 10**400})
 

@@ -208,7 +208,7 @@ def test_an_option_the_engine_sets_itself_is_a_one_line_configuration_error(kwar
     ({"preparer": "v0", "preparer_options": {"chek": True}}, r"preparer 'v0': .*chek"),
 ])
 def test_a_bad_allocator_or_preparer_option_is_refused_before_the_model_is_built(kwargs, match, monkeypatch):
-    """Both parts were first built after the weights loaded and the KV cache was allocated."""
+    """Both parts' options are checked before the weights load: a typo costs no load."""
     from framework.execution.executors import model
 
     def built(*args, **kw):
@@ -272,7 +272,7 @@ def test_a_numpy_seed_samples_as_the_same_int_seed(n):
     (lambda llm: llm.generate(5, GREEDY), "prompts must be"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, arrival_time="now"), "arrival_time"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, priority=None), "priority"),
-    # math.isfinite of it raised an OverflowError, which killed the server's engine thread.
+    # math.isfinite of it raises OverflowError: a one-line ValueError instead, which the server answers with a 400.
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, priority=10**400), "priority must be a finite number"),
     (lambda llm: llm.engine.abort_request(5), "abort_request takes"),
     # An int id used to be queued, and then could not be aborted (abort_request takes str ids).
@@ -497,7 +497,7 @@ def test_parallel_sampling_n():
                         SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len({tuple(c.token_ids) for c in cold.outputs}) == 1
     assert cold.metrics.num_generated_tokens == 24
-    # The largest valid seed used to fail for sample 1 (seed 2**63, out of range); it wraps to the smallest.
+    # Sample 1 of the largest valid seed takes seed + 1, past the range: it wraps to the smallest.
     top = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
                        SamplingParams(n=2, max_tokens=8, temperature=1.5, seed=2**63 - 1, ignore_eos=True))[0]
     assert len({tuple(c.token_ids) for c in top.outputs}) == 2

@@ -74,8 +74,8 @@ def test_on_a_gpu_memory_torch_caches_counts_as_free_for_the_kv_cache():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_a_dropped_engine_held_by_a_cycle_leaves_its_memory_to_the_next():
-    """An engine the caller dropped but a reference cycle holds (the first of a process that had not imported
-    torch is: its import leaves one) kept its KV cache until Python's collector ran: the next engine's pool shrank."""
+    """An engine the caller dropped but a reference cycle holds (the first of a process that has not imported
+    torch is: its import leaves one) keeps its KV cache until Python's collector runs: the sizing collects it."""
     script = """
 import gc, sys
 gc.disable()  # as between the collector's rare full runs in a large process

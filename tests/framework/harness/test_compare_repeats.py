@@ -141,7 +141,7 @@ def test_single_runs_say_there_is_no_interval(tmp_path, capsys):
 
 
 def test_a_simulated_sweep_with_a_failed_job_is_still_deterministic(tmp_path):
-    """The failed job's summary names no hardware (it never built an executor): the note said "Not measured"."""
+    """The failed job's summary names no hardware (it never built an executor): it says nothing of determinism."""
     fake_run(tmp_path / "0", "a", 0, 100.0, 10.0, hardware="a100-80gb")
     fake_run(tmp_path / "1", "b", 0, 90.0, 10.0, hardware="a100-80gb")
     fake_run(tmp_path / "2", "c", 0, 1.0, 10.0, status="failed")
@@ -149,7 +149,7 @@ def test_a_simulated_sweep_with_a_failed_job_is_still_deterministic(tmp_path):
 
 
 def test_a_mean_of_zero_is_a_difference_not_a_missing_metric(tmp_path):
-    """Goodput 0 (no request met the SLO) against a positive one showed "-", hiding the largest difference."""
+    """Goodput 0 (no request met the SLO) against a positive one is the largest difference, not a missing one."""
     for repeat in range(3):
         fake_run(tmp_path / f"a{repeat}", "a", repeat, 100.0 + repeat, 10.0)
         fake_run(tmp_path / f"b{repeat}", "b", repeat, 0.0, 10.0)

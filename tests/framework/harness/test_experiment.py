@@ -754,7 +754,7 @@ def test_the_workload_is_drawn_with_what_the_engine_would_tell_it():
 
 def test_warm_up_requests_fit_the_token_budget_and_a_refused_one_is_a_warning(caplog):
     """A budget of 24 tokens without chunked prefills: the warm-up prompts fit it and run (a fixed 32-token
-    prompt was ignored without a word); where the policy refuses them all, a warning says so."""
+    prompt would be ignored); where the policy refuses them all, a warning says so."""
     import logging
 
     from framework import EngineConfig, LLMEngine

@@ -78,7 +78,7 @@ def test_a_run_in_a_used_run_dir_leaves_none_of_the_earlier_runs_files(tmp_path)
 
 
 def test_a_run_in_a_used_run_dir_clears_the_earlier_runs_wandb_runs(tmp_path):
-    """``wandb sync <run dir>/wandb/offline-run-*`` uploaded the earlier run's offline run beside the new one's."""
+    """``wandb sync <run dir>/wandb/offline-run-*`` must upload this run's offline run alone."""
     earlier = tmp_path / "wandb" / "offline-run-20261128_000000-earlier"
     earlier.mkdir(parents=True)
     (earlier / "run-earlier.wandb").write_bytes(b"\0")
@@ -191,7 +191,7 @@ def test_a_sweep_job_refused_its_folder_is_reported_and_fails_the_sweep_leaving_
 
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
 def test_a_run_dir_that_cannot_be_a_folder_is_one_line_with_status_2(tmp_path, multirun):
-    """A file where the folder goes gave Hydra's traceback (status 2 for a run, 1 for a sweep)."""
+    """A file where the folder goes is a configuration error, answered before Hydra would give a traceback."""
     (tmp_path / "afile").write_text("mine\n")
     setting = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     for where, why in ((tmp_path / "afile", "File exists"), (tmp_path / "afile" / "sub", "Not a directory")):

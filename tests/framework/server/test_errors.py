@@ -69,8 +69,7 @@ def test_an_unknown_model_is_a_404_as_in_vllm(server, client):
     ({"max_tokens": 0, "max_completion_tokens": 0}, "max_completion_tokens", "^max_completion_tokens must be"),
 ])
 def test_a_chat_error_names_the_field_the_client_sent(server, chat_ckpt, body, param, match):
-    """Chat's output length and logprob count have two names: the error said max_tokens and logprobs
-    whichever the client sent."""
+    """Chat's output length and logprob count have two names: the error names the one the client sent."""
     assert_error(post(server, "/v1/chat/completions",
                       {"model": str(chat_ckpt), "messages": [{"role": "user", "content": "w5"}], **body}),
                  400, param, match)
@@ -113,8 +112,8 @@ def test_metrics_use_vllms_names(server, client, chat_ckpt):
 
 
 def test_a_request_the_engine_fails_to_add_fails_alone(server, chat_ckpt, monkeypatch):
-    """An add that raised anything but a ValueError (an int priority past float's range did) killed the
-    engine thread: that request never got an answer, and every later one a 503."""
+    """An add that raises anything but a ValueError fails its own request: the engine thread goes on serving
+    the others."""
     engine = server.server.engine
     add = engine.add_request
 
@@ -131,7 +130,7 @@ def test_a_request_the_engine_fails_to_add_fails_alone(server, chat_ckpt, monkey
 
 
 def test_a_chat_error_about_logprobs_names_top_logprobs_only_where_the_client_sent_it():
-    """With ``logprobs: true`` alone, an error about the count (the sim executor returns none) blamed top_logprobs."""
+    """With ``logprobs: true`` alone, an error about the count (the sim executor returns none) names logprobs."""
     from framework.server.errors import APIError
     from framework.server.protocol import ChatCompletionRequest
 

@@ -95,7 +95,7 @@ def test_bad_arguments_are_usage_errors_before_anything_is_measured(tmp_path, ca
 
 def test_an_out_path_that_cannot_be_written_is_a_usage_error_before_anything_is_measured(tmp_path, capsys,
                                                                                          monkeypatch):
-    """It failed with a traceback after the whole measurement, which was lost."""
+    """Checked before measuring: a failure to write afterwards would lose the measurement."""
     monkeypatch.setattr("framework.sim.profile.measure", lambda *a, **k: pytest.fail("measured"))
     (tmp_path / "afile").write_text("mine\n")
     for out, message in ((tmp_path, f"--out {tmp_path} is a folder; give a file path"),
@@ -152,7 +152,7 @@ def test_profiles_time_synchronous_steps_only():
 
 
 def test_an_unimportable_cost_model_plugin_is_left_out_of_the_calibratable_ones(tmp_path, monkeypatch):
-    """Its one-line refusal (an UnavailableError) answered a question about another cost model."""
+    """Its one-line refusal (an UnavailableError) is no answer to a question about another cost model."""
     from framework.sim.cost_model import COST_MODELS
     from framework.sim.profile import calibratable_cost_models
 

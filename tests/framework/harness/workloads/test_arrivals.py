@@ -52,8 +52,8 @@ def test_bad_arguments(rate, burstiness, match):
 
 
 def test_a_rate_spreading_arrivals_past_float_precision_is_refused():
-    """At 1e-200 requests/s every latency came out 0 (a 10 ms step below the spacing of floats near the arrival
-    times) and the run failed drawing its plots."""
+    """At 1e-200 requests/s a 10 ms step is below the spacing of floats near the arrival times: every latency
+    would be 0."""
     with pytest.raises(ValueError, match=r"^rate 1e-200 spreads 4 requests over about 4e\+200 s, more than 1e\+09 s"):
         arrival_times(4, 1e-200, 1.0, np.random.default_rng(0))
     assert arrival_times(4, 1e-8, 1.0, np.random.default_rng(0))[-1] > 1e7  # 4e8 s: within the limit

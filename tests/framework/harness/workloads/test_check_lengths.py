@@ -59,8 +59,8 @@ def test_a_bound_beyond_max_model_len_is_refused_before_anything_is_drawn(monkey
      r"^workload.priority_classes\[1\].prompt_len and workload.priority_classes\[1\].output_len reach 1030 "),
 ])
 def test_a_prompt_and_output_that_reach_past_max_model_len_together_are_refused(monkeypatch, options, message):
-    """Each within the limit, together beyond it: the longest requests would be cut short (their runs were
-    summarised as all successful, with a third of the output tokens asked for)."""
+    """Each within the limit, together beyond it: the longest requests would be cut short, and a run would
+    count them successful with part of the output tokens asked for."""
     w = workload(**options)
     never_drawn(monkeypatch)
     with pytest.raises(ValueError, match=message):
