@@ -24,7 +24,7 @@ ROPE_NON_NEGATIVE_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale"
 
 
 def _check_rope_numbers(scaling: dict[str, Any] | None) -> None:
-    """ValueError naming the key unless each RoPE number ``scaling`` gives is in its range."""
+    """ValueError naming the key unless each RoPE number ``scaling`` gives is in its range (None: no scaling)."""
     for key in ROPE_POSITIVE_KEYS + ROPE_NON_NEGATIVE_KEYS:
         value = (scaling or {}).get(key)
         zero_allowed = key in ROPE_NON_NEGATIVE_KEYS

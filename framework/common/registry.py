@@ -92,8 +92,7 @@ class Registry(Generic[T]):
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 raise TypeError(f"{cls!r} is not a subclass of {self.base.__name__}; cannot register it as a {self.kind}")
             if inspect.isabstract(cls):  # refused here, not by Python at the first run's construction
-                raise TypeError(f"{cls!r} does not implement {', '.join(sorted(cls.__abstractmethods__))} of "
-                                f"{self.base.__name__}; cannot register it as a {self.kind}")
+                raise TypeError(f"{cls!r} {self._unimplemented(cls)}; cannot register it as a {self.kind}")
             # The built-ins first, so that a name they take is refused here: taken before their import,
             # it would make that import fail and leave the built-ins after it unregistered.
             self._load_builtins()
@@ -149,9 +148,8 @@ class Registry(Generic[T]):
                 # A ValueError naming the entry point, where register's TypeError would name none.
                 raise ValueError(f"{self.kind} plugin {name!r} ({ep.value}) is {cls!r}, not a subclass of "
                                  f"{self.base.__name__}: its entry point must name the class (module:Class)")
-            if inspect.isabstract(cls):
-                raise ValueError(f"{self.kind} plugin {name!r} ({ep.value}) does not implement "
-                                 f"{', '.join(sorted(cls.__abstractmethods__))} of {self.base.__name__}")
+            if inspect.isabstract(cls):  # a ValueError naming the entry point, as above
+                raise ValueError(f"{self.kind} plugin {name!r} ({ep.value}) {self._unimplemented(cls)}")
             if name not in self._classes:
                 self.register(name)(cls)
             self._plugin_names.add(name)
@@ -159,6 +157,9 @@ class Registry(Generic[T]):
         raise UnknownNameError(
             f"unknown {self.kind} {name!r}; registered {self.plural}: {', '.join(self.list()) or '(none)'}"
         )
+
+    def _unimplemented(self, cls: type) -> str:
+        return f"does not implement {', '.join(sorted(cls.__abstractmethods__))} of {self.base.__name__}"
 
     def _load_plugin(self, name: str, ep: Any) -> Any:
         """What entry point ``ep`` names: UnavailableError (one line) where its module cannot be imported here or
@@ -170,7 +171,7 @@ class Registry(Generic[T]):
                                    f"install its package in this environment") from exc
         except Exception as exc:  # a defect in the plugin's own code: its author needs the traceback
             raise ImportError(f"{self.kind} plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
-        for part in (ep.attr or "").split(".") if ep.attr else ():
+        for part in ep.attr.split(".") if ep.attr else ():
             if not hasattr(found, part):  # a typo in the entry point's class name
                 raise UnavailableError(f"{self.kind} plugin {name!r} ({ep.value}): {ep.module} has no {ep.attr}")
             found = getattr(found, part)

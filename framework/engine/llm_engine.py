@@ -96,10 +96,10 @@ class LLMEngine:
         executor_async = EXECUTORS.get(config.executor).supports_async
         async_capable = executor_async and preparer_defers
         if config.async_scheduling is True and not async_capable:
-            lacking = [f"executor={config.executor}, whose steps are not run without waiting (model and sim's are)"
-                       ] if not executor_async else []
-            if not preparer_defers:
-                lacking.append(f"preparer={config.preparer}, which does not defer sampled tokens (v1 does)")
+            lacking = [part for part, ok in (
+                (f"executor={config.executor}, whose steps are not run without waiting (model and sim's are)",
+                 executor_async),
+                (f"preparer={config.preparer}, which does not defer sampled tokens (v1 does)", preparer_defers)) if not ok]
             raise ValueError(f"async_scheduling=true cannot run with {' nor '.join(lacking)}: set async_scheduling "
                              f"to auto or false")
         self.policy = POLICIES.create_with(config.policy, config.policy_options)
