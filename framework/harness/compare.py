@@ -40,7 +40,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from framework.common.config import PART_NAMES, EngineConfig
-from framework.harness.overrides import REPEAT_KEYS, restore_hydra_reports
+from framework.harness.overrides import REPEAT_KEYS, restore_hydra_reports, sweep_composition_error
 from framework.harness.recorder import claim_run_dir, make_run_dir
 from framework.harness.stats import mean_ci95, overlap
 
@@ -619,6 +619,10 @@ class CompareCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         restore_hydra_reports()  # a job's errors are reported by Hydra, as ever
+        error = sweep_composition_error(config)
+        if error is not None:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             CompareCallback._held.enter_context(claim_run_dir(sweep_dir, "hydra.sweep.dir"))

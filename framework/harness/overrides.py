@@ -181,3 +181,28 @@ def interleave_repeats() -> None:
 
     split_arguments.repeats_first = True  # type: ignore[attr-defined]
     sweeper.split_arguments = staticmethod(split_arguments)
+
+
+def sweep_composition_error(config: Any) -> str | None:
+    """The first of a basic sweep's jobs that does not compose, as ``hydra_error_line`` says it, or None: Hydra's own
+    check, made before the sweep's folder is (Hydra's comes after it, and prints its error over several lines)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.plugins import Plugins
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    sweeper = Plugins.instance().class_name_to_class.get(BASIC_SWEEPER)
+    if sweeper is None or config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
+        return None  # another sweeper checks its own jobs
+    loader = GlobalHydra.instance().config_loader()
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+    try:
+        overrides = OverridesParser.create(config_loader=loader).parse_overrides(
+            params + list(config.hydra.overrides.task))
+        for batch in sweeper.split_arguments(overrides, None):
+            for job in batch:
+                loader.load_sweep_config(config, list(job))
+    except (HydraException, OmegaConfBaseException) as exc:
+        return hydra_error_line(exc)
+    return None

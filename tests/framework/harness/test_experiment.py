@@ -302,7 +302,7 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
                                 r"valid bool"),
     # In a sweep too, with the jobs in this process or in joblib's workers.
     (["-m", "+policy=fcfs,bogus"], r"Could not find 'policy/bogus'"),
-    (["-m", "hydra/launcher=parallel", "engine.bogus=1,2"], "Key 'bogus' is not in struct"),
+    (["-m", "hydra/launcher=parallel", "engine.bogus=1,2"], r"(?m)^error: engine: unknown key bogus; valid: "),
     (["-m", "engine.max_num_seqs=1,["], "mismatched input"),
     # Hydra's own message for this one is a traceback from its internals.
     (["workload=null"], "error: workload=null: the config group 'workload' needs one of its options: .*chat"),
@@ -320,6 +320,23 @@ def test_cli_gives_hydras_own_configuration_errors_the_configuration_error_statu
                cwd=ROOT)
     assert done.returncode == 2, done.stderr
     assert re.search(message, done.stderr, re.S) and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("overrides", [
+    ["-m", "+policy=fcfs,chunked", "policy.watermark=0.1,0.2"],
+    ["-m", "hydra/launcher=parallel", "+policy=fcfs,chunked", "policy.watermark=0.1,0.2"],
+    ["+experiment=chunked_vs_fcfs", "policy.watermark=0.1,0.2"],  # the experiment's own sweep params
+])
+def test_a_sweep_job_that_does_not_compose_is_one_line_before_the_sweeps_folder_is_made(tmp_path, overrides):
+    # fcfs has a watermark and chunked has not: only the jobs, not the sweep's own config, fail to compose,
+    # which Hydra checks after the sweep's folder and multirun.yaml are made, and reports over six lines.
+    sweep = tmp_path / "sweep"
+    done = cli(*overrides, "executor=sim", *BASE, f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: policy: unknown key watermark; valid: long_prefill_cap_when_alone, long_prefill_token_threshold, "
+        "name, preemption_mode, reserve_full_prompt"]
+    assert not sweep.exists()
 
 
 def test_cli_keeps_hydras_traceback_for_a_users_own_hydra_full_error(tmp_path):
