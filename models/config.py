@@ -17,6 +17,10 @@ ROPE_REQUIRED_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("f
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
+#: Switches that are JSON booleans when given (and not null): ``bool("false")`` would be True.
+BOOLEAN_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+
+
 #: RoPE scaling parameters that are positive numbers when given (``factor`` always, where its type requires it),
 #: and those that are numbers >= 0 (0 asks for the default, as transformers reads YaRN's).
 ROPE_POSITIVE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -97,11 +101,15 @@ class ModelConfig:
         missing = [k for k in REQUIRED_KEYS if k not in d]
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)} (every {model_type} config.json gives them)")
-        for key in REQUIRED_KEYS + OPTIONAL_SHAPE_KEYS:
+        for key in REQUIRED_KEYS + OPTIONAL_SHAPE_KEYS + ("sliding_window",):
             value = d.get(key)
             if (key in REQUIRED_KEYS or value is not None) and not (
                     isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
+                raise ValueError(f"model config: {key} must be a positive integer"
+                                 f"{'' if key in REQUIRED_KEYS else ' or null'}, got {value!r}")
+        for key in BOOLEAN_KEYS:
+            if d.get(key) is not None and not isinstance(d[key], bool):
+                raise ValueError(f"model config: {key} must be true or false, got {d[key]!r}")
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         if heads % kv_heads:
@@ -112,12 +120,20 @@ class ModelConfig:
             raise ValueError(f"model config: head_dim={head_dim} must be even (rotary embeddings turn pairs of "
                              f"dimensions); give an even head_dim or hidden_size / num_attention_heads")
         # As transformers 5 reads them: a legacy rope_scaling replaces rope_parameters whole (its theta too).
+        for key in ("rope_scaling", "rope_parameters"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise ValueError(f"model config: {key} must be a mapping of RoPE parameters or null, got {d[key]!r}")
         rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        theta = rope.pop("rope_theta", None)
+        theta = d.get("rope_theta") if theta is None else theta
+        theta = 10000.0 if theta is None else theta
+        if not _positive_number(theta):
+            raise ValueError(f"model config: rope_theta must be a positive number, got {theta!r}")
         scaling = rope or None
         if scaling is not None:
-            scaling = dict(scaling)
             scaling.setdefault("rope_type", scaling.pop("type", "default"))
+            if not isinstance(scaling["rope_type"], str):
+                raise ValueError(f"model config: rope_type must be a string, got {scaling['rope_type']!r}")
             # Checked here, as transformers does, rather than as a KeyError when the model is built.
             lacking = [k for k in ROPE_REQUIRED_KEYS.get(scaling["rope_type"], ()) if k not in scaling]
             if lacking:
@@ -168,7 +184,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings")),
             # As transformers builds each family: Qwen2 always has q/k/v biases and no MLP bias,
             # Mistral has none whatever its config says; Llama reads both switches.
             attention_bias=model_type == "qwen2" or (model_type == "llama" and bool(d.get("attention_bias", False))),

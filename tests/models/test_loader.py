@@ -147,7 +147,7 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
     ({k: v for k, v in SHAPE.items() if k != "hidden_size"}, "model config lacks hidden_size"),  # was KeyError
     ({**SHAPE, "hidden_size": "8"}, "hidden_size must be a positive integer, got '8'"),       # was TypeError
     ({**SHAPE, "num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
-    ({**SHAPE, "head_dim": 2.5}, "head_dim must be a positive integer, got 2.5"),
+    ({**SHAPE, "head_dim": 2.5}, "head_dim must be a positive integer or null, got 2.5"),
     ({**SHAPE, "num_key_value_heads": 3}, "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),  # was taken
     ([1, 2], "must be a mapping of Hugging Face config keys, got list"),                      # was AttributeError
     # Rotary embeddings need an even head_dim (transformers refuses the config): was a RuntimeError
@@ -169,6 +169,23 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
      "rope scaling's low_freq_factor must be a positive number, got True"),
     ({**SHAPE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": -1}},
      "rope scaling's mscale_all_dim must be a number >= 0, got -1"),
+    # A string is no switch: bool("false") is True, a tied LM head in place of the checkpoint's own.
+    ({**SHAPE, "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({**SHAPE, "attention_bias": 0}, "attention_bias must be true or false, got 0"),
+    ({**SHAPE, "model_type": "qwen2", "use_sliding_window": "yes"}, "use_sliding_window must be true or false"),
+    # A window is a positive token count; 0 is not "no window" (transformers applies it).
+    ({**SHAPE, "model_type": "mistral", "sliding_window": "32"}, "sliding_window must be a positive integer or null, "
+                                                                 "got '32'"),
+    ({**SHAPE, "model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer or null"),
+    ({**SHAPE, "sliding_window": -1}, "sliding_window must be a positive integer or null, got -1"),
+    ({**SHAPE, "rope_scaling": 2.0}, "rope_scaling must be a mapping of RoPE parameters or null, got 2.0"),
+    ({**SHAPE, "rope_parameters": "linear"}, "rope_parameters must be a mapping of RoPE parameters or null"),
+    ({**SHAPE, "rope_scaling": {"rope_type": ["linear"], "factor": 2.0}}, r"rope_type must be a string, got \['linear'\]"),
+    # 0 is not the default 10000 (transformers uses the 0); a negative theta makes NaN frequencies.
+    ({**SHAPE, "rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+    ({**SHAPE, "rope_theta": -10000.0}, "rope_theta must be a positive number, got -10000.0"),
+    ({**SHAPE, "rope_parameters": {"rope_type": "default", "rope_theta": 0}, "rope_theta": 1e4},
+     "rope_theta must be a positive number, got 0"),
 ])
 def test_bad_configs_are_named(config, message):
     with pytest.raises(ValueError, match=message):
