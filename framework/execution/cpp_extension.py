@@ -1,10 +1,12 @@
 """Builds a C++ source into a torch extension for this CPU, on first use, cached per user.
 
 A build takes about a minute and is kept under ``TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``), named by the source's hash and the instruction set.
+``~/.cache/torch_extensions``), named by the instruction set and a hash of the source, its headers, flags and
+paths: two checkouts would otherwise take turns rebuilding one folder (ninja rebuilds for another path).
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -34,7 +36,8 @@ def load_cpu_extension(name: str, source: Path, what: str, extra_flags: tuple[st
     capability = torch.backends.cpu.get_cpu_capability()
     flags = [*CFLAGS, *ISA_FLAGS.get(capability, []), *extra_flags]
     headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
-    digest = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:12]
+    paths = f"{source.resolve()}\0{INCLUDE}".encode()
+    digest = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode() + paths).hexdigest()[:12]
     full_name = f"servelab_{name}_{capability.lower().replace(' ', '_')}_{digest}"
     if shutil.which("ninja") is None:  # pip's ninja sits in the venv's bin, off PATH when it is not activated
         try:
@@ -44,10 +47,16 @@ def load_cpu_extension(name: str, source: Path, what: str, extra_flags: tuple[st
         except ImportError:
             pass
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        return load(full_name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                    extra_include_paths=[str(INCLUDE)], verbose=False)
+        build_dir = Path(_get_build_directory(full_name, verbose=False))
+        with open(build_dir / "servelab.lock", "w") as held:
+            # torch's own lock is a file it waits on for good, left behind by a build that was killed; the
+            # flock goes with its process, so holding it means no build of this extension is under way.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            return load(full_name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                        extra_include_paths=[str(INCLUDE)], verbose=False)
     except Exception as exc:  # the reason is in the first lines
         reason = " ".join(str(exc).split())[:300]
         raise UnavailableError(f"{what} could not be built ({type(exc).__name__}: {reason}); it needs a C++ "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import socket
@@ -58,8 +59,11 @@ def listen(settings: ServerSettings) -> socket.socket:
         sock.bind((settings.host, settings.port))
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}; "
-                         f"pick another with server.port=N") from None
+        # A taken or privileged port is the port's fault; an address that does not resolve or is not this
+        # machine's is the host's.
+        advice = "pick another with server.port=N" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else \
+            "give one of this machine's addresses with server.host=ADDRESS"
+        raise ValueError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}; {advice}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
