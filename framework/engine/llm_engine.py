@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from framework.common.clock import Clock
 from framework.common.config import EngineConfig
@@ -22,10 +22,10 @@ from framework.engine.prompts import Prompt, check_request_args, tokenize
 from framework.execution.executor import EXECUTORS, ExecutorOutput
 from framework.kv.block_allocator import ALLOCATORS
 from framework.scheduling.output import SchedulerOutput
-from framework.scheduling.policy import POLICIES
+from framework.scheduling.policy import POLICIES, SchedulerPolicy
 from framework.scheduling.scheduler import Scheduler
 from models.config import ModelConfig
-from models.loader import resolve_model
+from models.loader import ModelSource, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,54 @@ class StepStats:
     num_finished: int
 
 
+class CheckedConfig(NamedTuple):
+    """What ``check_before_loading`` found: the model's source, the policy built, and two traits of the parts."""
+
+    source: ModelSource
+    policy: SchedulerPolicy
+    forks_parallel_samples: bool
+    async_capable: bool
+
+
+def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None) -> CheckedConfig:
+    """What an engine of ``config`` refuses before it loads anything (the model's config, every part's name, the
+    token budget, async scheduling, the policy's and allocator's options): ValueError or UnavailableError, one line.
+    Resolves ``config``'s max_model_len and token budget in place."""
+    source = resolve_model(config.model)
+    config.max_model_len = resolve_max_model_len(config.max_model_len, source.config)
+    # Resolve every name before loading anything, so a typo fails in milliseconds.
+    POLICIES.get(config.policy)
+    ALLOCATORS.get(config.allocator)
+    config.max_num_batched_tokens = resolve_token_budget(config, config.max_model_len)
+    check_token_budget(config.policy, config.max_num_batched_tokens, config.max_model_len, max_prompt_len)
+    # The tensor parts' registries load torch (about 2 s), which a simulated run never needs:
+    # their names are checked only when not the defaults, so a typo is still caught.
+    defaults = EngineConfig.backend, EngineConfig.preparer
+    preparer_forks = False  # the default preparer (v1) runs n samples as n requests
+    preparer_defers = True
+    if config.executor == "model" or (config.backend, config.preparer) != defaults:
+        from framework.execution.attention import BACKENDS
+        from framework.execution.input_preparer import PREPARERS
+
+        BACKENDS.get(config.backend)
+        preparer_forks = PREPARERS.get(config.preparer).forks_parallel_samples
+        preparer_defers = PREPARERS.get(config.preparer).defers_sampled
+    executor_async = EXECUTORS.get(config.executor).supports_async
+    async_capable = executor_async and preparer_defers
+    if config.async_scheduling is True and not async_capable:
+        lacking = [part for part, ok in (
+            (f"executor={config.executor}, whose steps are not run without waiting (model and sim's are)",
+             executor_async),
+            (f"preparer={config.preparer}, which does not defer sampled tokens (v1 does)", preparer_defers)) if not ok]
+        raise ValueError(f"async_scheduling=true cannot run with {' nor '.join(lacking)}: set async_scheduling "
+                         f"to auto or false")
+    policy = POLICIES.create_with(config.policy, config.policy_options)
+    # The allocator is built once the KV cache's size is known: a typo in its options is reported now.
+    ALLOCATORS.check_options(config.allocator, config.allocator_options, num_blocks=0, block_size=config.block_size,
+                             num_cpu_blocks=0, enable_prefix_caching=config.enable_prefix_caching)
+    return CheckedConfig(source, policy, preparer_forks, async_capable)
+
+
 class LLMEngine:
     """Online serving core. ``add_request`` queues work, each ``step`` runs one batch and returns
     outputs for the requests that progressed (a new token, or finished). Single-threaded."""
@@ -73,43 +121,13 @@ class LLMEngine:
                              f"set {', '.join(sorted(kwargs))} in the EngineConfig")
         self.config = config = config or EngineConfig(**kwargs)
         self.clock = clock or EXECUTORS.get(config.executor).make_clock()
-        self.source = resolve_model(config.model)
+        checked = check_before_loading(config, max_prompt_len)
+        self.source, self.policy = checked.source, checked.policy
         self.model_config = self.source.config
-        config.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config)
-        # Resolve every name before loading anything, so a typo fails in milliseconds.
-        POLICIES.get(config.policy)
-        ALLOCATORS.get(config.allocator)
-        config.max_num_batched_tokens = resolve_token_budget(config, config.max_model_len)
-        check_token_budget(config.policy, config.max_num_batched_tokens, config.max_model_len, max_prompt_len)
-        # The tensor parts' registries load torch (about 2 s), which a simulated run never needs:
-        # their names are checked only when not the defaults, so a typo is still caught.
-        defaults = EngineConfig.backend, EngineConfig.preparer
-        preparer_forks = False  # the default preparer (v1) runs n samples as n requests
-        preparer_defers = True
-        if config.executor == "model" or (config.backend, config.preparer) != defaults:
-            from framework.execution.attention import BACKENDS
-            from framework.execution.input_preparer import PREPARERS
-
-            BACKENDS.get(config.backend)
-            preparer_forks = PREPARERS.get(config.preparer).forks_parallel_samples
-            preparer_defers = PREPARERS.get(config.preparer).defers_sampled
-        executor_async = EXECUTORS.get(config.executor).supports_async
-        async_capable = executor_async and preparer_defers
-        if config.async_scheduling is True and not async_capable:
-            lacking = [part for part, ok in (
-                (f"executor={config.executor}, whose steps are not run without waiting (model and sim's are)",
-                 executor_async),
-                (f"preparer={config.preparer}, which does not defer sampled tokens (v1 does)", preparer_defers)) if not ok]
-            raise ValueError(f"async_scheduling=true cannot run with {' nor '.join(lacking)}: set async_scheduling "
-                             f"to auto or false")
-        self.policy = POLICIES.create_with(config.policy, config.policy_options)
-        # The allocator is built once the KV cache's size is known: a typo in its options is reported now.
-        ALLOCATORS.check_options(config.allocator, config.allocator_options, num_blocks=0, block_size=config.block_size,
-                                 num_cpu_blocks=0, enable_prefix_caching=config.enable_prefix_caching)
         self.executor = EXECUTORS.create_with(config.executor, config.executor_options, config, self.source, self.clock)
         #: Whether a step is scheduled while the one before runs (``EngineConfig.async_scheduling``).
         self.async_scheduling = config.async_scheduling is True or (
-            config.async_scheduling == "auto" and async_capable and self.executor.device.startswith("cuda"))
+            config.async_scheduling == "auto" and checked.async_capable and self.executor.device.startswith("cuda"))
         # The step launched and not yet collected (async scheduling): its output, the executor's handle,
         # and its seeded generators' states before it.
         self._in_flight: tuple[SchedulerOutput, Any, list[tuple[Any, Any]]] | None = None
@@ -138,7 +156,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # vLLM v0's parallel sampling (InputPreparer.forks_parallel_samples): an n > 1 request prefills
         # one leader and forks the others from it; simulated runs fork too, so they schedule as real ones.
-        self._fork_samples = self.executor.samples_forks and preparer_forks
+        self._fork_samples = self.executor.samples_forks and checked.forks_parallel_samples
         self.forks = SampleForks(self.scheduler, config.preparer)
         #: Whether a seeded request was ever added: only then does a step save generator states.
         self._any_seeded = False

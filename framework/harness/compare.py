@@ -38,9 +38,10 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.common.config import PART_NAMES, EngineConfig
-from framework.harness.overrides import REPEAT_KEYS, restore_hydra_reports, sweep_composition_error
+from framework.harness.overrides import REPEAT_KEYS, restore_hydra_reports, sweep_jobs
 from framework.harness.recorder import claim_run_dir, make_run_dir
 from framework.harness.stats import mean_ci95, overlap
 
@@ -619,9 +620,13 @@ class CompareCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         restore_hydra_reports()  # a job's errors are reported by Hydra, as ever
-        error = sweep_composition_error(config)
-        if error is not None:
-            print(f"error: {error}", file=sys.stderr)
+        try:
+            refusals = sweep_refusals(sweep_jobs(config) or [])
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        if refusals is not None:
+            print("\n".join(f"error: {line}" for line in refusals), file=sys.stderr)
             sys.exit(2)
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
@@ -656,6 +661,37 @@ class CompareCallback(Callback):
                 print(f"{len(refused)} run(s) not started: " + "; ".join(refused), file=sys.stderr)
             if failed or refused:
                 sys.exit(1)
+
+
+def sweep_refusals(jobs: list[tuple[list[str], DictConfig]]) -> list[str] | None:
+    """Checks each of a sweep's ``jobs`` (overrides, config) as its run will (``check_experiment``), before the first
+    runs: where every job would be refused, the lines to refuse the sweep with (one per error); else None, having
+    warned of the jobs that will fail, which the sweep runs to their error as it comes (a grid may hold cells a
+    policy refuses)."""
+    from framework.common.registry import UnavailableError
+    from framework.harness.experiment import check_experiment
+
+    refused: dict[str, list[int]] = {}
+    for num, (_, job) in enumerate(jobs):
+        try:
+            check_experiment(job)
+        except (ValueError, UnavailableError, OmegaConfBaseException) as exc:
+            refused.setdefault(str(exc), []).append(num)
+    if not refused:
+        return None
+    # A job is named by the values that set it apart: every job shares the others.
+    values = [dict(o.partition("=")[::2] for o in overrides) for overrides, _ in jobs]
+    varying = [key for key in values[0] if len({v.get(key) for v in values}) > 1]
+
+    def name(num: int) -> str:
+        return f"job {num}" + (f" ({', '.join(f'{k}={values[num][k]}' for k in varying)})" if varying else "")
+
+    if sum(map(len, refused.values())) == len(jobs):
+        return [message if len(refused) == 1 else f"{message} ({', '.join(map(name, nums))})"
+                for message, nums in refused.items()]
+    for message, nums in refused.items():
+        print(f"warning: {', '.join(map(name, nums))} of {len(jobs)} will fail: {message}", file=sys.stderr)
+    return None
 
 
 #: A sweep's job refused its folder (another live run holds it) says so in ``refused-JOB_NUM.txt`` at the sweep's root:

@@ -24,8 +24,8 @@ from framework.kv.block_allocator import AllocatorStats
 from framework.common.clock import Clock, VirtualClock, WallClock
 from framework.harness.cluster import Cluster, check_num_replicas, check_router_options, gc_paused
 from framework.common.config import PART_NAMES, EngineConfig, check_bool, is_int
-from framework.engine.llm_engine import (LLMEngine, StepStats, check_token_budget, resolve_max_model_len,
-                                         resolve_token_budget)
+from framework.engine.llm_engine import (LLMEngine, StepStats, check_before_loading, check_token_budget,
+                                         resolve_max_model_len, resolve_token_budget)
 from framework.execution.executor import EXECUTORS, simulates_time
 from framework.harness.metrics import SLO, RequestRecord, step_time_noise, summarize
 from framework.common.outputs import RequestOutput
@@ -339,6 +339,19 @@ def _strings(node: Any) -> Iterator[str]:
             yield from _strings(value)
 
 
+def check_experiment(cfg: DictConfig) -> tuple[EngineConfig, SLO, Workload, dict[str, Any], int | None]:
+    """What a run of ``cfg`` refuses before it draws a request or loads a model, with ValueError or UnavailableError:
+    its run options, engine settings and parts, SLO and workload, and what of the workload the engine could never
+    serve. Returns the engine's config, the SLO, the workload, its sampling options and its longest prompt."""
+    check_run_options(cfg)
+    config = engine_config(cfg)
+    slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
+    workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+    max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
+    check_before_loading(dataclasses.replace(config), max_prompt_len)
+    return config, slo, workload, sampling, max_prompt_len
+
+
 def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = None,
                    run_name: str | None = None, group: str | None = None,
                    on_engine: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
@@ -347,11 +360,7 @@ def run_experiment(cfg: DictConfig, run_dir: str | Path, clock: Clock | None = N
     raises (ValueError in RuntimeError); an interrupt returns an ``interrupted`` one. ``clock``: one replica's."""
     with claim_run_dir(run_dir):  # before anything in it is removed: another live run's files stay as they are
         clear_run_dir(cfg, run_dir)
-        check_run_options(cfg)
-        config = engine_config(cfg)
-        slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
-        workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
-        max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
+        config, slo, workload, sampling, max_prompt_len = check_experiment(cfg)
         # A simulated run is pure Python bookkeeping over millions of small objects: no collector.
         with gc_paused(simulates_time(config.executor)):
             # Drawn (so checked: token ids, arrival times, a trace's or dataset's entries) before an engine is built.

@@ -183,26 +183,26 @@ def interleave_repeats() -> None:
     sweeper.split_arguments = staticmethod(split_arguments)
 
 
-def sweep_composition_error(config: Any) -> str | None:
-    """The first of a basic sweep's jobs that does not compose, as ``hydra_error_line`` says it, or None: Hydra's own
-    check, made before the sweep's folder is (Hydra's comes after it, and prints its error over several lines)."""
+def sweep_jobs(config: Any) -> list[tuple[list[str], Any]] | None:
+    """Each job of a basic sweep's ``config``: its overrides and its composed config (None for another sweeper's
+    sweep, which composes its own). ValueError, one line (``hydra_error_line``), for the first that does not compose:
+    Hydra's own check, made before the sweep's folder is (Hydra's comes after it, over several lines)."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.plugins import Plugins
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     sweeper = Plugins.instance().class_name_to_class.get(BASIC_SWEEPER)
-    if sweeper is None or config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
-        return None  # another sweeper checks its own jobs
+    if sweeper is None or OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
+        return None
     loader = GlobalHydra.instance().config_loader()
-    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+    params = [f"{key}={value}" for key, value in (OmegaConf.select(config, "hydra.sweeper.params") or {}).items()]
     try:
         overrides = OverridesParser.create(config_loader=loader).parse_overrides(
             params + list(config.hydra.overrides.task))
-        for batch in sweeper.split_arguments(overrides, None):
-            for job in batch:
-                loader.load_sweep_config(config, list(job))
+        return [(list(job), loader.load_sweep_config(config, list(job)))
+                for batch in sweeper.split_arguments(overrides, None) for job in batch]
     except (HydraException, OmegaConfBaseException) as exc:
-        return hydra_error_line(exc)
-    return None
+        raise ValueError(hydra_error_line(exc)) from None

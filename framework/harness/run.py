@@ -13,7 +13,8 @@ reported at its end, which exits 1; a sweep's folder another live sweep holds is
 Exit statuses: 2 for a configuration error (Hydra's own included, in a sweep too) or a part this
 machine cannot run, printed as one line; any other failure keeps its traceback. 130 for Ctrl-C, 143
 for SIGTERM: the run keeps what it measured, and a stopped sweep still gets its comparison. 1 for a
-sweep with a failed job: the job is logged and marked ``failed``, the other jobs run and are compared.
+sweep with a failed job: the job is logged and marked ``failed``, the other jobs run and are compared (a sweep
+whose every job its configuration refuses is refused before any job, with status 2; ``compare.sweep_refusals``).
 A failed run's ``summary.json`` says ``failed``, with the error. A parallel sweep's parent
 (``hydra/launcher=parallel``) forwards a signal to its workers and waits up to 30 s for their
 summaries (a second signal stops the waiting); SIGKILLed, it leaves workers that stop their jobs as

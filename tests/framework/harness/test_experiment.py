@@ -526,9 +526,32 @@ def test_a_sweep_goes_on_past_a_job_with_a_configuration_error(tmp_path):
     assert bad["status"] == "failed" and "slo.tpot_ms must be a positive number" in bad["error"]
     assert good["status"] == "completed" and good["completed"] == 6
     assert "| failed |" in (sweep / "comparison.md").read_text() and "1 run(s) failed" in done.stderr
+    # Said before the first job runs, by the value that sets the job apart.
+    assert done.stderr.startswith("warning: job 0 (slo.tpot_ms=0) of 2 will fail: slo.tpot_ms must be a positive "
+                                  "number"), done.stderr[:500]
     # One line names the error; a configuration error needs no traceback, in a sweep either.
     log = done.stdout + done.stderr  # Hydra logs a job's records to stdout
     assert "error: slo.tpot_ms must be a positive number" in log and "Traceback" not in log
+
+
+@pytest.mark.parametrize("overrides, errors", [
+    # The bad value is every job's: a single run's one line.
+    (["+policy=fcfs", "policy.preemption_mode=swapp", "workload.rate=2,4"],
+     ["error: preemption_mode must be 'recompute' or 'swap', got 'swapp'"]),
+    # Each job's own: a line per error, naming its jobs by their values.
+    (["+policy=fcfs", "policy.preemption_mode=swapp,recomp"],
+     ["error: preemption_mode must be 'recompute' or 'swap', got 'swapp' (job 0 (policy.preemption_mode=swapp))",
+      "error: preemption_mode must be 'recompute' or 'swap', got 'recomp' (job 1 (policy.preemption_mode=recomp))"]),
+    (["workload.rate=2,-1", "engine.block_size=3"], ["error: block_size must be a power of two (1, 2, 4, ..., 16, 32, "
+                                                     "...), got 3"]),
+])
+def test_a_sweep_whose_every_job_is_refused_is_refused_before_its_first(tmp_path, overrides, errors):
+    # Checked only as each job starts, a typo every job shares would cost a sweep folder and a failed run a job.
+    sweep = tmp_path / "sweep"
+    done = cli("-m", *overrides, "executor=sim", *BASE, *TINY, f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == errors
+    assert not sweep.exists()
 
 
 def test_a_sweep_its_config_makes_exits_with_the_failed_job_status_in_parallel_too(tmp_path):
