@@ -206,3 +206,21 @@ def sweep_jobs(config: Any) -> list[tuple[list[str], Any]] | None:
                 for batch in sweeper.split_arguments(overrides, None) for job in batch]
     except (HydraException, OmegaConfBaseException) as exc:
         raise ValueError(hydra_error_line(exc)) from None
+
+
+def hidden_composition_error(argv: Sequence[str]) -> str | None:
+    """Hydra asks a config's ``hydra.mode`` (a named experiment's MULTIRUN) by composing it, and where that fails runs
+    it as a single run, which refuses a swept value as ambiguous: the error that hid, found by composing ``argv``'s
+    overrides without their swept values (``hydra_error_line``), or None where they compose."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            compose(config_name="config", overrides=[o.input_line for o in overrides if not o.is_sweep_override()])
+    except (HydraException, OmegaConfBaseException) as exc:
+        return hydra_error_line(exc)
+    return None

@@ -43,9 +43,9 @@ from framework.harness.compare import REFUSED_FILE, CompareCallback
 from framework.harness.console import finished_lines
 from framework.harness.experiment import clear_run_dir, run_experiment
 from framework.harness.help import help_overrides
-from framework.harness.overrides import (CONF_DIR, hold_back_hydra_reports, hydra_error_line, interleave_repeats,
-                                        legacy_overrides, non_string_group_overrides, null_group_overrides,
-                                        restore_hydra_reports)
+from framework.harness.overrides import (CONF_DIR, hidden_composition_error, hold_back_hydra_reports,
+                                        hydra_error_line, interleave_repeats, legacy_overrides,
+                                        non_string_group_overrides, null_group_overrides, restore_hydra_reports)
 from framework.harness.recorder import claim_run_dir
 from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, parent_watched,
                                            stop, stopped_status, terminate)
@@ -212,7 +212,10 @@ def cli() -> None:
     except (HydraException, OmegaConfBaseException) as exc:
         if not restore_hydra_reports():  # a job's, or the user's own HYDRA_FULL_ERROR: Hydra's traceback
             raise
-        print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
+        line = hydra_error_line(exc)
+        if line.startswith(("Ambiguous value for argument", "Sweep parameters")):
+            line = hidden_composition_error(argv) or line
+        print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     except ValueError as exc:
         # Hydra checks its own flags (-m with --cfg, --info or -r) before its error reporting

@@ -304,6 +304,10 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
     (["-m", "+policy=fcfs,bogus"], r"Could not find 'policy/bogus'"),
     (["-m", "hydra/launcher=parallel", "engine.bogus=1,2"], r"(?m)^error: engine: unknown key bogus; valid: "),
     (["-m", "engine.max_num_seqs=1,["], "mismatched input"),
+    # A named sweep (hydra.mode: MULTIRUN) that does not compose runs as a single run, which Hydra refuses for the
+    # swept value ("add --multirun"): the error it hid is TINY's list over mixed_long's {dist: ...} prompt_len.
+    (["+experiment=chunked_vs_fcfs", "workload.rate=1,2"],
+     r"(?m)\Aerror: Error merging override workload.prompt_len=\[8,24\]; Cannot merge DictConfig with ListConfig$"),
     # Hydra's own message for this one is a traceback from its internals.
     (["workload=null"], "error: workload=null: the config group 'workload' needs one of its options: .*chat"),
     # So are these ("Config group override must be a string or a list. Got int"), in a sweep too.
