@@ -11,6 +11,7 @@ import functools
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +28,19 @@ INCLUDE = Path(__file__).resolve().parent / "csrc"
 #: -fopenmp makes at::parallel_for parallel (it is serial without it); -fassociative-math lets the
 #: compiler vectorise float sums (it needs the two after it).
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+
+def working_in(folder: Path) -> bool:
+    """Whether a process of this machine has ``folder`` as its working directory (ninja and the compilers of a
+    build run in its folder); False where ``/proc`` does not tell."""
+    target = str(folder.resolve())
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if os.readlink(cwd) == target:
+                return True
+        except OSError:  # gone, or another user's
+            continue
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +65,14 @@ def load_cpu_extension(name: str, source: Path, what: str, extra_flags: tuple[st
 
         build_dir = Path(_get_build_directory(full_name, verbose=False))
         with open(build_dir / "servelab.lock", "w") as held:
-            # torch's own lock is a file it waits on for good, left behind by a build that was killed; the
-            # flock goes with its process, so holding it means no build of this extension is under way.
+            # torch's own lock is a file it waits on for good, left behind by a build whose process was killed.
+            # The flock goes with its process, so holding it means no live load of this extension; a killed one's
+            # compilers may still run (in the folder), and are waited for rather than raced.
             fcntl.flock(held, fcntl.LOCK_EX)
-            (build_dir / "lock").unlink(missing_ok=True)
+            if (build_dir / "lock").exists():
+                while working_in(build_dir):
+                    time.sleep(1)
+                (build_dir / "lock").unlink(missing_ok=True)
             return load(full_name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                         extra_include_paths=[str(INCLUDE)], verbose=False)
     except Exception as exc:  # the reason is in the first lines

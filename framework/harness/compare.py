@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from framework.common.config import PART_NAMES, EngineConfig
 from framework.harness.overrides import REPEAT_KEYS, restore_hydra_reports, sweep_jobs
@@ -675,6 +675,8 @@ def sweep_refusals(jobs: list[tuple[list[str], DictConfig]]) -> list[str] | None
     for num, (_, job) in enumerate(jobs):
         try:
             check_experiment(job)
+        except InterpolationResolutionError:
+            continue  # ${hydra:...} resolves only in the job itself: checked there
         except (ValueError, UnavailableError, OmegaConfBaseException) as exc:
             refused.setdefault(str(exc), []).append(num)
     if not refused:

@@ -32,7 +32,7 @@ from framework.common.outputs import RequestOutput
 from framework.harness.recorder import RunRecorder, claim_run_dir, clear_run_files
 from framework.harness.report import format_summary
 from framework.common.registry import split_spec
-from framework.sim.router import ROUTERS
+from framework.sim.router import ROUTERS, Router
 from framework.harness.run_logger import Guarded, create_logger
 from framework.common.sampling_params import SamplingParams
 from framework.scheduling.output import SchedulerOutput
@@ -236,6 +236,14 @@ def cluster_spec(cfg: DictConfig) -> tuple[int, str, dict[str, Any]] | None:
     return num_replicas, spec.get("router", "round_robin"), options
 
 
+def cluster_parts(cfg: DictConfig, config: EngineConfig) -> tuple[int, Router]:
+    """The number of replicas and the router ``cfg``'s ``cluster`` node asks for (one, round robin, without one),
+    checked against ``config``'s executor."""
+    num_replicas, router, router_options = cluster_spec(cfg) or (1, "round_robin", {})
+    check_num_replicas(num_replicas, config.executor)
+    return num_replicas, ROUTERS.create_with(router, router_options)
+
+
 def check_workload(config: EngineConfig, workload: Workload) -> int | None:
     """ValueError for what an engine of ``config`` could never serve of ``workload``, found before any engine is
     built or request drawn: a length past its ``max_model_len``, a prompt its token budget cannot prefill whole (a
@@ -251,12 +259,9 @@ def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = N
     """The replicas (one engine without a ``cluster`` node) and their router, each replica on
     its own clock: ``clock`` for a single replica, else the config's ``clock``. ``max_prompt_len``:
     the longest prompt the workload sends (``check_workload``), when known."""
-    spec = cluster_spec(cfg)
-    num_replicas, router, router_options = spec or (1, "round_robin", {})
+    num_replicas, router = cluster_parts(cfg, config)  # a bad router fails before any engine is built
     if clock is not None and num_replicas > 1:
         raise ValueError("a given clock drives one replica; each of several replicas needs its own")
-    check_num_replicas(num_replicas, config.executor)
-    router = ROUTERS.create_with(router, router_options)  # a bad router fails before any engine is built
     clocks = [clock or make_clock(cfg.get("clock", "auto"), config.executor) for _ in range(num_replicas)]
     engines = [LLMEngine(dataclasses.replace(config), clock=c, max_prompt_len=max_prompt_len) for c in clocks]
     return Cluster(engines, router)
@@ -349,6 +354,9 @@ def check_experiment(cfg: DictConfig) -> tuple[EngineConfig, SLO, Workload, dict
     workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
     max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
     check_before_loading(dataclasses.replace(config), max_prompt_len)
+    EXECUTORS.check_options(config.executor, config.executor_options, config, None, None)
+    cluster_parts(cfg, config)
+    make_clock(cfg.get("clock", "auto"), config.executor)
     return config, slo, workload, sampling, max_prompt_len
 
 

@@ -201,7 +201,7 @@ def sweep_jobs(config: Any) -> list[tuple[list[str], Any]] | None:
     params = [f"{key}={value}" for key, value in (OmegaConf.select(config, "hydra.sweeper.params") or {}).items()]
     try:
         overrides = OverridesParser.create(config_loader=loader).parse_overrides(
-            params + list(config.hydra.overrides.task))
+            params + OmegaConf.to_container(config.hydra.overrides.task, resolve=False))  # as Hydra's sweeper reads them
         return [(list(job), loader.load_sweep_config(config, list(job)))
                 for batch in sweeper.split_arguments(overrides, None) for job in batch]
     except (HydraException, OmegaConfBaseException) as exc:

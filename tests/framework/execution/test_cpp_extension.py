@@ -49,3 +49,32 @@ def test_a_lock_left_by_a_killed_build_is_not_waited_on(tmp_path, loads):
     (Path(torch.utils.cpp_extension._get_build_directory(name, verbose=False)) / "lock").write_text("")
     build("k", source, "a kernel")
     assert loads[1] == (name, False)
+
+
+def test_a_killed_builds_compilers_still_running_are_waited_for(tmp_path, loads, monkeypatch):
+    # A build's process killed alone leaves its compilers writing into the folder: a second build there would
+    # race them for the same object files.
+    import subprocess
+
+    from framework.execution import cpp_extension
+
+    build = load_cpu_extension.__wrapped__
+    source = source_in(tmp_path / "a")
+    build("k", source, "a kernel")
+    folder = Path(torch.utils.cpp_extension._get_build_directory(loads[0][0], verbose=False))
+    (folder / "lock").write_text("")
+    orphan = subprocess.Popen(["sleep", "60"], cwd=folder)
+    waits = []
+
+    def sleep(seconds):  # the orphan's build ends while the load waits
+        waits.append(seconds)
+        orphan.kill()
+        orphan.wait()
+
+    monkeypatch.setattr(cpp_extension.time, "sleep", sleep)
+    try:
+        build("k", source, "a kernel")
+    finally:
+        orphan.kill()
+        orphan.wait()
+    assert waits and loads[1] == (loads[0][0], False)

@@ -548,6 +548,11 @@ def test_a_sweep_goes_on_past_a_job_with_a_configuration_error(tmp_path):
       "error: preemption_mode must be 'recompute' or 'swap', got 'recomp' (job 1 (policy.preemption_mode=recomp))"]),
     (["workload.rate=2,-1", "engine.block_size=3"], ["error: block_size must be a power of two (1, 2, 4, ..., 16, 32, "
                                                      "...), got 3"]),
+    # What the cluster, the clock and the executor check of themselves, too.
+    (["clock=bogus", "workload.rate=2,4"], ["error: clock must be auto, wall or virtual, got 'bogus'"]),
+    (["+executor.foo=1", "workload.rate=2,4"], ["error: executor 'sim': got an unexpected keyword argument 'foo'; its "
+                                               "options: hardware, tensor_parallel_size, cost_model, fast_forward, "
+                                               "sampled_token"]),
 ])
 def test_a_sweep_whose_every_job_is_refused_is_refused_before_its_first(tmp_path, overrides, errors):
     # Checked only as each job starts, a typo every job shares would cost a sweep folder and a failed run a job.
@@ -556,6 +561,19 @@ def test_a_sweep_whose_every_job_is_refused_is_refused_before_its_first(tmp_path
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines() == errors
     assert not sweep.exists()
+
+
+def test_a_sweeps_check_reads_interpolations_as_its_jobs_do(tmp_path):
+    # An override's ${...} is the job's to resolve (the sweep's own config holds the default of a swept key), and
+    # ${hydra:...} resolves only in a job: neither may get a sweep refused.
+    sweep = tmp_path / "sweep"
+    done = cli("-m", "+policy=chunked", "engine.max_num_batched_tokens=64,128",
+               "engine.max_num_seqs=${engine.max_num_batched_tokens}", "workload.seed=${hydra:job.num}", "executor=sim",
+               "plots=false", *BASE, *TINY, f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for job, tokens in enumerate((64, 128)):
+        config = yaml.safe_load((sweep / str(job) / "config.yaml").read_text())
+        assert config["engine"]["max_num_seqs"] == tokens and config["workload"]["seed"] == job
 
 
 def test_a_sweep_its_config_makes_exits_with_the_failed_job_status_in_parallel_too(tmp_path):
