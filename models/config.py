@@ -101,7 +101,9 @@ class ModelConfig:
         missing = [k for k in REQUIRED_KEYS if k not in d]
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)} (every {model_type} config.json gives them)")
-        for key in REQUIRED_KEYS + OPTIONAL_SHAPE_KEYS + ("sliding_window",):
+        # Qwen2 reads its window only with use_sliding_window (as transformers, which takes any value otherwise).
+        window_read = model_type != "qwen2" or d.get("use_sliding_window") is True
+        for key in REQUIRED_KEYS + OPTIONAL_SHAPE_KEYS + (("sliding_window",) if window_read else ()):
             value = d.get(key)
             if (key in REQUIRED_KEYS or value is not None) and not (
                     isinstance(value, int) and not isinstance(value, bool) and value > 0):

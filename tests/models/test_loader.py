@@ -178,6 +178,8 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
                                                                  "got '32'"),
     ({**SHAPE, "model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer or null"),
     ({**SHAPE, "sliding_window": -1}, "sliding_window must be a positive integer or null, got -1"),
+    ({**SHAPE, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 0},
+     "sliding_window must be a positive integer or null, got 0"),
     ({**SHAPE, "rope_scaling": 2.0}, "rope_scaling must be a mapping of RoPE parameters or null, got 2.0"),
     ({**SHAPE, "rope_parameters": "linear"}, "rope_parameters must be a mapping of RoPE parameters or null"),
     ({**SHAPE, "rope_scaling": {"rope_type": ["linear"], "factor": 2.0}}, r"rope_type must be a string, got \['linear'\]"),
@@ -206,7 +208,7 @@ def test_a_bad_config_json_is_named_with_its_path(tmp_path):
                                          ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}),
                                          ("qwen2", {"use_sliding_window": True, "sliding_window": 64,
                                                     "layer_types": ["sliding_attention"]}),
-                                         ("qwen2", {"sliding_window": 64})])
+                                         ("qwen2", {"sliding_window": 64}), ("qwen2", {"sliding_window": 0})])
 def test_sliding_window_reads_as_transformers(arch, extra):
     """A Mistral config.json without sliding_window has transformers' default window of 4096 (the
     engine caps max_model_len there, not implementing the window); it used to read as none, so
