@@ -202,10 +202,35 @@ def sweep_jobs(config: Any) -> list[tuple[list[str], Any]] | None:
     try:
         overrides = OverridesParser.create(config_loader=loader).parse_overrides(
             params + OmegaConf.to_container(config.hydra.overrides.task, resolve=False))  # as Hydra's sweeper reads them
-        return [(list(job), loader.load_sweep_config(config, list(job)))
+        jobs = [(list(job), loader.load_sweep_config(config, list(job)))
                 for batch in sweeper.split_arguments(overrides, None) for job in batch]
     except (HydraException, OmegaConfBaseException) as exc:
         raise ValueError(hydra_error_line(exc)) from None
+    _composed.clear()  # another sweep's (a test's, or a script's, in this process) are not this one's
+    _composed.update(tuple(job) for job, _ in jobs)
+    return jobs
+
+
+#: The jobs ``sweep_jobs`` composed in this process, which Hydra's basic sweeper does not compose again to check them.
+_composed: set[tuple[str, ...]] = set()
+
+
+def skip_composed_jobs_check() -> None:
+    """Make Hydra's basic sweeper check (by composing) only the jobs ``sweep_jobs`` did not compose. Idempotent."""
+    from hydra.core.plugins import Plugins
+
+    sweeper = Plugins.instance().class_name_to_class.get(BASIC_SWEEPER)
+    if sweeper is None or getattr(sweeper.validate_batch_is_legal, "skips_composed", False):
+        return
+    validate = sweeper.validate_batch_is_legal
+
+    def validate_batch_is_legal(self: Any, batch: Sequence[Sequence[str]]) -> None:
+        unchecked = [job for job in batch if tuple(job) not in _composed]
+        if unchecked:
+            validate(self, unchecked)
+
+    validate_batch_is_legal.skips_composed = True  # type: ignore[attr-defined]
+    sweeper.validate_batch_is_legal = validate_batch_is_legal
 
 
 def hidden_composition_error(argv: Sequence[str]) -> str | None:

@@ -45,7 +45,8 @@ from framework.harness.experiment import clear_run_dir, run_experiment
 from framework.harness.help import help_overrides
 from framework.harness.overrides import (CONF_DIR, hidden_composition_error, hold_back_hydra_reports,
                                         hydra_error_line, interleave_repeats, legacy_overrides,
-                                        non_string_group_overrides, null_group_overrides, restore_hydra_reports)
+                                        non_string_group_overrides, null_group_overrides, restore_hydra_reports,
+                                        skip_composed_jobs_check)
 from framework.harness.recorder import claim_run_dir
 from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, parent_watched,
                                            stop, stopped_status, terminate)
@@ -202,6 +203,7 @@ def cli() -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     interleave_repeats()  # repeat=0,1,2: every configuration once, then each again, not back to back
+    skip_composed_jobs_check()  # the sweep's check (CompareCallback) composed them
     hold_back_hydra_reports()
     try:
         main()

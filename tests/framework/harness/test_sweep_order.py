@@ -8,7 +8,8 @@ from pathlib import Path
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from framework.harness.overrides import BASIC_SWEEPER, interleave_repeats, repeats_first
+from framework.harness import overrides as overrides_module
+from framework.harness.overrides import BASIC_SWEEPER, interleave_repeats, repeats_first, skip_composed_jobs_check
 from tests.hydra_support import read_csv
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -55,3 +56,20 @@ def test_a_repeat_sweep_runs_interleaved_and_is_compared_by_configuration(tmp_pa
     assert rows[0]["output_throughput_ci95_low"] == rows[0]["output_throughput_ci95_high"]
     assert "gave identical results" in (sweep / "comparison.md").read_text()
     assert json.loads((sweep / "0" / "summary.json").read_text())["step_time_noise_cv"] is None
+
+
+def test_hydras_sweeper_does_not_compose_again_the_jobs_the_sweeps_check_composed(monkeypatch):
+    # Composing a job takes about 0.1 s: twice over a 400-job sweep, 40 s before its first job.
+    from types import SimpleNamespace
+
+    from hydra.core.plugins import Plugins
+
+    skip_composed_jobs_check()
+    skip_composed_jobs_check()  # idempotent
+    composed = []
+    loader = SimpleNamespace(load_sweep_config=lambda master_config, sweep_overrides: composed.append(sweep_overrides))
+    sweeper = Plugins.instance().class_name_to_class[BASIC_SWEEPER](max_batch_size=None, params=None)
+    sweeper.hydra_context, sweeper.config = SimpleNamespace(config_loader=loader), SimpleNamespace()
+    monkeypatch.setattr(overrides_module, "_composed", {("+policy=fcfs", "workload.rate=2")})
+    sweeper.validate_batch_is_legal([["+policy=fcfs", "workload.rate=2"], ["+policy=fcfs", "workload.rate=4"]])
+    assert composed == [["+policy=fcfs", "workload.rate=4"]]
