@@ -30,13 +30,17 @@ INCLUDE = Path(__file__).resolve().parent / "csrc"
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
+#: The programs of a build (``/proc/PID/comm``): a shell that was left in the folder builds nothing.
+BUILD_TOOLS = frozenset({"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "as", "ld", "collect2", "clang", "clang++"})
+
+
 def working_in(folder: Path) -> bool:
-    """Whether a process of this machine has ``folder`` as its working directory (ninja and the compilers of a
-    build run in its folder); False where ``/proc`` does not tell."""
+    """Whether a build's program (``BUILD_TOOLS``: ninja, the compiler, the linker) runs in ``folder``, its working
+    directory; False where ``/proc`` does not tell."""
     target = str(folder.resolve())
-    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+    for process in Path("/proc").glob("[0-9]*"):
         try:
-            if os.readlink(cwd) == target:
+            if os.readlink(process / "cwd") == target and (process / "comm").read_text().strip() in BUILD_TOOLS:
                 return True
         except OSError:  # gone, or another user's
             continue

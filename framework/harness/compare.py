@@ -679,6 +679,8 @@ def sweep_refusals(jobs: list[tuple[list[str], DictConfig]]) -> list[str] | None
             continue  # ${hydra:...} resolves only in the job itself: checked there
         except (ValueError, UnavailableError, OmegaConfBaseException) as exc:
             refused.setdefault(str(exc), []).append(num)
+        except Exception:  # no configuration error: the job's own run reports it, with its traceback
+            log.debug("checking job %d", num, exc_info=True)
     if not refused:
         return None
     # A job is named by the values that set it apart: every job shares the others.

@@ -54,6 +54,7 @@ def test_a_lock_left_by_a_killed_build_is_not_waited_on(tmp_path, loads):
 def test_a_killed_builds_compilers_still_running_are_waited_for(tmp_path, loads, monkeypatch):
     # A build's process killed alone leaves its compilers writing into the folder: a second build there would
     # race them for the same object files.
+    import shutil
     import subprocess
 
     from framework.execution import cpp_extension
@@ -63,7 +64,11 @@ def test_a_killed_builds_compilers_still_running_are_waited_for(tmp_path, loads,
     build("k", source, "a kernel")
     folder = Path(torch.utils.cpp_extension._get_build_directory(loads[0][0], verbose=False))
     (folder / "lock").write_text("")
-    orphan = subprocess.Popen(["sleep", "60"], cwd=folder)
+    # A program named as the compiler is: a shell left in the folder is no build, and is not waited for.
+    compiler = tmp_path / "cc1plus"
+    compiler.symlink_to(shutil.which("sleep"))
+    bystander = subprocess.Popen(["sleep", "60"], cwd=folder)
+    orphan = subprocess.Popen([str(compiler), "60"], cwd=folder)
     waits = []
 
     def sleep(seconds):  # the orphan's build ends while the load waits
@@ -75,6 +80,7 @@ def test_a_killed_builds_compilers_still_running_are_waited_for(tmp_path, loads,
     try:
         build("k", source, "a kernel")
     finally:
-        orphan.kill()
-        orphan.wait()
-    assert waits and loads[1] == (loads[0][0], False)
+        for process in (orphan, bystander):
+            process.kill()
+            process.wait()
+    assert len(waits) == 1 and loads[1] == (loads[0][0], False)

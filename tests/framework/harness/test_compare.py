@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from framework.harness.compare import comparison_rows, label_keys, main, write_comparison
 from tests.hydra_support import read_csv
@@ -410,3 +411,20 @@ def test_a_run_without_a_policy_is_labelled_by_the_policy_it_ran(tmp_path, hydra
     labels = {Path(r["run_dir"]).name: r["label"] for r in comparison_rows([tmp_path])}
     assert labels["default"] == labels["fcfs"]
     assert all(labels[p] != labels["fcfs"] for p in others)
+
+
+def test_a_sweeps_check_leaves_an_error_that_is_no_configuration_error_to_the_job(monkeypatch):
+    # Raised from Hydra's callback, it would be turned into a warning, and the sweep would run without its folder
+    # held or its end compared.
+    from framework.harness import compare, experiment
+
+    def check(cfg):
+        if cfg.n == 1:
+            raise KeyError("a part's own defect")
+        raise ValueError("bad value")
+
+    monkeypatch.setattr(experiment, "check_experiment", check)
+    jobs = [(["n=0"], OmegaConf.create({"n": 0})), (["n=1"], OmegaConf.create({"n": 1}))]
+    assert compare.sweep_refusals(jobs) is None
+    jobs[1] = (["n=2"], OmegaConf.create({"n": 2}))
+    assert compare.sweep_refusals(jobs) == ["bad value"]
