@@ -39,7 +39,8 @@ def _check_rope_numbers(scaling: dict[str, Any] | None) -> None:
 
 
 def _positive_number(value: Any) -> bool:
-    """A finite number > 0 from JSON (a bool, string or null is none)."""
+    """A finite number > 0 from JSON (a bool, string or null is none). Not ``framework.common.config``'s
+    ``is_finite_number``: ``framework`` imports this module as it loads, so this one imports nothing of it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:
