@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,11 @@ INDEX_FILE = "model.safetensors.index.json"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 #: Tensors holding NaN or inf that get a warning each; one more line counts the rest.
 MAX_NON_FINITE_WARNINGS = 5
+#: ``generation_config.json`` keys that are default sampling options (vLLM's ``generation_config="auto"``), with
+#: the ``SamplingParams`` option each sets: ``max_new_tokens`` is ``max_tokens``.
+GENERATION_SAMPLING_KEYS = {"repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                            "frequency_penalty": "frequency_penalty", "temperature": "temperature", "top_k": "top_k",
+                            "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
 
 
 @dataclass
@@ -36,6 +41,9 @@ class ModelSource:
     name: str
     config: ModelConfig
     path: Path | None  # None for a preset: random weights from the seed
+    #: The sampling options the checkpoint's ``generation_config.json`` sets (``GENERATION_SAMPLING_KEYS``), by
+    #: ``SamplingParams`` name; unchecked (``framework`` checks them as ``SamplingParams``).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_preset(self) -> bool:
@@ -59,23 +67,27 @@ def resolve_model(name_or_path: str) -> ModelSource:
     except ValueError as exc:  # json's errors too: name the file, which neither message does
         raise ValueError(f"{path / 'config.json'}: {exc}") from None
     gen = path / "generation_config.json"
-    if gen.is_file():
-        # transformers' generate stops on the generation config's EOS ids, on none if it gives none (config.json's
-        # count only without the file); so does this engine.
-        config.eos_token_ids = _generation_eos(gen)
-    return ModelSource(str(path), config, path)
+    if not gen.is_file():
+        return ModelSource(str(path), config, path)
+    data = _generation_config(gen)
+    # transformers' generate stops on the generation config's EOS ids, on none if it gives none (config.json's
+    # count only without the file); so does this engine.
+    eos = data.get("eos_token_id")
+    config.eos_token_ids = [] if eos is None else eos_token_ids(eos, str(gen))
+    # As vLLM: every sampling key set (not null), whatever do_sample says.
+    sampling = {option: data[key] for key, option in GENERATION_SAMPLING_KEYS.items() if data.get(key) is not None}
+    return ModelSource(str(path), config, path, sampling)
 
 
-def _generation_eos(gen: Path) -> list[int]:
-    """The EOS ids a ``generation_config.json`` gives ([] for none). Raises ValueError naming the file."""
+def _generation_config(gen: Path) -> dict[str, Any]:
+    """A ``generation_config.json``'s settings. Raises ValueError naming the file."""
     try:
         data = json.loads(gen.read_text())
     except ValueError as exc:  # json's errors (and a file that is not UTF-8)
         raise ValueError(f"{gen} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{gen} holds a JSON {type(data).__name__}, not an object of generation settings")
-    eos = data.get("eos_token_id")
-    return [] if eos is None else eos_token_ids(eos, str(gen))
+    return data
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

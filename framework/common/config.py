@@ -34,6 +34,9 @@ class EngineConfig:
     ``max_logprobs`` caps ``SamplingParams.logprobs``, as in vLLM (default 20).
     ``async_scheduling`` (vLLM's): the engine schedules step N+1 while step N runs, N's sampled tokens
     placeholders until known (``LLMEngine``); ``auto``: on for an executor that can on CUDA.
+    ``generation_config`` (vLLM's): ``auto`` takes the sampling options a request leaves unset (offline
+    ``generate`` given no ``SamplingParams``, the server's omitted fields) from the checkpoint's
+    ``generation_config.json`` (temperature, top_p, top_k, min_p, penalties, max_new_tokens); ``vllm``: never.
     """
 
     model: str = "tiny-llama"
@@ -65,6 +68,7 @@ class EngineConfig:
     check_invariants: bool = False
     max_logprobs: int = 20
     async_scheduling: bool | str = "auto"
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         for part in PART_NAMES:  # None means no options, as an omitted argument does
@@ -117,6 +121,9 @@ class EngineConfig:
             check_bool(name, getattr(self, name))
         if self.async_scheduling not in (True, False, "auto"):
             raise ValueError(f"async_scheduling must be auto, true or false, got {self.async_scheduling!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be auto (the model's generation_config.json) or vllm (vLLM's "
+                             f"neutral defaults), got {self.generation_config!r}")
         if self.dtype != "auto" and not (isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES):
             raise ValueError(f"dtype must be one of {sorted({'auto', *DTYPE_ALIASES})}, got {self.dtype!r}")
 

@@ -92,8 +92,10 @@ class SamplingParams:
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
         _check_float32("temperature", self.temperature, "a finite number >= 0", "at most 3.4e38")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        # Any k at or past the vocabulary keeps every token; past 64 bits it would fail mid-step, in the batch's rows.
+        if not is_int(self.top_k) or not -1 <= self.top_k < 2**63:
+            raise ValueError(f"SamplingParams.top_k must be -1, 0 (disabled) or a positive integer below 2**63, got "
+                             f"{self.top_k!r}")
         if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         _check_float32("top_p", self.top_p, "in (0, 1]", "at least about 1.4e-45", positive=True)

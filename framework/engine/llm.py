@@ -30,6 +30,11 @@ class LLM:
     def get_tokenizer(self) -> Any | None:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no ``SamplingParams``: the model's generation config applied
+        (``EngineConfig.generation_config``), as vLLM's."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -40,7 +45,7 @@ class LLM:
                              f"got {type(prompts).__name__}: {prompts!r}")
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, Sequence):

@@ -65,6 +65,7 @@ class CheckedConfig(NamedTuple):
     policy: SchedulerPolicy
     forks_parallel_samples: bool
     async_capable: bool
+    sampling_defaults: dict[str, Any]
 
 
 def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None) -> CheckedConfig:
@@ -73,6 +74,7 @@ def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None
     Resolves ``config``'s max_model_len and token budget in place."""
     source = resolve_model(config.model)
     config.max_model_len = resolve_max_model_len(config.max_model_len, source.config)
+    sampling_defaults = generation_defaults(config, source)
     # Resolve every name before loading anything, so a typo fails in milliseconds.
     POLICIES.get(config.policy)
     ALLOCATORS.get(config.allocator)
@@ -103,7 +105,21 @@ def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None
     # The allocator is built once the KV cache's size is known: a typo in its options is reported now.
     ALLOCATORS.check_options(config.allocator, config.allocator_options, num_blocks=0, block_size=config.block_size,
                              num_cpu_blocks=0, enable_prefix_caching=config.enable_prefix_caching)
-    return CheckedConfig(source, policy, preparer_forks, async_capable)
+    return CheckedConfig(source, policy, preparer_forks, async_capable, sampling_defaults)
+
+
+def generation_defaults(config: EngineConfig, source: ModelSource) -> dict[str, Any]:
+    """The ``SamplingParams`` options a request leaves unset take from the model (``EngineConfig.generation_config``):
+    with ``auto`` those its ``generation_config.json`` sets, with ``vllm`` none. ValueError, naming the file, for one
+    ``SamplingParams`` refuses."""
+    if config.generation_config == "vllm" or not source.sampling_defaults:
+        return {}
+    try:
+        SamplingParams(**source.sampling_defaults)
+    except ValueError as exc:
+        raise ValueError(f"{source.path}/generation_config.json sets a default sampling option that is refused: {exc} "
+                         f"(generation_config=vllm ignores the file's sampling options)") from None
+    return dict(source.sampling_defaults)
 
 
 class LLMEngine:
@@ -123,6 +139,8 @@ class LLMEngine:
         self.clock = clock or EXECUTORS.get(config.executor).make_clock()
         checked = check_before_loading(config, max_prompt_len)
         self.source, self.policy = checked.source, checked.policy
+        #: The options of ``default_sampling_params`` that differ from ``SamplingParams()``'s (``generation_defaults``).
+        self.sampling_defaults = checked.sampling_defaults
         self.model_config = self.source.config
         self.executor = EXECUTORS.create_with(config.executor, config.executor_options, config, self.source, self.clock)
         #: Whether a step is scheduled while the one before runs (``EngineConfig.async_scheduling``).
@@ -179,7 +197,7 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}")
         # Only None means the defaults: a falsy mistake ([], {}, 0) would otherwise pass as them.
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params() if params is None else params
         check_request_args(params, arrival_time, priority)
         if arrival_time is not None:
             self._check_arrival_time(arrival_time)
@@ -237,6 +255,11 @@ class LLMEngine:
             raise ValueError(f"arrival_time={arrival_time!r} is a time.time() timestamp, not a time on the engine's "
                              f"clock (engine.clock.now(): {now:.6g} s since it started): pass None for now, or "
                              f"engine.clock.now() - (time.time() - t) for a request that arrived at Unix time t")
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a request given none: ``SamplingParams()`` with the model's generation
+        config applied (``EngineConfig.generation_config``), as vLLM's ``LLM.get_default_sampling_params``."""
+        return SamplingParams(**self.sampling_defaults)
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError, one line naming the option, for sampling parameters this engine cannot

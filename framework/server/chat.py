@@ -46,7 +46,7 @@ class ChatJob:
         self.prompt = chat_prompt(serving, body)
         self.params = body.sampling_params(
             serving.max_tokens(len(self.prompt), body.requested_max_tokens, body.fields["max_tokens"]),
-            body.num_logprobs)
+            body.num_logprobs, serving.sampling_defaults)
         serving.check_params(self.params, body.fields)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.ids = [self.id]

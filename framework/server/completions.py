@@ -37,7 +37,8 @@ class CompletionJob:
         body.check_supported()
         self.serving, self.body, self.arrival_time = serving, body, arrival_time
         self.prompts = [serving.token_ids(p) for p in body.prompts()]
-        self.params = [body.sampling_params(serving.max_tokens(len(p), body.max_tokens), body.logprobs)
+        self.params = [body.sampling_params(serving.max_tokens(len(p), body.max_tokens), body.logprobs,
+                                             serving.sampling_defaults)
                        for p in self.prompts]
         for params in self.params:
             serving.check_params(params, body.fields)

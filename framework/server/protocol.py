@@ -2,6 +2,7 @@
 ones), and the ``SamplingParams`` each asks for."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +21,10 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
     "structured_outputs": (),
 }
+#: The sampling fields that an omitted (null) value leaves to the model's generation config, as vLLM's server does.
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+_NEUTRAL = SamplingParams()
 
 
 class StreamOptions(BaseModel):
@@ -38,8 +43,8 @@ class SamplingRequest(BaseModel):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -67,22 +72,21 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options can only be given when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The request's ``SamplingParams`` (streamed as deltas); APIError (400) naming the bad field."""
-        defaults = SamplingParams()
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: Mapping[str, Any]) -> SamplingParams:
+        """The request's ``SamplingParams`` (streamed as deltas): an omitted sampling field takes its value from
+        ``defaults`` (the model's generation config, ``LLMEngine.sampling_defaults``), else ``SamplingParams()``'s, as
+        vLLM's server; APIError (400) naming the bad field."""
+        sampling = {}
+        for name in DEFAULTED_FIELDS:
+            value = getattr(self, name)
+            sampling[name] = value if value is not None else defaults.get(name, getattr(_NEUTRAL, name))
         try:
             return SamplingParams(
-                n=self.n, max_tokens=max_tokens,
-                temperature=defaults.temperature if self.temperature is None else self.temperature,
-                top_p=defaults.top_p if self.top_p is None else self.top_p,
-                top_k=defaults.top_k if self.top_k is None else self.top_k,
-                min_p=defaults.min_p if self.min_p is None else self.min_p,
-                seed=self.seed, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids, stop=self.stop,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=defaults.repetition_penalty if self.repetition_penalty is None
-                else self.repetition_penalty,
-                logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
+                n=self.n, max_tokens=max_tokens, **sampling, seed=self.seed, ignore_eos=self.ignore_eos,
+                stop_token_ids=self.stop_token_ids, stop=self.stop,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                output_kind=RequestOutputKind.DELTA)
         except ValueError as exc:
             raise APIError.from_value_error(exc, fields=self.fields) from None
 

@@ -27,6 +27,8 @@ class Serving:
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name
         self.max_model_len = self.engine.config.max_model_len
+        #: The sampling options omitted fields take (the model's generation config: ``LLMEngine.sampling_defaults``).
+        self.sampling_defaults = self.engine.sampling_defaults
 
     def check_model(self, name: str | None) -> None:
         """APIError 404, as vLLM's, for a model this server does not serve (no name means this one)."""
@@ -43,9 +45,9 @@ class Serving:
         return ids
 
     def max_tokens(self, num_prompt_tokens: int, requested: int | None, field: str = "max_tokens") -> int:
-        """The output budget: ``requested`` (None: all that is left), at most what ``max_model_len`` leaves after
-        the prompt (as vLLM); APIError (400) for a prompt that leaves no room for one token, or a ``requested`` (the
-        request's ``field``) below 1."""
+        """The output budget: ``requested`` (None: the generation config's ``max_new_tokens``, else all that is
+        left), at most what ``max_model_len`` leaves after the prompt (as vLLM); APIError (400) for a prompt that
+        leaves no room for one token, or a ``requested`` (the request's ``field``) below 1."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
@@ -53,7 +55,9 @@ class Serving:
                            f"{self.max_model_len - 1} prompt tokens", param="prompt")
         if requested is not None and (isinstance(requested, bool) or requested < 1):
             raise APIError(f"{field} must be an integer >= 1, got {requested!r}", param=field)
-        return room if requested is None else min(requested, room)
+        if requested is None:
+            requested = self.sampling_defaults.get("max_tokens", room)
+        return min(requested, room)
 
     def check_params(self, params: SamplingParams, fields: dict[str, str]) -> None:
         """APIError (400) for options the engine refuses, naming the request field (``fields``: option -> field)."""

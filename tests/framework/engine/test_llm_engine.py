@@ -230,7 +230,7 @@ def test_a_cost_model_option_the_simulator_sets_itself_is_named_as_such():
     ({"n": 0}, "n must be"), ({"top_k": -5}, "top_k"),
     ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
     ({"temperature": "hot"}, "temperature"), ({"top_p": float("nan")}, "top_p"),
-    ({"top_k": 2.5}, "top_k"), ({"top_k": None}, "top_k"),
+    ({"top_k": 2.5}, "top_k"), ({"top_k": None}, "top_k"), ({"top_k": 2**63}, r"top_k .* below 2\*\*63"),
     ({"max_tokens": True}, "max_tokens"), ({"n": True}, "n must be"),
     ({"seed": 2**70}, "seed"), ({"seed": -2**63 - 1}, "signed 64-bit"), ({"seed": 1.5}, "seed"),
     ({"stop_token_ids": 12}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),

@@ -32,6 +32,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 @pytest.mark.parametrize("body, param, match", [
     ({"temperature": -1}, "temperature", "temperature"),
     ({"top_p": 1.5}, "top_p", "top_p"),
+    ({"top_k": 2**63}, "top_k", "top_k"),  # past 64 bits it had failed the engine mid-step, for every client
     ({"n": 0}, "n", "n must be"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"logprobs": 50}, "logprobs", "max_logprobs"),
