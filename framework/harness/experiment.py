@@ -397,6 +397,7 @@ def _run(cfg: DictConfig, cluster: Cluster, requests: list[WorkloadRequest], sam
     for engine in engines:
         warm_up(engine, cfg.get("warmup", 1))
     hits0 = [(e.allocator.stats.prefix_hit_tokens, e.allocator.stats.prefix_query_tokens) for e in engines]
+    preempted0 = _preemptions(engines)
     if on_engine is not None:
         for engine in engines:
             on_engine(engine)
@@ -452,7 +453,8 @@ def _run(cfg: DictConfig, cluster: Cluster, requests: list[WorkloadRequest], sam
             # the summary keeps their metrics, as an interrupted run's does.
             try:
                 measured = summarize(records, max(e.clock.now() for e in engines) - start, slo, recorder.step_totals,
-                                     _hit_rate([e.allocator.stats for e in engines], hits0))
+                                     _hit_rate([e.allocator.stats for e in engines], hits0),
+                                     _preemptions(engines, preempted0))
             except Exception as summary_exc:  # the failure itself is what must be reported
                 log.warning("could not summarize the requests finished before the failure: %s", summary_exc)
                 measured = {}
@@ -476,7 +478,8 @@ def _run(cfg: DictConfig, cluster: Cluster, requests: list[WorkloadRequest], sam
                        "interrupted": result.interrupted, **meta, "num_sent": result.num_sent,
                        "num_unfinished": len(result.unfinished), "wall_time_s": wall_time,
                        **summarize(records, result.end_time - result.start_time, slo, recorder.step_totals,
-                                   _hit_rate([e.allocator.stats for e in engines], hits0)),
+                                   _hit_rate([e.allocator.stats for e in engines], hits0),
+                                   _preemptions(engines, preempted0)),
                        **timing_noise(run_dir / "steps.csv", simulated=any(isinstance(e.clock, VirtualClock)
                                                                            for e in engines))}
             recorder.write_summary(summary)
@@ -552,6 +555,13 @@ def _hit_rate(stats: list[AllocatorStats], since: list[tuple[int, int]]) -> floa
     hits = sum(s.prefix_hit_tokens - h for s, (h, _) in zip(stats, since))
     queries = sum(s.prefix_query_tokens - q for s, (_, q) in zip(stats, since))
     return hits / queries if queries else None
+
+
+def _preemptions(engines: list[LLMEngine], since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """(Preemptions, swap-outs) of every replica's scheduler since ``since``: the requests a stop cut off, which
+    leave no record, count too."""
+    return (sum(e.scheduler.num_preemptions for e in engines) - since[0],
+            sum(e.scheduler.num_swap_outs for e in engines) - since[1])
 
 
 def timing_noise(steps_csv: Path, simulated: bool) -> dict[str, Any]:

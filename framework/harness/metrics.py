@@ -229,10 +229,12 @@ def failure_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:
 
 
 def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None = None,
-              steps: StepTotals | None = None, prefix_cache_hit_rate: float | None = None) -> dict[str, Any]:
+              steps: StepTotals | None = None, prefix_cache_hit_rate: float | None = None,
+              preemptions: tuple[int, int] | None = None) -> dict[str, Any]:
     """Run-level metrics over ``duration`` seconds. Latencies and throughputs count completed
     requests only; ignored and aborted ones are counted as ``failed`` (the ignored, never run,
-    also as ``num_ignored``). ``steps`` adds the step aggregates when it counted any step."""
+    also as ``num_ignored``). ``steps`` adds the step aggregates when it counted any step. ``preemptions``: the
+    (preemptions, swap-outs) the engines counted, requests cut off unrecorded included; None: the records' sums."""
     slo = slo or SLO()
     done = [r for r in records if r.completed]
     dur = duration if duration > 0 else float("nan")
@@ -254,8 +256,9 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO | None
         summary.update(latency_stats(name, latencies(done, name)))
     if len(done) < len(records):  # a second pass over the records only when some failed
         summary["failure_reasons"] = failure_reasons([r for r in records if not r.completed])
-    summary["num_preemptions"] = sum(r.num_preemptions for r in records)
-    summary["num_swaps"] = sum(r.num_swaps for r in records)
+    if preemptions is None:
+        preemptions = sum(r.num_preemptions for r in records), sum(r.num_swaps for r in records)
+    summary["num_preemptions"], summary["num_swaps"] = preemptions
     summary["prefix_cache_hit_rate"] = prefix_cache_hit_rate
     cached = sum(r.cached_tokens for r in done)
     summary["cached_prompt_fraction"] = cached / in_tokens if in_tokens else None

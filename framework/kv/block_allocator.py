@@ -23,8 +23,13 @@ class PrefixHit:
 
 @dataclass
 class AllocatorStats:
+    """Counts since the allocator was built. The prefix lookups of requests recomputed after a preemption are kept
+    apart (``preempted_*``), as vLLM keeps them: ``prefix_hit_rate`` measures sharing, not recompute's reuse."""
+
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    preempted_query_tokens: int = 0
+    preempted_hit_tokens: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     cow_copies: int = 0

@@ -100,7 +100,10 @@ class ServerMetrics:
         self.prompt_tokens.inc(record.prompt_len)
         self.request_prompt.observe(record.prompt_len)
         self.request_generation.observe(record.output_len)
-        for histogram, value in ((self.ttft, record.ttft), (self.tpot, record.tpot), (self.e2e, record.e2el),
+        # A request of one token or none has no time per output token; vLLM counts it as 0, so that the histogram's
+        # count is the finished requests' and a dashboard's mean counts them too.
+        tpot = 0.0 if record.tpot is None else record.tpot
+        for histogram, value in ((self.ttft, record.ttft), (self.tpot, tpot), (self.e2e, record.e2el),
                                  (self.queue, record.queueing_delay)):
             if value is not None:
                 histogram.observe(value)

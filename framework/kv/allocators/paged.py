@@ -160,7 +160,10 @@ class PagedBlockAllocator(BlockAllocator):
             self.stats.cow_copies += 1
         if num_new_blocks:
             request.block_ids += self._pop_free_blocks(num_new_blocks)
-        if first_allocation:
+        if first_allocation and request.num_preemptions:
+            self.stats.preempted_query_tokens += request.num_tokens
+            self.stats.preempted_hit_tokens += prefix_tokens
+        elif first_allocation:
             self.stats.prefix_query_tokens += request.num_tokens
             self.stats.prefix_hit_tokens += prefix_tokens
         if self.enable_prefix_caching:

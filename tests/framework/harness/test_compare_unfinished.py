@@ -1,4 +1,5 @@
 """``framework.compare`` on a run that never finished its summary (SIGKILLed): metrics from its CSVs."""
+import csv
 import json
 
 import pytest
@@ -65,3 +66,37 @@ def test_a_run_killed_before_any_row_is_unfinished_with_no_metrics(killed_run):
         (run / name).unlink()
     [row] = comparison_rows([run])
     assert row["status"] == UNFINISHED and row["completed"] is None
+
+
+def _as_killed(run, summary):
+    """Put ``run``'s summary back to what it wrote at its start (``status: running``), as a SIGKILL leaves it."""
+    (run / "summary.json").write_text(json.dumps({"status": "running", "interrupted": False,
+                                                  **{k: summary[k] for k in META if k in summary}}))
+
+
+def test_a_killed_runs_preemptions_count_those_of_requests_it_cut_off(tmp_path):
+    # requests.csv has no row for a request still running at the kill; steps.csv counts its preemptions.
+    from tests.framework.harness.test_experiment import SWAPPING, stop_after
+
+    run = tmp_path / "run"
+    _as_killed(run, run_experiment(compose_config(*SWAPPING), run, on_engine=stop_after(150)))
+    [row] = comparison_rows([run])
+    with open(run / "steps.csv") as f:
+        preempted = sum(int(r["num_preempted"]) for r in csv.DictReader(f))
+    with open(run / "requests.csv") as f:
+        recorded = sum(int(r["num_preemptions"]) for r in csv.DictReader(f))
+    assert row["status"] == UNFINISHED and row["num_preemptions"] == preempted > recorded
+
+
+def test_a_killed_real_runs_timing_noise_comes_from_its_steps(tmp_path):
+    # compare said "Not measured" for it, though its steps.csv held the steps to measure it from.
+    run = tmp_path / "run"
+    finished = run_experiment(compose_config("progress=false", "plots=false", "engine.max_model_len=128",
+                                             "workload.num_requests=4", "workload.rate=1000",
+                                             "workload.prompt_len=[8,8]", "workload.output_len=[24,24]"), run)
+    assert finished["step_time_noise_steps"] >= 5
+    _as_killed(run, finished)
+    [row] = comparison_rows([run])
+    assert row["status"] == UNFINISHED
+    assert finished["step_time_noise_cv"] is not None
+    assert row["step_time_noise_cv"] == pytest.approx(finished["step_time_noise_cv"])

@@ -119,6 +119,36 @@ def test_interrupt_keeps_finished_rows_and_marks_the_summary(tmp_path):
     assert all(r["status"] == "length" and int(r["output_len"]) <= 5 for r in rows)
 
 
+#: A simulated run whose requests preempt each other by swapping from its first steps.
+SWAPPING = ("executor=sim", "model.name=llama-3-8b", "workload=poisson", "workload.num_requests=60", "workload.rate=50",
+            "workload.output_len=[50,200]", "workload.prompt_len=[10,400]", "engine.num_gpu_blocks_override=60",
+            "engine.max_model_len=800", "progress=false", "plots=false", "+policy=fcfs", "policy.preemption_mode=swap")
+
+
+def stop_after(num_steps: int):
+    """An ``on_engine`` that interrupts the run (as a Ctrl-C) after ``num_steps`` steps."""
+    def install(engine):
+        first = engine.num_steps
+
+        def callback(stats, out):
+            if stats.step - first >= num_steps:
+                raise KeyboardInterrupt
+
+        engine.step_callbacks.append(callback)
+    return install
+
+
+def test_an_interrupted_runs_preemptions_count_the_requests_it_cut_off(tmp_path):
+    # They were summed over requests.csv, which has no row for a request the interrupt aborted: the summary said 0
+    # preemptions and 0 swaps where steps.csv showed them.
+    summary = run_experiment(compose_config(*SWAPPING), tmp_path, on_engine=stop_after(150))
+    steps, rows = read_csv(tmp_path / "steps.csv"), read_csv(tmp_path / "requests.csv")
+    assert summary["status"] == "interrupted"
+    recorded = sum(int(r["num_preemptions"]) for r in rows), sum(int(r["num_swaps"]) for r in rows)
+    assert summary["num_preemptions"] == sum(int(s["num_preempted"]) for s in steps) > recorded[0]
+    assert summary["num_swaps"] > recorded[1] and summary["blocks_swapped_out"] > 0
+
+
 def test_rows_reach_the_disk_before_a_real_engine_waits_for_the_next_arrival(tmp_path, monkeypatch):
     """A real engine that runs out of work sleeps until the next arrival, and nothing flushed the
     rows of the requests it had finished: a run killed (SIGKILL, OOM) in a long gap between

@@ -112,6 +112,21 @@ def test_metrics_use_vllms_names(server, client, chat_ckpt):
     assert 'finished_reason="length"' in text and "_created" not in text
 
 
+def test_a_one_token_request_counts_in_the_time_per_output_token_histogram_as_vllm(server, client, chat_ckpt):
+    # vLLM observes 0 for it, so the histogram counts every finished request; it had been left out.
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{server.url}/metrics").text
+        return tuple(float(re.search(rf'vllm:{name}_count{{[^}}]*}} (\S+)', text).group(1))
+                     for name in ("request_time_per_output_token_seconds", "e2e_request_latency_seconds"))
+
+    before = counts()
+    for max_tokens in (1, 1, 4):
+        client.completions.create(model=str(chat_ckpt), prompt="w5 w6", max_tokens=max_tokens,
+                                  extra_body={"ignore_eos": True})
+    after = counts()
+    assert after[0] - before[0] == after[1] - before[1] == 3
+
+
 def test_a_request_the_engine_fails_to_add_fails_alone(server, chat_ckpt, monkeypatch):
     """An add that raises anything but a ValueError fails its own request: the engine thread goes on serving
     the others."""
