@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 priority: int | Sequence[int] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
+        """``priority``: one for every prompt, or a list of one per prompt. ``use_tqdm``: a progress bar, made by
+        tqdm or by the callable given (``functools.partial(tqdm, ...)``), as vLLM's."""
         if _is_one_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         if not isinstance(prompts, Iterable):
@@ -55,9 +58,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        if priority is not None and not isinstance(priority, Sequence):
-            raise ValueError(f"priority must be a list of numbers, one per prompt, got "
-                             f"{type(priority).__name__}: {priority!r}")
+        if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence)):
+            priority = [priority] * len(prompts)  # one for all, as vLLM's; checked per prompt below
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         # Tokenize and check everything before queueing anything, so bad input loses nothing; the
@@ -76,7 +78,9 @@ class LLM:
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
                 ids.append(rid)
-            if use_tqdm:
+            if callable(use_tqdm):
+                bar = use_tqdm(total=len(ids), desc="requests", unit="req")
+            elif use_tqdm:
                 from tqdm import tqdm
 
                 bar = tqdm(total=len(ids), desc="requests", unit="req")

@@ -11,6 +11,8 @@ from framework.common.config import is_finite_number
 from framework.common.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
+#: The keys of a vLLM-style prompt dict that this engine reads.
+PROMPT_KEYS = frozenset(("prompt_token_ids", "prompt"))
 
 
 def tokenize(prompt: Prompt, tokenizer: Any | None, vocab_size: int, model: str) -> tuple[list[int], str | None]:
@@ -18,6 +20,12 @@ def tokenize(prompt: Prompt, tokenizer: Any | None, vocab_size: int, model: str)
     for a prompt of no such form, ids outside ``[0, vocab_size)`` or none at all."""
     text: str | None = None
     if isinstance(prompt, dict):
+        # vLLM's other keys (cache_salt, multi_modal_data, ...) ask for what this engine does not do: taken
+        # silently, a salted prompt would share its cached prefix with every other salt.
+        unknown = sorted(map(str, set(prompt) - PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"a prompt dict's key(s) {', '.join(unknown)} are not supported: it takes "
+                             f"'prompt_token_ids' and 'prompt' only")
         if "prompt_token_ids" in prompt:
             ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
         elif "prompt" in prompt:

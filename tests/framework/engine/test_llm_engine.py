@@ -270,6 +270,10 @@ def test_a_numpy_seed_samples_as_the_same_int_seed(n):
     (lambda llm: llm.generate([[4, 5], [6, 7]], [GREEDY, {"max_tokens": 3}]), "must be a SamplingParams"),
     (lambda llm: llm.generate([[4, 5]], {"max_tokens": 3}), "sampling_params must be"),
     (lambda llm: llm.generate(5, GREEDY), "prompts must be"),
+    # vLLM's cache_salt keeps prefix-cache hits apart; taken silently, salted prompts shared their prefixes.
+    (lambda llm: llm.generate({"prompt_token_ids": [4, 5], "cache_salt": "a"}, GREEDY),
+     r"^a prompt dict's key\(s\) cache_salt are not supported: it takes 'prompt_token_ids' and 'prompt' only$"),
+    (lambda llm: llm.generate({"prompt": "x", "multi_modal_data": {}}, GREEDY), "multi_modal_data are not supported"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, arrival_time="now"), "arrival_time"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, priority=None), "priority"),
     # math.isfinite of it raises OverflowError: a one-line ValueError instead, which the server answers with a 400.
@@ -532,13 +536,37 @@ def test_generate_accepts_a_list_of_sampling_params_and_checks_its_length():
         llm.generate([[5], [6], [7]], [GREEDY, GREEDY])
 
 
-@pytest.mark.parametrize("priority, match", [(1, "priority must be a list of numbers, one per prompt, got int"),
+@pytest.mark.parametrize("priority, match", [("high", "priority must be a finite number, got 'high'"),
                                              ([0], "1 priorities for 2 prompts")])
 def test_generate_checks_priorities(priority, match):
     llm = small_llm()
     with pytest.raises(ValueError, match=match):
         llm.generate([[5], [6]], GREEDY, priority=priority)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_takes_one_priority_for_every_prompt_and_a_tqdm_callable_as_vllm(monkeypatch):
+    # A single priority had been refused; a callable use_tqdm ignored (a bar of tqdm's own was shown instead).
+    llm = small_llm()
+    added, bars = [], []
+    add = llm.engine.add_request
+    monkeypatch.setattr(llm.engine, "add_request", lambda *a, priority=0, **k: (added.append(priority),
+                                                                                add(*a, priority=priority, **k))[1])
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.done = kwargs, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            pass
+
+    outs = llm.generate([[5], [6], [7]], GREEDY, priority=2, use_tqdm=Bar)
+    assert added == [2, 2, 2] and len(outs) == 3
+    assert [(b.kwargs["total"], b.done) for b in bars] == [(3, 3)]
 
 
 def test_scheduler_rejects_a_token_sampled_mid_prompt():
