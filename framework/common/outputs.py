@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     """One token's log probability in one generated position, as vLLM's ``Logprob``: ``rank`` is
-    its 1-based rank in that position's distribution (1 = most likely), ``decoded_token`` its text
-    alone (None without a tokenizer or with ``detokenize=False``)."""
+    its 1-based rank in that position's distribution (1 = most likely), ``decoded_token`` its text as vLLM
+    gives it (``framework.engine.logprobs.token_text``; None without a tokenizer or with ``detokenize=False``)."""
 
     logprob: float
     rank: int | None = None

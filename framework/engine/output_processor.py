@@ -66,6 +66,10 @@ class OutputProcessor:
                            and not req.sampling_params.include_stop_str_in_output)
                 shown = ids[:-1] if dropped else ids
                 text = decode_continuation(self.tokenizer, first.prompt_token_ids, shown)
+                if not req.is_finished:
+                    # A character whose bytes are still coming shows as U+FFFD, which its next token would
+                    # replace: held back, as a DELTA stream holds it, so a streamed text only grows.
+                    text = text.rstrip("\ufffd")
             logprobs = req.logprobs
             if logprobs is not None and not req.is_finished:
                 logprobs = list(logprobs)  # a running request's list still grows
