@@ -56,7 +56,7 @@ class Request:
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
         "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra", "arrival_order",
         "detokenizer",
-        "logprobs", "cumulative_logprob", "prompt_logprobs", "num_placeholders",
+        "logprobs", "cumulative_logprob", "prompt_logprobs", "num_placeholders", "cache_salt",
     )
 
     def __init__(
@@ -71,8 +71,11 @@ class Request:
         prompt: str | None = None,
         parent_id: str | None = None,
         index: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        #: Prefix-cache hits come only from requests of the same salt (vLLM's ``cache_salt``; None: no salt).
+        self.cache_salt = cache_salt
         if hasattr(prompt_token_ids, "tolist"):  # a numpy array: Python ints, not numpy scalars
             prompt_token_ids = prompt_token_ids.tolist()
         self.prompt_token_ids = list(prompt_token_ids)

@@ -10,7 +10,7 @@ import numpy as np
 
 from framework.common.config import EngineConfig
 from framework.engine.llm_engine import LLMEngine
-from framework.engine.prompts import Prompt, check_request_args
+from framework.engine.prompts import Prompt, cache_salt, check_request_args
 from framework.common.outputs import RequestOutput
 from framework.common.sampling_params import SamplingParams
 
@@ -67,9 +67,10 @@ class LLM:
         tokenized = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             token_ids, text = self.engine.tokenize(prompt)
+            salt = cache_salt(prompt)
             check_request_args(p, None, priority[i] if priority else 0)
             self.engine.check_params(p)
-            tokenized.append({"prompt_token_ids": token_ids, "prompt": text})
+            tokenized.append({"prompt_token_ids": token_ids, "prompt": text, "cache_salt": salt})
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None

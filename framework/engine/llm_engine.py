@@ -18,7 +18,7 @@ from framework.common.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.logprobs import append_logprobs, append_prompt_logprobs
 from framework.engine.output_processor import OutputProcessor
 from framework.engine.parallel_sampling import SampleForks
-from framework.engine.prompts import Prompt, check_request_args, tokenize
+from framework.engine.prompts import Prompt, cache_salt, check_request_args, tokenize
 from framework.execution.executor import EXECUTORS, ExecutorOutput
 from framework.kv.block_allocator import ALLOCATORS
 from framework.scheduling.output import SchedulerOutput
@@ -203,6 +203,7 @@ class LLMEngine:
             self._check_arrival_time(arrival_time)
         self.check_params(params)
         ids, text = self.tokenize(prompt)
+        salt = cache_salt(prompt)
         if request_id in self.output_processor.requests or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         # Every sequence id is checked before anything is queued: a clash found half-way would
@@ -224,7 +225,7 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
             req = Request(rid, ids, child_params, arrival, priority=priority, eos_token_ids=self._eos,
                           max_model_len=self.config.max_model_len, prompt=text,
-                          parent_id=request_id if params.n > 1 else None, index=i)
+                          parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt)
             if params.stop or (params.output_kind is RequestOutputKind.DELTA and self.tokenizer is not None
                                and params.detokenize):
                 # Stop strings are matched, and a delta's text is streamed, as the text grows.

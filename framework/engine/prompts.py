@@ -12,7 +12,7 @@ from framework.common.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
 #: The keys of a vLLM-style prompt dict that this engine reads.
-PROMPT_KEYS = frozenset(("prompt_token_ids", "prompt"))
+PROMPT_KEYS = frozenset(("prompt_token_ids", "prompt", "cache_salt"))
 
 
 def tokenize(prompt: Prompt, tokenizer: Any | None, vocab_size: int, model: str) -> tuple[list[int], str | None]:
@@ -20,12 +20,12 @@ def tokenize(prompt: Prompt, tokenizer: Any | None, vocab_size: int, model: str)
     for a prompt of no such form, ids outside ``[0, vocab_size)`` or none at all."""
     text: str | None = None
     if isinstance(prompt, dict):
-        # vLLM's other keys (cache_salt, multi_modal_data, ...) ask for what this engine does not do: taken
-        # silently, a salted prompt would share its cached prefix with every other salt.
+        # vLLM's other keys (multi_modal_data, ...) ask for what this engine does not do: taken silently, the
+        # prompt would run without them.
         unknown = sorted(map(str, set(prompt) - PROMPT_KEYS))
         if unknown:
             raise ValueError(f"a prompt dict's key(s) {', '.join(unknown)} are not supported: it takes "
-                             f"'prompt_token_ids' and 'prompt' only")
+                             f"{', '.join(repr(k) for k in sorted(PROMPT_KEYS))}")
         if "prompt_token_ids" in prompt:
             ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
         elif "prompt" in prompt:
@@ -47,6 +47,15 @@ def tokenize(prompt: Prompt, tokenizer: Any | None, vocab_size: int, model: str)
             raise ValueError(f"model {model!r} has no tokenizer; pass prompt_token_ids instead of text")
         ids = tokenizer.encode(text)
     return token_ids(ids, vocab_size), text
+
+
+def cache_salt(prompt: Prompt) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's): its prefix-cache hits come only from prompts of the same salt. None
+    for none; ValueError unless a non-empty string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def check_request_args(params: Any, arrival_time: Any = None, priority: Any = 0) -> None:

@@ -53,7 +53,8 @@ class ChatJob:
         self.created = int(time.time())
 
     def _outputs(self):
-        return self.serving.run(self.ids, [self.prompt], [self.params], self.arrival_time, self.body.priority)
+        return self.serving.run(self.ids, [self.prompt], [self.params], self.arrival_time, self.body.priority,
+                                self.body.cache_salt)
 
     def _update(self, choice: _Choice, delta: CompletionOutput) -> list[dict[str, Any]] | None:
         choice.text.append(delta.text)

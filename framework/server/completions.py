@@ -49,7 +49,8 @@ class CompletionJob:
         self.num_prompt_tokens = sum(map(len, self.prompts))
 
     def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        return self.serving.run(self.ids, self.prompts, self.params, self.arrival_time, self.body.priority)
+        return self.serving.run(self.ids, self.prompts, self.params, self.arrival_time, self.body.priority,
+                                self.body.cache_salt)
 
     def _update(self, choice: _Choice, delta: CompletionOutput) -> dict[str, Any] | None:
         """Fold ``delta`` into ``choice``; returns the delta's logprobs in OpenAI's completions form (or None)."""

@@ -26,6 +26,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     priority: int
+    cache_salt: str | None
 
 
 class EngineLoop:
@@ -55,14 +56,15 @@ class EngineLoop:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival_time: float, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                     arrival_time: float, priority: int = 0,
+                     cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs (``params.output_kind`` says which) up to its final one.
         Left early (the caller cancelled, or closed this), the request is aborted and its blocks freed."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._send(_Add(request_id, prompt_token_ids, params, arrival_time, priority))
+        self._send(_Add(request_id, prompt_token_ids, params, arrival_time, priority, cache_salt))
         try:
             while True:
                 item = await queue.get()
@@ -160,8 +162,9 @@ class EngineLoop:
         for command in commands:
             if isinstance(command, _Add):
                 try:
-                    engine.add_request(command.request_id, {"prompt_token_ids": command.prompt_token_ids},
-                                       command.params, arrival_time=command.arrival_time, priority=command.priority)
+                    prompt = {"prompt_token_ids": command.prompt_token_ids, "cache_salt": command.cache_salt}
+                    engine.add_request(command.request_id, prompt, command.params, arrival_time=command.arrival_time,
+                                       priority=command.priority)
                 except ValueError as exc:
                     errors.append((command.request_id, exc))
                 except Exception as exc:  # a bug the request found: it fails alone, the engine serves the others

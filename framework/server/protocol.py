@@ -58,6 +58,7 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-2**63, le=2**63 - 1)  # a signed 64-bit integer, as vLLM's
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache hits only among requests of one salt
 
     def check_supported(self) -> None:
         """APIError (400) for fields this server cannot honour, rather than answers that silently ignore them."""

@@ -67,10 +67,12 @@ class Serving:
             raise APIError.from_value_error(exc, fields=fields) from None
 
     async def run(self, ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-                  arrival_time: float, priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  arrival_time: float, priority: int,
+                  cache_salt: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Each prompt's outputs as they come, with the prompt's index, under the engine ids ``ids`` (one a
         prompt). Closing this, or cancelling its reader, aborts the prompts still running."""
-        streams = [self.loop.stream(rid, p, sp, arrival_time, priority) for rid, p, sp in zip(ids, prompts, params)]
+        streams = [self.loop.stream(rid, p, sp, arrival_time, priority, cache_salt)
+                   for rid, p, sp in zip(ids, prompts, params)]
         try:
             if len(streams) == 1:
                 async with aclosing(streams[0]) as stream:

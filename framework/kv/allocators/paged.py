@@ -22,6 +22,11 @@ class _Block:
         self.token_ids: tuple[int, ...] | None = None
 
 
+def _root_hash(request: Request) -> int:
+    """The parent of a request's first block: its ``cache_salt``'s, so that only requests of one salt share blocks."""
+    return _ROOT_HASH if request.cache_salt is None else hash((_ROOT_HASH, request.cache_salt))
+
+
 def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     """Hash of a full block, chained through its parent so equal hashes imply equal prefixes
     (up to collisions, which ``find_prefix`` rules out by comparing tokens)."""
@@ -80,7 +85,7 @@ class PagedBlockAllocator(BlockAllocator):
         hashes = request.block_hashes
         bs, tokens = self.block_size, request.token_ids
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else _ROOT_HASH
+            parent = hashes[i - 1] if i else _root_hash(request)
             hashes.append(block_hash(parent, tuple(tokens[i * bs:(i + 1) * bs])))
         return hashes
 
@@ -99,7 +104,7 @@ class PagedBlockAllocator(BlockAllocator):
             if i < len(hashes):
                 h = hashes[i]
             else:
-                h = block_hash(hashes[i - 1] if i else _ROOT_HASH, toks)
+                h = block_hash(hashes[i - 1] if i else _root_hash(request), toks)
                 hashes.append(h)
             bid = index.get(h)
             if bid is None or blocks[bid].token_ids != toks:
@@ -240,7 +245,7 @@ class PagedBlockAllocator(BlockAllocator):
                     in_use += 1
                 elif len(hashes := req.block_hashes) == i:
                     toks = tuple(req.token_ids[i * bs:(i + 1) * bs])
-                    h = block_hash(hashes[i - 1] if i else _ROOT_HASH, toks)
+                    h = block_hash(hashes[i - 1] if i else _root_hash(req), toks)
                     hashes.append(h)
                     block = blocks[req.block_ids[i]]
                     if block.hash is None:
@@ -281,7 +286,7 @@ class PagedBlockAllocator(BlockAllocator):
                 h, toks = hashes[i], tuple(tokens[i * bs:(i + 1) * bs])
             else:
                 toks = tuple(tokens[i * bs:(i + 1) * bs])
-                h = block_hash(hashes[i - 1] if i else _ROOT_HASH, toks)
+                h = block_hash(hashes[i - 1] if i else _root_hash(request), toks)
                 hashes.append(h)
                 if block.hash is not None:
                     continue

@@ -270,10 +270,13 @@ def test_a_numpy_seed_samples_as_the_same_int_seed(n):
     (lambda llm: llm.generate([[4, 5], [6, 7]], [GREEDY, {"max_tokens": 3}]), "must be a SamplingParams"),
     (lambda llm: llm.generate([[4, 5]], {"max_tokens": 3}), "sampling_params must be"),
     (lambda llm: llm.generate(5, GREEDY), "prompts must be"),
-    # vLLM's cache_salt keeps prefix-cache hits apart; taken silently, salted prompts shared their prefixes.
-    (lambda llm: llm.generate({"prompt_token_ids": [4, 5], "cache_salt": "a"}, GREEDY),
-     r"^a prompt dict's key\(s\) cache_salt are not supported: it takes 'prompt_token_ids' and 'prompt' only$"),
-    (lambda llm: llm.generate({"prompt": "x", "multi_modal_data": {}}, GREEDY), "multi_modal_data are not supported"),
+    # Taken silently, the prompt ran as text alone.
+    (lambda llm: llm.generate({"prompt": "x", "multi_modal_data": {}}, GREEDY),
+     r"^a prompt dict's key\(s\) multi_modal_data are not supported: it takes 'cache_salt', 'prompt', "
+     r"'prompt_token_ids'$"),
+    (lambda llm: llm.generate({"prompt_token_ids": [4, 5], "cache_salt": ""}, GREEDY),
+     "^cache_salt must be a non-empty string, got ''$"),
+    (lambda llm: llm.engine.add_request("r", {"prompt_token_ids": [4, 5], "cache_salt": 7}, GREEDY), "cache_salt"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, arrival_time="now"), "arrival_time"),
     (lambda llm: llm.engine.add_request("r", [4, 5], GREEDY, priority=None), "priority"),
     # math.isfinite of it raises OverflowError: a one-line ValueError instead, which the server answers with a 400.
@@ -337,6 +340,18 @@ def test_a_recomputed_requests_lookup_is_kept_out_of_the_prefix_hit_rate():
     assert llm.engine.scheduler.num_preemptions > 0 and all(len(o.outputs[0].token_ids) == 30 for o in outs)
     assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (6 * 32, 0)
     assert stats.preempted_query_tokens > 0 and stats.preempted_hit_tokens > 0
+
+
+def test_a_cache_salt_shares_cached_prefixes_only_with_its_own_salt():
+    # vLLM's cache_salt: tenants of one server do not see each other's prefixes in the cache (or in its timing).
+    llm = small_llm()
+    prompt = list(range(3, 3 + 67))  # four full blocks of 16 and a partial one
+    cached = {salt: [] for salt in ("a", "b", None)}
+    for salt in ("a", "b", None, "a", "b", None):
+        out = llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, GREEDY)[0]
+        cached[salt].append(out.num_cached_tokens)
+    assert cached == {"a": [0, 64], "b": [0, 64], None: [0, 64]}
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks - 1
 
 
 def test_the_prefix_cache_holds_more_than_the_running_requests_can_use():

@@ -33,6 +33,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"temperature": -1}, "temperature", "temperature"),
     ({"top_p": 1.5}, "top_p", "top_p"),
     ({"top_k": 2**63}, "top_k", "top_k"),  # past 64 bits it had failed the engine mid-step, for every client
+    ({"cache_salt": ""}, "cache_salt", "at least 1 character"),
     ({"n": 0}, "n", "n must be"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"logprobs": 50}, "logprobs", "max_logprobs"),
@@ -125,6 +126,20 @@ def test_a_one_token_request_counts_in_the_time_per_output_token_histogram_as_vl
                                   extra_body={"ignore_eos": True})
     after = counts()
     assert after[0] - before[0] == after[1] - before[1] == 3
+
+
+def test_a_cache_salt_keeps_a_prompts_cached_prefix_to_its_own_salt(server, client, chat_ckpt):
+    def hits() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(re.search(r'vllm:prefix_cache_hits_total{[^}]*} (\S+)', text).group(1))
+
+    prompt = " ".join(f"w{i}" for i in range(10, 60))  # three full blocks of 16 and more
+    found = []
+    for salt in ("tenant-a", "tenant-b", "tenant-a"):
+        before = hits()
+        client.completions.create(model=str(chat_ckpt), prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+        found.append(hits() - before)
+    assert found == [0, 0, 48]
 
 
 def test_a_request_the_engine_fails_to_add_fails_alone(server, chat_ckpt, monkeypatch):
