@@ -341,9 +341,20 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
         row.update({k: v for k, v in summary.items() if k.startswith("prio")})
         row.update(label=text, x=_whole(flat.get(x, summary.get(x.split(".")[-1]))), repeat=flat.get("repeat"),
                    seed=flat.get("workload.seed"), run_dir=str(run_dir), summary=summary)
-        rows.append(row)
-    rows.sort(key=lambda r: (r["label"], r["x"] is None, r["x"] if isinstance(r["x"], (int, float)) else 0))
-    return rows
+        order = [flat.get(k) for k in keys] if keys else [text]
+        rows.append((tuple(map(_sort_key, order)), row))
+    # By the labels' values, numbers as numbers (max_num_seqs 2, 8, 16; as text 16 came first), then by x.
+    rows.sort(key=lambda r: (r[0], r[1]["label"], _sort_key(r[1]["x"])))
+    return [row for _, row in rows]
+
+
+def _sort_key(value: Any) -> tuple[int, Any]:
+    """``value`` as a sort key: numbers by value, before anything else by its text; None last."""
+    if value is None:
+        return 2, ""
+    if _number(value):
+        return 0, value
+    return 1, json.dumps(value, sort_keys=True, default=str) if not isinstance(value, str) else value
 
 
 def _resolve_key(key: str, flats: Sequence[dict[str, Any]]) -> str:
@@ -407,9 +418,22 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 mean = int(mean)  # counts stay counts where every repeat agrees
             row.update({m: mean, f"{m}_ci95_low": low, f"{m}_ci95_high": high})
         row["run_dir"] = " ".join(r["run_dir"] for r in group)
-        row["runs"] = group
+        row["runs"], row["used"] = group, used
         out.append(row)
     return out
+
+
+def _repeats_caption(configs: Sequence[dict[str, Any]], pooled: bool) -> str | None:
+    """What a figure's caption says of the repeats behind each point: how many were used (``aggregate``'s: the
+    completed ones) and how many not completed were left out; None where every point is one run."""
+    used = sorted({len(c["used"]) for c in configs})
+    left_out = sum(c["n_repeats"] - len(c["used"]) for c in configs)
+    if used == [1] and not left_out:
+        return None
+    counted = f"{used[0]}" if len(used) == 1 else f"{used[0]}-{used[-1]}"
+    noun = "repeat" if counted == "1" else "repeats"
+    text = f"{counted} {noun} pooled" if pooled else f"mean and 95% CI over {counted} {noun}"
+    return text + (f" ({left_out} not completed left out)" if left_out else "")
 
 
 def _number(v: Any) -> bool:
@@ -529,10 +553,8 @@ def write_comparison(dirs: Sequence[str | Path], out: str | Path | None = None, 
         raise ValueError(f"{out} is not a directory (the table and plots are written into one)")
     out.mkdir(parents=True, exist_ok=True)
     configs = aggregate(rows)
-    repeats = sorted({c["n_repeats"] for c in configs})
-    counted = f"{repeats[0]}" if len(repeats) == 1 else f"{repeats[0]}-{repeats[-1]}"
     summaries = [r["summary"] for r in rows if r.get("summary")]
-    caption = plots.caption_line(summaries, None if repeats == [1] else f"mean and 95% CI over {counted} repeats")
+    caption = plots.caption_line(summaries, _repeats_caption(configs, pooled=False))
     paths = {"markdown": out / "comparison.md", "csv": out / "comparison.csv", "runs": out / "runs.csv"}
     paths["markdown"].write_text(markdown(configs, x, caption))
     metrics = METRICS + _extra_metrics(rows)
@@ -547,9 +569,9 @@ def write_comparison(dirs: Sequence[str | Path], out: str | Path | None = None, 
                                             "Throughput", xlabel=xlabel, colour_of=colour_of, caption=caption)
     paths["latency"] = plots.metric_vs_x(configs, "x", LATENCY, out / f"latency_vs_{xname}.png", "Latency",
                                          xlabel=xlabel, colour_of=colour_of, caption=caption, ncols=3)
-    samples = {(c["label"], c["x"]): _pooled_latencies(c["runs"]) for c in configs}
+    samples = {(c["label"], c["x"]): _pooled_latencies(c["used"]) for c in configs}
     if any(len(v) for s in samples.values() for v in s.values()):
-        pooled = plots.caption_line(summaries, None if repeats == [1] else f"{counted} repeats pooled")
+        pooled = plots.caption_line(summaries, _repeats_caption(configs, pooled=True))
         paths["latency_cdf"] = plots.latency_cdf_overlay(samples, out / "latency_cdfs.png", xlabel, colour_of, pooled)
     return paths
 

@@ -331,7 +331,7 @@ def _scale_x(ax: Any, xs: Sequence[float]) -> bool:
     """A log2 x axis where the values span 8x or more (rate sweeps double), ticked at the values
     themselves when they are few; whether it is log."""
     values = sorted({float(v) for v in xs})
-    log = len(values) >= 3 and values[0] > 0 and values[-1] / values[0] >= 8
+    log = len(values) >= 2 and values[0] > 0 and values[-1] / values[0] >= 8
     if log:
         ax.set_xscale("log", base=2)
         ax.minorticks_off()

@@ -242,7 +242,7 @@ def test_a_failed_run_differing_in_a_key_the_others_share_is_labelled_by_it(tmp_
     (failed / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     (failed / "summary.json").write_text(json.dumps({"status": "failed", "error": "ValueError: block_size"}))
     rows = comparison_rows([tmp_path])
-    assert [(r["label"], r["status"]) for r in rows] == [("block_size=16", "completed"), ("block_size=3", "failed")]
+    assert [(r["label"], r["status"]) for r in rows] == [("block_size=3", "failed"), ("block_size=16", "completed")]
 
 
 def test_a_sweep_stopped_by_ctrl_c_compares_the_runs_it_made(sweep, capsys):

@@ -117,6 +117,36 @@ def test_failed_repeats_show_in_the_status_and_stay_out_of_the_mean(tmp_path):
     assert config["output_throughput"] == pytest.approx(110.0)
 
 
+def test_a_numeric_label_sorts_by_value(tmp_path):
+    # Sorted as text, max_num_seqs 16 came before 2 and 8 in the tables, the legends and the colours.
+    for i, seqs in enumerate((16, 2, 8)):
+        fake_run(tmp_path / str(i), "a", 0, 100.0, 10.0)
+        config = yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())
+        (tmp_path / str(i) / "config.yaml").write_text(yaml.safe_dump({**config, "engine": {"max_num_seqs": seqs}}))
+    rows = comparison_rows([tmp_path])
+    assert [r["label"] for r in rows] == ["max_num_seqs=2", "max_num_seqs=8", "max_num_seqs=16"]
+
+
+def test_the_latency_cdfs_pool_only_the_repeats_the_table_averages(tmp_path, monkeypatch):
+    # An interrupted repeat's requests (its early arrivals alone) were pooled into the CDF, whose caption counted
+    # it among the repeats, while the table left it out.
+    from framework.harness import plots
+
+    for i, (status, ttft) in enumerate((("completed", 10.0), ("completed", 20.0), ("interrupted", 500.0))):
+        fake_run(tmp_path / "runs" / str(i), "a", i, 100.0, 10.0, status=status)
+        (tmp_path / "runs" / str(i) / "requests.csv").write_text(
+            "status,output_len,ttft_ms,tpot_ms,e2el_ms\n" + f"length,4,{ttft},1.0,{ttft + 3}\n")
+    drawn = {}
+    monkeypatch.setattr(plots, "latency_cdf_overlay", lambda samples, path, xlabel, colours, caption: drawn.update(
+        samples=samples, caption=caption) or path)
+    write_comparison([tmp_path / "runs"], tmp_path / "out")
+    [samples] = drawn["samples"].values()
+    assert sorted(samples["ttft"]) == [10.0, 20.0]
+    assert drawn["caption"].endswith("2 repeats pooled (1 not completed left out)")
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    assert "mean and 95% CI over 2 repeats (1 not completed left out)" in table
+
+
 def test_identical_simulated_repeats_are_pointed_out(tmp_path):
     for repeat in range(2):
         fake_run(tmp_path / str(repeat), "a", repeat, 100.0, 10.0, hardware="a100-80gb")

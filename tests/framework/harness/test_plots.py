@@ -233,3 +233,14 @@ def test_the_timelines_series_each_have_their_own_colour(monkeypatch, tmp_path):
     colours = [to_hex(c.patches[0].get_facecolor()) for c in tokens.containers]
     colours += [to_hex(line.get_color()) for line in queues.get_lines() + kv.get_lines()]
     assert len(colours) == 6 and len(set(colours)) == 6
+
+
+def test_rates_that_span_8x_get_a_log_axis_even_when_two():
+    import matplotlib.pyplot as plt
+
+    from framework.harness.plots import _scale_x
+
+    for xs, log in (([4, 64], True), ([4, 16], False), ([2, 4, 16], True), ([0, 64], False)):
+        fig, ax = plt.subplots()
+        assert _scale_x(ax, xs) is log, xs
+        plt.close(fig)
