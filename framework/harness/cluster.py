@@ -29,6 +29,7 @@ from framework.sim.fast_forward import DecodePlan, advance, commit_decode_run, p
 from framework.common.outputs import RequestOutput
 from framework.common.request import Request
 from framework.sim.router import ROUTERS, Replica, Router
+from framework.harness.interrupts import Hold
 from framework.harness.workload import WorkloadRequest, sampling_params
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,11 @@ class Cluster:
     @classmethod
     def build(cls, config: EngineConfig, num_replicas: int = 1, router: Router | str = "round_robin",
               router_options: dict[str, Any] | None = None) -> Cluster:
-        """``num_replicas`` identical engines of ``config``, each on its executor's default clock."""
+        """``num_replicas`` identical engines of ``config``, each on its executor's default clock; the router is
+        checked (and made, when named) before any engine is built."""
         check_num_replicas(num_replicas, config.executor)
+        if isinstance(router, str):
+            router, router_options = ROUTERS.create_with(router, check_router_options(router_options)), None
         engines = [LLMEngine(dataclasses.replace(config)) for _ in range(num_replicas)]
         return cls(engines, router, router_options)
 
@@ -106,8 +110,8 @@ class Cluster:
                 on_output(i, out)
 
         try:
-            with gc_paused(not self._wall):
-                self._serve(iter(requests), sampling or {}, start, emit, in_flight, result)
+            with gc_paused(not self._wall), Hold() as hold:
+                self._serve(iter(requests), sampling or {}, start, emit, in_flight, result, hold)
         except KeyboardInterrupt:
             result.interrupted = True
             logger.warning("interrupted: %d of %d requests sent finished", result.num_finished, result.num_sent)
@@ -130,7 +134,10 @@ class Cluster:
         return result
 
     def _serve(self, source: Iterator[WorkloadRequest], sampling: dict[str, Any], start: float, emit: OnOutput,
-               in_flight: set[str], result: ServeResult) -> None:
+               in_flight: set[str], result: ServeResult, hold: Hold) -> None:
+        """The loop of ``run``. Each turn is one event (an arrival, a step or a decode run), with interrupts held
+        until it ends (``interrupts.Hold``), but for a wall clock's sleep: a stop finds every engine, and the records,
+        between two events."""
         engines, replicas, router = self.engines, self.replicas, self.router
         n = len(engines)
         # The routed request's length limit (its max_tokens=None's): the longest any replica takes.
@@ -185,6 +192,8 @@ class Cluster:
         a = math.inf if nxt is None else start + nxt.arrival_time  # nxt's arrival on the clocks
         last_arrival = -math.inf
         while True:
+            hold.release()  # an interrupt held during the last event acts here
+            hold.held = True
             if not events:
                 t, kind = math.inf, 1
             else:
@@ -214,7 +223,9 @@ class Cluster:
                     i = 0
                 settle(i, a)
                 engine = engines[i]
+                hold.release()  # a wall clock sleeps here: an interrupt stops the wait
                 engine.clock.wait_until(a)
+                hold.held = True
                 prompt = nxt.prompt_token_ids if nxt.prompt is None else {
                     "prompt_token_ids": nxt.prompt_token_ids, "prompt": nxt.prompt}
                 engine.add_request(nxt.request_id, prompt, params, arrival_time=a, priority=nxt.priority)
@@ -232,6 +243,7 @@ class Cluster:
                 a = math.inf if nxt is None else start + nxt.arrival_time
                 continue
             if not events:
+                hold.release()  # one that came during the last event: the run counts as stopped, as it was
                 break
             _, _, i, v = heapq.heappop(events)
             if v != version[i]:

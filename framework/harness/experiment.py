@@ -29,6 +29,7 @@ from framework.engine.llm_engine import (LLMEngine, StepStats, check_before_load
 from framework.execution.executor import EXECUTORS, simulates_time
 from framework.harness.metrics import SLO, RequestRecord, step_time_noise, summarize
 from framework.common.outputs import RequestOutput
+from framework.harness.interrupts import interrupts_held
 from framework.harness.recorder import RunRecorder, claim_run_dir, clear_run_files
 from framework.harness.report import format_summary
 from framework.common.registry import split_spec
@@ -268,30 +269,6 @@ def build_cluster(cfg: DictConfig, config: EngineConfig, clock: Clock | None = N
 
 
 @contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends, then act as they would have, so a served run's
-    summary is written whole. Main thread only (where Python runs handlers); masking the signals
-    would not do, another thread would take them."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if pending:
-            handler = previous[pending[0]]
-            if callable(handler):
-                handler(pending[0], None)  # Python's Ctrl-C handler or supervision.py's: KeyboardInterrupt
-            elif handler != signal.SIG_IGN:
-                signal.raise_signal(pending[0])
-
-
-@contextmanager
 def _repeats_dropped() -> Iterator[None]:
     """One interrupt per run: the first SIGINT or SIGTERM acts as it would, later ones are dropped
     until the block ends. A parallel sweep's worker gets Ctrl-C from the terminal and its parent
@@ -472,7 +449,7 @@ def _run(cfg: DictConfig, cluster: Cluster, requests: list[WorkloadRequest], sam
             if progress is not None:
                 progress.close()
         wall_time = time.perf_counter() - wall_start
-        with _interrupts_held():  # the run is measured: its summary is written before a Ctrl-C goes on
+        with interrupts_held():  # the run is measured: its summary is written before a Ctrl-C goes on
             recorder.close()
             summary = {"status": "interrupted" if result.interrupted else "completed",
                        "interrupted": result.interrupted, **meta, "num_sent": result.num_sent,

@@ -80,6 +80,29 @@ def legacy_overrides(argv: list[str]) -> list[str]:
     return [a[1:] if a.startswith("+executor=") else a for a in argv]
 
 
+def swept_group_options(argv: list[str]) -> list[str]:
+    """``argv`` with ``GROUP.KEY=VALUE`` as ``++GROUP.KEY=VALUE`` where the command adds conf/ group GROUP by a sweep
+    (``+cluster=round_robin,least_outstanding cluster.num_replicas=4``): Hydra's sweep applies a plain override to its
+    own config, which no job's group is in yet, and refuses it as no key of the config. A key the group's option does
+    not take is still refused, by the job's own checks."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, conf = OverridesParser.create(), Path(CONF_DIR)
+
+    def parsed(arg: str) -> Any:
+        try:
+            return parser.parse_override(arg)
+        except Exception:  # unparsable: Hydra's to report
+            return None
+
+    overrides = [parsed(arg) for arg in argv]
+    swept = {o.key_or_group for o in overrides if o is not None and o.is_add() and o.is_sweep_override()
+             and (conf / o.key_or_group).is_dir()}
+    return [f"++{arg}" if o is not None and not o.is_add() and not o.is_force_add() and not o.is_delete()
+            and not o.is_sweep_override() and o.key_or_group.partition(".")[0] in swept and "." in o.key_or_group
+            else arg for arg, o in zip(argv, overrides)]
+
+
 def null_group_overrides(argv: list[str]) -> tuple[list[str], str | None]:
     """``(argv, error)``: ``GROUP=null``, a traceback in Hydra, is dropped with the group's earlier
     overrides where the group's default is null (``executor``), so that default runs; for another

@@ -46,7 +46,7 @@ from framework.harness.help import help_overrides
 from framework.harness.overrides import (CONF_DIR, hidden_composition_error, hold_back_hydra_reports,
                                         hydra_error_line, interleave_repeats, legacy_overrides,
                                         non_string_group_overrides, null_group_overrides, restore_hydra_reports,
-                                        skip_composed_jobs_check)
+                                        skip_composed_jobs_check, swept_group_options)
 from framework.harness.recorder import claim_run_dir
 from framework.harness.supervision import (EXIT_INTERRUPTED, EXIT_TERMINATED, compare_stopped, mark, parent_watched,
                                            stop, stopped_status, terminate)
@@ -191,7 +191,7 @@ def _hydra_config_error(exc: SystemExit) -> bool:
 
 def cli() -> None:
     """``python -m framework.run`` and the ``servelab-run`` script."""
-    argv, error = null_group_overrides(legacy_overrides(sys.argv)[1:])
+    argv, error = null_group_overrides(swept_group_options(legacy_overrides(sys.argv)[1:]))
     sys.argv = [sys.argv[0], *argv, *help_overrides(argv)]  # --help: this project's page
     error = error or non_string_group_overrides(argv)
     if error is not None:

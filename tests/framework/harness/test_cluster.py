@@ -10,6 +10,7 @@ import pytest
 
 from framework import EngineConfig, LLMEngine
 from framework.common.clock import VirtualClock, WallClock
+from framework.harness import cluster as cluster_module
 from framework.harness.cluster import Cluster, gc_paused
 from framework.sim.cost_model import BatchShape
 from framework.sim.router import ROUTERS, Router
@@ -241,7 +242,7 @@ def test_a_router_may_answer_with_a_numpy_integer():
         Cluster.build(CONFIG, num_replicas=2, router=TrueRouter()).run(requests)
 
 
-def test_bad_setups_are_refused():
+def test_bad_setups_are_refused(monkeypatch):
     model_engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128))
     with pytest.raises(ValueError, match="several replicas .* simulated time"):
         Cluster([model_engine, model_engine])
@@ -252,10 +253,16 @@ def test_bad_setups_are_refused():
         Cluster.build(CONFIG, num_replicas=0)
     with pytest.raises(ValueError, match="several replicas .* simulated time"):  # before loading any weights
         Cluster.build(EngineConfig(model="tiny-llama", max_model_len=128), num_replicas=2)
+    # Refused before any engine is built (each replica's model had been loaded first).
+    built = []
+    monkeypatch.setattr(cluster_module, "LLMEngine", lambda *a, **k: built.append(a) or LLMEngine(*a, **k))
     with pytest.raises(ValueError, match="unknown router 'nope'.*least_outstanding, prefix_aware, round_robin"):
         Cluster.build(CONFIG, num_replicas=2, router="nope")
     with pytest.raises(ValueError, match="router_options must be a mapping of option names to values, got 5"):
         Cluster.build(CONFIG, num_replicas=2, router="prefix_aware", router_options=5)
+    with pytest.raises(ValueError, match="max_imbalance"):
+        Cluster.build(CONFIG, num_replicas=2, router="prefix_aware", router_options={"max_imbalance": -1})
+    assert built == []
     # Options beside a router already made were dropped silently (its max_imbalance stayed 16).
     with pytest.raises(ValueError, match="router_options are for a router given by name; router 'prefix_aware'"):
         Cluster.build(CONFIG, num_replicas=2, router=ROUTERS.create("prefix_aware"), router_options={"max_imbalance": 0})
@@ -371,3 +378,32 @@ def test_a_second_run_starts_with_nothing_outstanding():
     assert [r.num_outstanding for r in cluster.replicas] == [0, 0]
     (i, _), = cluster.run([req(0.0, "r2", tokens=shared + [2])]).outputs
     assert i == 0  # replica 0 caches the prefix and is as idle as replica 1 (load sent it to 1)
+
+
+@pytest.mark.parametrize("target, method", [("allocator", "free"), ("scheduler", "update_from_output"),
+                                            ("engine", "add_request"), ("allocator", "allocate_slots")])
+def test_a_ctrl_c_inside_a_step_stops_the_run_between_events_with_every_block_free(target, method):
+    # Raised where it landed, a Ctrl-C inside allocator.free (after the request was marked finished) or just after
+    # add_request (before the run counted the request sent) left a replica holding blocks and requests.
+    import signal
+
+    cluster = Cluster.build(EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=64,
+                                         max_num_batched_tokens=4096, num_gpu_blocks_override=600,
+                                         max_model_len=2048), num_replicas=3, router="least_outstanding")
+    engine = cluster.engines[0]
+    owner = {"allocator": engine.allocator, "scheduler": engine.scheduler, "engine": engine}[target]
+    original, calls = getattr(owner, method), [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 20:
+            signal.raise_signal(signal.SIGINT)  # Python's handler runs at the next bytecode, inside the call
+        return original(*args, **kwargs)
+
+    setattr(owner, method, interrupted)
+    result = cluster.run(chat_requests(200, rate=40.0, seed=1))
+    assert result.interrupted and calls[0] >= 20
+    for e in cluster.engines:
+        assert not e.has_unfinished_requests()
+        assert e.allocator.num_free_blocks == e.allocator.num_blocks - 1
+    assert result.num_finished + len(result.unfinished) == result.num_sent

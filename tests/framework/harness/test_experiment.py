@@ -149,6 +149,26 @@ def test_an_interrupted_runs_preemptions_count_the_requests_it_cut_off(tmp_path)
     assert summary["num_swaps"] > recorded[1] and summary["blocks_swapped_out"] > 0
 
 
+def test_a_ctrl_c_while_a_finished_request_is_recorded_keeps_the_summary_and_the_rows_agreeing(tmp_path, monkeypatch):
+    # Landing after the run kept the request's record and before its row was written, the summary counted a
+    # request that requests.csv never got.
+    import signal
+
+    calls, add = [0], RunRecorder.add_request
+
+    def interrupted(self, record, replica=0):
+        calls[0] += 1
+        if calls[0] == 10:
+            signal.raise_signal(signal.SIGINT)  # Python's handler runs at the next bytecode, inside the call
+        return add(self, record, replica)
+
+    monkeypatch.setattr(RunRecorder, "add_request", interrupted)
+    summary = run_experiment(compose_config(*SWAPPING), tmp_path)
+    rows = read_csv(tmp_path / "requests.csv")
+    assert summary["status"] == "interrupted"
+    assert summary["completed"] + summary["failed"] == len(rows) >= 10
+
+
 def test_rows_reach_the_disk_before_a_real_engine_waits_for_the_next_arrival(tmp_path, monkeypatch):
     """A real engine that runs out of work sleeps until the next arrival, and nothing flushed the
     rows of the requests it had finished: a run killed (SIGKILL, OOM) in a long gap between
@@ -371,6 +391,26 @@ def test_a_sweep_job_that_does_not_compose_is_one_line_before_the_sweeps_folder_
         "error: policy: unknown key watermark; valid: long_prefill_cap_when_alone, long_prefill_token_threshold, "
         "name, preemption_mode, reserve_full_prompt"]
     assert not sweep.exists()
+
+
+def test_a_sweep_over_an_added_group_takes_an_option_of_that_group(tmp_path):
+    # Hydra's sweep applied cluster.num_replicas=2 to its own config, which has no cluster until a job adds it, and
+    # the command failed with "config: unknown key cluster".
+    sweep = tmp_path / "sweep"
+    done = cli("-m", "+cluster=round_robin,least_outstanding", "cluster.num_replicas=2", "executor=sim", *BASE, *TINY,
+               "plots=false", f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [(s["router"], s["num_replicas"]) for s in summaries] == [("round_robin", 2), ("least_outstanding", 2)]
+
+
+def test_swept_group_options_are_forced_only_for_groups_a_sweep_adds():
+    from framework.harness.overrides import swept_group_options
+
+    assert swept_group_options(["+cluster=round_robin,least_outstanding", "cluster.num_replicas=4", "engine.seed=1",
+                                "+policy=fcfs", "policy.preemption_mode=swap", "cluster.router_options.x=1,2"]) == [
+        "+cluster=round_robin,least_outstanding", "++cluster.num_replicas=4", "engine.seed=1", "+policy=fcfs",
+        "policy.preemption_mode=swap", "cluster.router_options.x=1,2"]
 
 
 def test_cli_keeps_hydras_traceback_for_a_users_own_hydra_full_error(tmp_path):
