@@ -68,3 +68,15 @@ def test_a_plain_install_runs_a_simulated_experiment_from_any_folder(installed, 
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "summary.json").read_text())["completed"] == 4
     assert f"results: {out}" in result.stdout
+
+
+@pytest.mark.parametrize("workload", ["trace", "sharegpt"])
+def test_a_plain_install_replays_the_shipped_sample_workloads_from_any_folder(installed, tmp_path, workload):
+    # Their sample files sat in experiments/, which the wheel does not ship: both failed outside a checkout.
+    out = tmp_path / "out"
+    count = "workload.max_requests=4" if workload == "trace" else "workload.num_requests=4"
+    run = [a for a in RUN if not a.startswith("workload.")]
+    result = run_from(installed, tmp_path, [sys.executable, "-m", "framework.run", *run, f"workload={workload}", count,
+                                            f"hydra.run.dir={out}"])
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "summary.json").read_text())["completed"] == 4

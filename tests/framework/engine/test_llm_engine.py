@@ -204,6 +204,8 @@ def test_an_option_the_engine_sets_itself_is_a_one_line_configuration_error(kwar
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"allocator_options": {"promote_duplicat": "oldest"}}, r"allocator 'paged': .*promote_duplicat"),
+    # A bad value too: only the names were checked, the value when the KV cache was built, after the model.
+    ({"allocator_options": {"promote_duplicate": "middle"}}, "promote_duplicate must be one of 'oldest', 'newest'"),
     ({"preparer_options": {"chek": True}}, r"preparer 'v1': .*chek"),
     ({"preparer": "v0", "preparer_options": {"chek": True}}, r"preparer 'v0': .*chek"),
 ])

@@ -148,7 +148,7 @@ def test_a_trace_entry_beyond_max_requests_is_not_sent_and_not_checked(tmp_path)
 
 
 def test_a_sharegpt_output_len_that_leaves_no_room_for_a_prompt_is_refused():
-    options = {"name": "sharegpt", "path": "experiments/data/sharegpt_sample.json"}
+    options = {"name": "sharegpt", "path": "conf/workload/samples/sharegpt.json"}
     w = create_workload({**options, "output_len": 1021})[0]
     with pytest.raises(ValueError, match=r"^workload.output_len=1021 leaves no room within max_model_len=1024 for a "
                                          r"prompt of min_len=4 tokens"):

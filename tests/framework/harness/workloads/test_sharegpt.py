@@ -79,5 +79,5 @@ def test_min_len_must_be_a_positive_integer(sharegpt_file, min_len):
 
 
 def test_the_shipped_sample_loads():
-    reqs = generate("experiments/data/sharegpt_sample.json", WorkloadContext(vocab_size=1024), num_requests=16)
+    reqs = generate("conf/workload/samples/sharegpt.json", WorkloadContext(vocab_size=1024), num_requests=16)
     assert len(reqs) == 16

@@ -151,8 +151,8 @@ def test_penalties_and_min_p_are_sampling_keys():
 
 
 @pytest.mark.parametrize("options", [
-    {"name": "synthetic"}, {"name": "trace", "path": "experiments/traces/sample.jsonl"},
-    {"name": "sharegpt", "path": "experiments/data/sharegpt_sample.json"}])
+    {"name": "synthetic"}, {"name": "trace", "path": "conf/workload/samples/trace.jsonl"},
+    {"name": "sharegpt", "path": "conf/workload/samples/sharegpt.json"}])
 @pytest.mark.parametrize("seed", ["abc", -1, 1.5, True])
 def test_a_bad_seed_is_a_configuration_error(options, seed):
     # It used to fail at generation, as numpy's TypeError ("SeedSequence expects int ...") or a
@@ -162,8 +162,8 @@ def test_a_bad_seed_is_a_configuration_error(options, seed):
 
 
 @pytest.mark.parametrize("name, options", [
-    ("synthetic", {}), ("trace", {"path": "experiments/traces/sample.jsonl"}),
-    ("sharegpt", {"path": "experiments/data/sharegpt_sample.json"})])
+    ("synthetic", {}), ("trace", {"path": "conf/workload/samples/trace.jsonl"}),
+    ("sharegpt", {"path": "conf/workload/samples/sharegpt.json"})])
 def test_a_misspelt_sampling_key_is_answered_with_the_sampling_keys(name, options):
     # The sampling keys are split off before the workload is built: its list of options alone
     # would leave out the very key a user misspelt (+workload.repetiton_penalty=1.1).

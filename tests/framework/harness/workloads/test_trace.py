@@ -216,7 +216,7 @@ def test_a_directory_or_a_compressed_file_is_a_one_line_error_naming_it(tmp_path
 
 
 def test_the_shipped_sample_trace_loads():
-    reqs = create_workload({"name": "trace", "path": "experiments/traces/sample.jsonl"})[0].generate(CTX)
+    reqs = create_workload({"name": "trace", "path": "conf/workload/samples/trace.jsonl"})[0].generate(CTX)
     assert len(reqs) == 24 and {r.priority for r in reqs} == {0, 1}
 
 
