@@ -102,10 +102,10 @@ def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None
         raise ValueError(f"async_scheduling=true cannot run with {' nor '.join(lacking)}: set async_scheduling "
                          f"to auto or false")
     policy = POLICIES.create_with(config.policy, config.policy_options)
-    # The allocator is built once the KV cache's size is known; its options (names and values) are checked now, by
-    # building one of the smallest pool (2 blocks: the null block and one), which costs nothing.
-    ALLOCATORS.create_with(config.allocator, config.allocator_options, num_blocks=2, block_size=config.block_size,
-                           num_cpu_blocks=0, enable_prefix_caching=config.enable_prefix_caching)
+    # The allocator is built once the KV cache's size is known: its options' names and values are checked now.
+    ALLOCATORS.check_options(config.allocator, config.allocator_options, num_blocks=0, block_size=config.block_size,
+                             num_cpu_blocks=0, enable_prefix_caching=config.enable_prefix_caching)
+    ALLOCATORS.get(config.allocator).check_option_values(**config.allocator_options)
     return CheckedConfig(source, policy, preparer_forks, async_capable, sampling_defaults)
 
 

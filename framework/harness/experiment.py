@@ -33,6 +33,7 @@ from framework.harness.interrupts import interrupts_held
 from framework.harness.recorder import RunRecorder, claim_run_dir, clear_run_files
 from framework.harness.report import format_summary
 from framework.common.registry import split_spec
+from framework.sim.hardware import load_hardware
 from framework.sim.router import ROUTERS, Router
 from framework.harness.run_logger import Guarded, create_logger
 from framework.common.sampling_params import SamplingParams
@@ -332,6 +333,8 @@ def check_experiment(cfg: DictConfig) -> tuple[EngineConfig, SLO, Workload, dict
     max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
     check_before_loading(dataclasses.replace(config), max_prompt_len)
     EXECUTORS.check_options(config.executor, config.executor_options, config, None, None)
+    if config.executor_options.get("hardware") is not None:  # a simulated device: its fields, before a job runs
+        load_hardware(config.executor_options["hardware"])
     cluster_parts(cfg, config)
     make_clock(cfg.get("clock", "auto"), config.executor)
     return config, slo, workload, sampling, max_prompt_len

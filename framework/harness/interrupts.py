@@ -43,6 +43,9 @@ class Hold:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous, self.held = {}, False
+        if self._pending is not None:  # held when the block left (an error, say): it acts now, as it would have
+            signum, self._pending = self._pending, None
+            act(signum, signal.getsignal(signum))
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.held:
@@ -69,10 +72,4 @@ def interrupts_held() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block ends, then act as they would have."""
     with Hold() as hold:
         hold.held = True
-        try:
-            yield
-        finally:
-            # Out of the hold first: the signal acts under the handlers the block found.
-            pending, hold._pending = hold._pending, None
-    if pending is not None:
-        act(pending, signal.getsignal(pending))
+        yield

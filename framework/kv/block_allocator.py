@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from framework.common.registry import Registry
 from framework.common.request import Request
@@ -71,6 +71,12 @@ class BlockAllocator(ABC):
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = AllocatorStats()
+
+    @classmethod
+    def check_option_values(cls, **options: Any) -> None:
+        """ValueError, one line, for an option value (``EngineConfig.allocator_options``, names already checked) this
+        allocator refuses whatever its pool: called before the model loads, so a bad value costs no load. Checks none
+        by default; a constructor may call it to check its own."""
 
     # -- capacity --------------------------------------------------------------------------------
     @property

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from framework.kv.block_allocator import ALLOCATORS, NULL_BLOCK, BlockAllocator, PrefixHit
 from framework.common.request import Request, RequestStatus
@@ -48,9 +49,7 @@ class PagedBlockAllocator(BlockAllocator):
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = True, promote_duplicate: str = "oldest") -> None:
         super().__init__(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
-        if promote_duplicate not in PROMOTE_DUPLICATE:
-            raise ValueError(f"promote_duplicate must be one of {', '.join(map(repr, PROMOTE_DUPLICATE))}, "
-                             f"got {promote_duplicate!r}")
+        self.check_option_values(promote_duplicate=promote_duplicate)
         self._promote_index = PROMOTE_DUPLICATE[promote_duplicate]
         #: Blocks handed out at least once, by id; the rest (ids len(_blocks) and up) are fresh.
         self._blocks = [_Block(NULL_BLOCK)]
@@ -64,6 +63,13 @@ class PagedBlockAllocator(BlockAllocator):
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self._copies: list[tuple[int, int]] = []
         self._forked = False  # whether fork() ever shared blocks (see decode_run_blocks)
+
+    @classmethod
+    def check_option_values(cls, promote_duplicate: str = "oldest", **others: Any) -> None:
+        super().check_option_values(**others)  # a subclass's own options
+        if promote_duplicate not in PROMOTE_DUPLICATE:
+            raise ValueError(f"promote_duplicate must be one of {', '.join(map(repr, PROMOTE_DUPLICATE))}, "
+                             f"got {promote_duplicate!r}")
 
     # -- capacity --------------------------------------------------------------------------------
     @property

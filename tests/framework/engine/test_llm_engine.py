@@ -221,6 +221,24 @@ def test_a_bad_allocator_or_preparer_option_is_refused_before_the_model_is_built
         small_llm(**kwargs)
 
 
+def test_an_allocator_option_checked_against_its_pool_is_checked_against_the_real_one():
+    # Its options were once checked by building a pool of 2 blocks, which refused this allocator's every value.
+    from framework import ALLOCATORS
+    from framework.kv.allocators.paged import PagedBlockAllocator
+
+    @ALLOCATORS.register("test_reserving")
+    class Reserving(PagedBlockAllocator):
+        def __init__(self, *args, reserve: int = 4, **kwargs):
+            super().__init__(*args, **kwargs)
+            if not 0 <= reserve < self.num_usable_blocks:
+                raise ValueError(f"reserve must be in [0, {self.num_usable_blocks}), got {reserve}")
+
+    llm = small_llm(allocator="test_reserving", allocator_options={"reserve": 4}, num_gpu_blocks_override=100)
+    assert len(llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match="promote_duplicate must be one of"):  # the base's own, still checked early
+        small_llm(allocator="test_reserving", allocator_options={"promote_duplicate": "middle"})
+
+
 def test_a_cost_model_option_the_simulator_sets_itself_is_named_as_such():
     with pytest.raises(BadOptionsError, match=r"cost model 'roofline': block_size is given by the framework"):
         LLMEngine(model="tiny-llama", executor="sim",

@@ -354,6 +354,9 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
     (["-m", "+policy=fcfs,bogus"], r"Could not find 'policy/bogus'"),
     (["-m", "hydra/launcher=parallel", "engine.bogus=1,2"], r"(?m)^error: engine: unknown key bogus; valid: "),
     (["-m", "engine.max_num_seqs=1,["], "mismatched input"),
+    # A key of a swept group that the sweep adds reaches the jobs (++); the pre-check reads the device's fields.
+    (["-m", "+hardware=h100-sxm,a100-80gb", "hardware.typo_key=4"],
+     r"error: unknown hardware field\(s\) \['typo_key'\]"),
     # A named sweep (hydra.mode: MULTIRUN) that does not compose runs as a single run, which Hydra refuses for the
     # swept value ("add --multirun"): the error it hid is TINY's list over mixed_long's {dist: ...} prompt_len.
     (["+experiment=chunked_vs_fcfs", "workload.rate=1,2"],
