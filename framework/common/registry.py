@@ -216,10 +216,8 @@ class Registry(Generic[T]):
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
         fixed = {*positional, *given}
         # What the user may set, so that a typo (long_prefil) is answered with the right spelling.
-        valid = [p.name for p in signature.parameters.values()
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
-        if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
-            valid.append("(other keywords it checks itself)")
+        # Along the MRO while each constructor passes **kwargs on (a subclass adding an option to its base's).
+        valid = [key for key in _keywords(cls) if key not in fixed]
         its_options = f"its options: {', '.join(valid)}" if valid else "it takes no options"
         taken = sorted(set(options) & fixed)
         if taken:

@@ -86,10 +86,12 @@ def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None
     preparer_forks = False  # the default preparer (v1) runs n samples as n requests
     preparer_defers = True
     if config.executor == "model" or (config.backend, config.preparer) != defaults:
-        from framework.execution.attention import BACKENDS
-        from framework.execution.input_preparer import PREPARERS
+        from framework.execution.attention import BACKEND_ARGUMENTS, BACKENDS
+        from framework.execution.input_preparer import PREPARER_ARGUMENTS, PREPARERS
 
-        BACKENDS.get(config.backend)
+        # Their options' names (a sweep's pre-check runs this, and a simulated run builds neither part).
+        BACKENDS.check_options(config.backend, config.backend_options, **dict.fromkeys(BACKEND_ARGUMENTS))
+        PREPARERS.check_options(config.preparer, config.preparer_options, **dict.fromkeys(PREPARER_ARGUMENTS))
         preparer_forks = PREPARERS.get(config.preparer).forks_parallel_samples
         preparer_defers = PREPARERS.get(config.preparer).defers_sampled
     executor_async = EXECUTORS.get(config.executor).supports_async

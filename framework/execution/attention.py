@@ -67,6 +67,10 @@ class AttentionMetadata:
             num_prefill_tokens=int(q_lens[prefill].sum()), num_decode_tokens=int((q_lens == 1).sum()))
 
 
+#: The constructor arguments the framework gives every backend (``ModelExecutor``): not user options.
+BACKEND_ARGUMENTS = ("num_heads", "num_kv_heads", "head_dim", "scale", "block_size", "dtype", "device")
+
+
 class AttentionBackend(ABC):
     """Stores a step's new K/V in the paged cache and computes causal attention over each
     request's cached context plus its new tokens.

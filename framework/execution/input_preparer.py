@@ -94,6 +94,10 @@ class ModelInput:
     token_rows: torch.Tensor | None = None
 
 
+#: The constructor arguments the framework gives every preparer (``ModelExecutor``): not user options.
+PREPARER_ARGUMENTS = ("max_num_reqs", "max_model_len", "block_size", "max_num_batched_tokens", "device", "check")
+
+
 class InputPreparer(ABC):
     """Builds model inputs from scheduler outputs, keeping any per-request state between steps.
 

@@ -189,9 +189,9 @@ class ModelExecutor(Executor):
             block_size=config.block_size, dtype=self.dtype, device=self._device)
         # Before the weights load, so that a bad preparer option costs no load.
         self._preparer = PREPARERS.create_with(
-            config.preparer, {"check": config.check_invariants, **config.preparer_options},
-            max_num_reqs=config.max_num_seqs, max_model_len=config.max_model_len, block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens, device=self._device)
+            config.preparer, config.preparer_options, max_num_reqs=config.max_num_seqs,
+            max_model_len=config.max_model_len, block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens, device=self._device, check=config.check_invariants)
         self.cuda_graphs = self._use_cuda_graphs(cuda_graphs)
         if config.backend_options.get("fuse_rotary") and not self.cuda_graphs:
             logger.warning("backend.fuse_rotary applies to decode steps replayed from CUDA graphs, and this engine "

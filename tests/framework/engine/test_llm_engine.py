@@ -193,6 +193,8 @@ def test_bad_engine_config_fails_at_construction(kwargs, match):
      r"allocator 'paged': enable_prefix_caching, num_blocks are given by the framework"),
     ({"backend_options": {"block_size": 8}}, r"backend 'torch_paged': block_size is given by the framework"),
     ({"preparer_options": {"max_model_len": 64}}, r"preparer 'v1': max_model_len is given by the framework"),
+    # It overrode check_invariants silently (check_invariants=True, the preparer's checks off).
+    ({"preparer_options": {"check": False}}, r"preparer 'v1': check is given by the framework"),
     ({"executor_options": {"config": None}}, r"executor 'model': config is given by the framework"),
 ])
 def test_an_option_the_engine_sets_itself_is_a_one_line_configuration_error(kwargs, match):
@@ -208,6 +210,7 @@ def test_an_option_the_engine_sets_itself_is_a_one_line_configuration_error(kwar
     ({"allocator_options": {"promote_duplicate": "middle"}}, "promote_duplicate must be one of 'oldest', 'newest'"),
     ({"preparer_options": {"chek": True}}, r"preparer 'v1': .*chek"),
     ({"preparer": "v0", "preparer_options": {"chek": True}}, r"preparer 'v0': .*chek"),
+    ({"backend_options": {"bogus": 1}}, r"backend 'torch_paged': .*bogus"),
 ])
 def test_a_bad_allocator_or_preparer_option_is_refused_before_the_model_is_built(kwargs, match, monkeypatch):
     """Both parts' options are checked before the weights load: a typo costs no load."""
@@ -237,6 +240,33 @@ def test_an_allocator_option_checked_against_its_pool_is_checked_against_the_rea
     assert len(llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
     with pytest.raises(ValueError, match="promote_duplicate must be one of"):  # the base's own, still checked early
         small_llm(allocator="test_reserving", allocator_options={"promote_duplicate": "middle"})
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"backend_options": {"bogus": 1}}, r"backend 'torch_paged': .*bogus"),
+    ({"preparer_options": {"bogus": 1}}, r"preparer 'v1': .*bogus"),
+])
+def test_a_bad_backend_or_preparer_option_is_refused_before_loading(options, match):
+    # Only their names had been resolved before loading: a sweep's pre-check let every job run into the error.
+    from framework.engine.llm_engine import check_before_loading
+
+    with pytest.raises(ValueError, match=match):
+        check_before_loading(EngineConfig(model="tiny-llama", **options))
+
+
+def test_a_subclass_options_error_lists_its_bases_options_too():
+    from framework.common.registry import BadOptionsError
+    from framework.execution.attention import BACKENDS
+    from backends.torch_paged import TorchPagedBackend
+
+    @BACKENDS.register("test_counting")
+    class Counting(TorchPagedBackend):
+        def __init__(self, *args, tag: str = "", **kwargs):
+            super().__init__(*args, **kwargs)
+
+    with pytest.raises(BadOptionsError, match=r"backend 'test_counting': block_size is given by the framework.*"
+                                              r"its options: tag, decode_kernel, prefill_kernel"):
+        small_llm(backend="test_counting", backend_options={"block_size": 8})
 
 
 def test_a_cost_model_option_the_simulator_sets_itself_is_named_as_such():
