@@ -179,17 +179,18 @@ def _with_csv_metrics(run_dir: Path, summary: dict[str, Any], flat: dict[str, An
 def csv_metrics(run_dir: Path, slo: dict[str, Any] | None = None, simulated: bool = False) -> dict[str, Any]:
     """``metrics.summarize`` of the rows in the run's ``requests.csv`` and ``steps.csv`` (a row a kill cut short
     left out) over the time they span, goodput by ``slo`` (``SLO``'s keys); ITLs and hit rate unknown (None); and the
-    steps' timing noise (``metrics.step_time_noise``) unless ``simulated`` (its step times are its cost model's)."""
-    from framework.harness.metrics import SLO, step_time_noise, summarize  # numpy and the engine: only when needed
+    steps' timing noise (``experiment.timing_noise``; none where ``simulated``: its step times are its cost model's)."""
+    from framework.harness.experiment import timing_noise  # numpy and the engine: only when needed
+    from framework.harness.metrics import SLO, summarize
 
     records = _csv_records(run_dir / "requests.csv")
-    steps, steps_end, preempted, shapes = _csv_steps(run_dir / "steps.csv")
+    steps, steps_end, preempted = _csv_steps(run_dir / "steps.csv")
     end = max([steps_end, *(r.arrival_time + r.e2el for r in records if r.e2el is not None)])
     # The steps count the preemptions of requests the kill cut off, which have no row; either file may lag the
     # other by a flush, so the larger count is the nearer.
     preemptions = max(preempted, sum(r.num_preemptions for r in records)), sum(r.num_swaps for r in records)
     return {**summarize(records, end, SLO(**(slo or {})), steps, preemptions=preemptions),
-            **step_time_noise([] if simulated else shapes)}
+            **timing_noise(run_dir / "steps.csv", simulated)}
 
 
 def _complete_rows(path: Path) -> Iterator[dict[str, str]]:
@@ -215,12 +216,12 @@ def _csv_records(path: Path) -> list[Any]:
             for r in _complete_rows(path)]
 
 
-def _csv_steps(path: Path) -> tuple[Any, float, int, list[tuple[int, int, int, float]]]:
-    """The ``StepTotals`` of ``steps.csv``'s rows (none without the file), when the last step ended, how many
-    preemptions they made, and each step's shape and duration (as ``metrics.step_time_noise`` takes them)."""
+def _csv_steps(path: Path) -> tuple[Any, float, int]:
+    """The ``StepTotals`` of ``steps.csv``'s rows (none without the file), when the last step ended, and how many
+    preemptions they made."""
     from framework.harness.metrics import StepTotals
 
-    totals, end, kv_usage, preempted, shapes = StepTotals(), 0.0, [], 0, []
+    totals, end, kv_usage, preempted = StepTotals(), 0.0, [], 0
     sums = dict.fromkeys(("num_scheduled_tokens", "num_prefill_tokens", "num_swapped_out_blocks",
                           "num_swapped_in_blocks"), 0)
     for row in _complete_rows(path) if path.is_file() else ():
@@ -229,10 +230,8 @@ def _csv_steps(path: Path) -> tuple[Any, float, int, list[tuple[int, int, int, f
         for key in sums:
             sums[key] += int(row[key])
         preempted += int(row["num_preempted"])
-        shapes.append((int(row["num_scheduled_reqs"]), int(row["num_prefill_tokens"]), int(row["num_decode_tokens"]),
-                       float(row["duration"])))
     totals.add(len(kv_usage), kv_usage, *sums.values())
-    return totals, end, preempted, shapes
+    return totals, end, preempted
 
 
 def _default_options(part: str, name: str) -> dict[str, Any]:

@@ -49,6 +49,12 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
             f"{req.request_id}: {len(req.block_ids)} blocks cannot hold its {req.num_computed_tokens} computed tokens")
     live = len(scheduler.waiting) + len(scheduler.running) + len(scheduler.swapped) + len(scheduler._finishing)
     assert live == len(scheduler.requests), f"{live} queued requests but {len(scheduler.requests)} unfinished"
+    check_books(scheduler)
+
+
+def check_books(scheduler: Scheduler) -> None:
+    """AssertionError unless the allocator's books agree with the live requests' blocks (``check_block_holders``)
+    and with its own invariants."""
     check_block_holders(scheduler.allocator, scheduler.requests.values())
     scheduler.allocator.check_invariants(scheduler.requests.values())
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from framework.common.request import Request, RequestStatus
 from framework.kv.block_allocator import BlockAllocator, PrefixHit
-from framework.scheduling.invariants import check_block_holders, check_invariants
+from framework.scheduling.invariants import check_books, check_invariants
 from framework.scheduling.output import SchedulerOutput, Step
 from framework.scheduling.policy import RECOMPUTE, SWAP, SchedulerPolicy
 
@@ -94,8 +94,8 @@ class Scheduler:
         request.finished_time = self.clock.now()
         self._dropped_rows.add(request_id)
         self._finished_outside_step.append(request)
-        if self.config.check_invariants:
-            self._check_books()
+        if self.config.check_invariants:  # a run's last abort has no schedule() after it to check its freed blocks
+            check_books(self)
         return request
 
     def take_finished_outside_step(self) -> list[Request]:
@@ -190,8 +190,8 @@ class Scheduler:
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
-            if self.config.check_invariants:
-                self._check_books()
+            if self.config.check_invariants:  # as in abort_request: a run's last finishes have no schedule() after
+                check_books(self)
         return progressed
 
     # -- async scheduling ------------------------------------------------------------------------
@@ -239,7 +239,7 @@ class Scheduler:
         timed ``now``. Returns the requests that got a token."""
         now = self.clock.now() if now is None else now
         progressed: list[Request] = []
-        any_finished = finished_any = False  # a running request finished; any request did
+        any_finished = freed = False  # a running request finished; any request finished (its blocks freed)
         for req in out.scheduled:
             token = sampled.get(req.request_id)
             if token is None or not req.num_placeholders:
@@ -251,18 +251,12 @@ class Scheduler:
                 continue
             any_finished |= self._leave_queue(req, leave_running=False)
             self._finish(req, status, now)
-            finished_any = True
+            freed = True
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
-        if finished_any and self.config.check_invariants:
-            self._check_books()
+        if freed and self.config.check_invariants:  # as in abort_request
+            check_books(self)
         return progressed
-
-    def _check_books(self) -> None:
-        """``check_invariants``' check of the blocks against the live requests, after finishes and aborts freed some:
-        the next ``schedule`` checks them too, but a run's last finishes have none after them."""
-        check_block_holders(self.allocator, self.requests.values())
-        self.allocator.check_invariants(self.requests.values())
 
     def _leave_queue(self, request: Request, leave_running: bool = True) -> bool:
         """Take ``request`` off its queue (waiting, finishing, running or swapped); with ``leave_running=False``
