@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 import framework  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch spins up threads)
 from framework.testing.leaks import kv_leaks_checked  # noqa: E402
+from framework.testing.parity import make_hf_checkpoint  # noqa: E402
 
 # The property tests' example counts: "ci" (the default) keeps the suite to a few minutes;
 # `pytest --hypothesis-profile=long` runs them at length (3,000 examples per property test,
@@ -33,45 +34,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before collection, so the tests' @settings take the profile's example count.
     if not config.getoption("hypothesis_profile", None):
         settings.load_profile("ci")
-
-TINY_HF = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-
-
-def make_hf_checkpoint(path, arch: str = "llama", seed: int = 0, with_tokenizer: bool = False, **overrides):
-    """Save a random-weight transformers model (``llama``, ``qwen2`` or ``mistral``) to ``path``
-    and return the transformers model (in eval mode) for reference outputs."""
-    import transformers
-
-    torch.manual_seed(seed)
-    kw = {**TINY_HF, **overrides}
-    if arch == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    elif arch == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, **kw))
-    elif arch == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None, **kw))
-    else:
-        raise ValueError(arch)
-    model.eval()
-    model.save_pretrained(path)
-    if with_tokenizer:
-        save_word_tokenizer(path, kw["vocab_size"])
-    return model
-
-
-def save_word_tokenizer(path, vocab_size: int) -> None:
-    """A deterministic word-level tokenizer (no download) saved next to a checkpoint."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
-    vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
-
 
 @pytest.fixture(scope="session")
 def llama_ckpt(tmp_path_factory):
@@ -90,21 +52,6 @@ def qwen2_ckpt(tmp_path_factory):
 def mistral_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-mistral-hf")
     return path, make_hf_checkpoint(path, "mistral", seed=2)
-
-
-def hf_greedy(model, prompt: list[int], max_tokens: int, stop_at_eos: bool = False, **generate_kwargs) -> list[int]:
-    """transformers' greedy ``generate`` (``generate_kwargs`` go to it, e.g. ``repetition_penalty``).
-    Without ``stop_at_eos`` it runs exactly ``max_tokens`` with no EOS handling at all
-    (``min_new_tokens`` would instead mask EOS out of the argmax)."""
-    saved = model.generation_config.eos_token_id
-    if not stop_at_eos:
-        model.generation_config.eos_token_id = None  # generate() falls back to it otherwise
-    try:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                             **generate_kwargs)
-    finally:
-        model.generation_config.eos_token_id = saved
-    return out[0, len(prompt):].tolist()
 
 
 def runnable_backends(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,

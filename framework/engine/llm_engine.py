@@ -80,12 +80,13 @@ def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None
     ALLOCATORS.get(config.allocator)
     config.max_num_batched_tokens = resolve_token_budget(config, config.max_model_len)
     check_token_budget(config.policy, config.max_num_batched_tokens, config.max_model_len, max_prompt_len)
-    # The tensor parts' registries load torch (about 2 s), which a simulated run never needs:
-    # their names are checked only when not the defaults, so a typo is still caught.
+    # The tensor parts' registries load torch (about 2 s), which a simulated run never needs: they are
+    # checked only when the run names other parts or gives them options, so a typo is still caught.
     defaults = EngineConfig.backend, EngineConfig.preparer
     preparer_forks = False  # the default preparer (v1) runs n samples as n requests
     preparer_defers = True
-    if config.executor == "model" or (config.backend, config.preparer) != defaults:
+    if (config.executor == "model" or (config.backend, config.preparer) != defaults or config.backend_options
+            or config.preparer_options):
         from framework.execution.attention import BACKEND_ARGUMENTS, BACKENDS
         from framework.execution.input_preparer import PREPARER_ARGUMENTS, PREPARERS
 

@@ -49,10 +49,11 @@ def setups(draw, max_blocks=40):
                 threshold=draw(st.sampled_from([0, 0, 4, 12])), prefix_caching=draw(st.booleans()))
 
 
-def run_workload(policy, setup, arrivals, checks=(), async_scheduling=False, **options):
+def run_workload(policy, setup, arrivals, checks=(), async_scheduling=False, engine_options=None, **options):
     """Serve ``arrivals`` under ``policy`` (its ``options``) in a shadow engine of ``setup`` (a ``setups()`` draw),
     the scheduler's invariants and each of ``checks`` (``check(before, out, scheduler)``) asserted every step and
-    ``check_outcomes`` at the end; ``async_scheduling`` as the engine's. Returns the ``Run``."""
+    ``check_outcomes`` at the end; ``async_scheduling`` as the engine's, ``engine_options`` other ``EngineConfig``
+    fields (say ``{"allocator": "mine"}``). Returns the ``Run``."""
     if "long_prefill_token_threshold" in inspect.signature(POLICIES.get(policy)).parameters:  # chunked and kin
         options["long_prefill_token_threshold"] = setup["threshold"]
     # A prefill-first policy with a budget below MAX_MODEL_LEN is refused unless told its prompts fit the budget:
@@ -62,7 +63,7 @@ def run_workload(policy, setup, arrivals, checks=(), async_scheduling=False, **o
                            setup["max_num_batched_tokens"] if prefill_first else None,
                            max_num_seqs=setup["max_num_seqs"], max_num_batched_tokens=setup["max_num_batched_tokens"],
                            max_model_len=MAX_MODEL_LEN, enable_prefix_caching=setup["prefix_caching"],
-                           async_scheduling=async_scheduling)
+                           async_scheduling=async_scheduling, **(engine_options or {}))
     log = StepLog(engine, checks)
     total = sum(len(a.prompt) + a.params.max_tokens for a in arrivals)
     # "No request waits forever": a generous bound on steps, far above what any policy needs.

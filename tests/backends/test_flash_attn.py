@@ -11,8 +11,7 @@ import torch
 
 from framework import BACKENDS
 from framework.common.registry import UnavailableError
-from tests.backends.batches import mixed_specs, random_batch
-from tests.backends.test_agreement import GQA, check, run, seed_of
+from framework.testing.attention import GQA, check_result, mixed_specs, random_batch, run_named, seed_of
 
 HAVE_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
@@ -71,5 +70,5 @@ def test_matches_float64_reference(dtype, num_heads, num_kv_heads, decode_only):
         specs = mixed_specs(rng, block_size, num_reqs=7, max_len=600)
     batch = random_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, device="cuda")
     before = batch.kv_cache.clone()
-    result = run("flash_attn", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda")
-    check(result, batch, before, dtype)
+    result = run_named("flash_attn", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda")
+    check_result(result, batch, before, dtype)

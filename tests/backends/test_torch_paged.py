@@ -12,8 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backends.torch_paged import prefill_groups
 from framework import BACKENDS
-from tests.backends.batches import random_batch
-from tests.backends.test_agreement import check, run
+from framework.testing.attention import check_result, random_batch, run_named
 
 
 def padded_and_real(groups, q, n):
@@ -57,7 +56,7 @@ def test_a_lone_full_prefill_runs_causal_without_a_mask():
     (group,) = backend.build_metadata(batch.meta).groups
     assert group.mask is None
     before = batch.kv_cache.clone()
-    check(run("torch_paged", batch, 4, 2, 16, 16, torch.float32, "cpu"), batch, before, torch.float32)
+    check_result(run_named("torch_paged", batch, 4, 2, 16, 16, torch.float32, "cpu"), batch, before, torch.float32)
 
 
 def test_a_backend_used_under_inference_mode_still_runs_outside_it():
@@ -70,7 +69,7 @@ def test_a_backend_used_under_inference_mode_still_runs_outside_it():
         before = batch.kv_cache.clone()
         with mode():
             out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
-        check(out, batch, before, torch.float32)
+        check_result(out, batch, before, torch.float32)
 
 
 def make(decode_kernel: str, dtype: torch.dtype = torch.float32, device: str = "cpu", num_heads: int = 4,
@@ -97,7 +96,7 @@ def test_both_decode_kernels_match_the_float64_reference(decode_kernel, dtype, n
     assert (decode_group.seq_lens is not None) == (decode_kernel == "cpp"), "the kernel asked for runs the decodes"
     before = batch.kv_cache.clone()
     out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta)
-    check(out, batch, before, dtype)
+    check_result(out, batch, before, dtype)
 
 
 @pytest.mark.parametrize("decode_kernel, prefill_kernel", [("cpp", "sdpa"), ("sdpa", "cpp")])
@@ -112,7 +111,7 @@ def test_the_kernel_takes_rows_spread_through_the_batch(decode_kernel, prefill_k
     assert len(kernel) == 1 and kernel[0].out_start is None
     assert kernel[0].num_reqs == (3 if decode_kernel == "cpp" else 18), "a row per decode, or per prefill token"
     before = batch.kv_cache.clone()
-    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
+    check_result(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -129,7 +128,7 @@ def test_the_kernel_runs_prefills_as_a_row_per_token_of_its_causal_length(dtype,
     assert meta.groups[0].seq_lens.tolist()[:42] == list(range(1, 41)) + [18, 19]
     assert meta.groups[0].table_rows.tolist()[:42] == [0] * 40 + [1, 1], "a token points at its request's blocks"
     before = batch.kv_cache.clone()
-    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
+    check_result(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
     assert backend._workspace is None, "nothing gathered"
 
 
@@ -147,7 +146,7 @@ def test_the_kernel_cuts_rows_of_uneven_work_into_runs_that_cover_each_row_once(
         out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
     finally:
         torch.set_num_threads(previous)
-    check(out, batch, before, torch.float32)
+    check_result(out, batch, before, torch.float32)
 
 
 @pytest.mark.parametrize("decode_kernel, prefill_kernel, device, match", [
@@ -177,7 +176,7 @@ def test_without_a_built_kernel_auto_falls_back_to_sdpa_and_cpp_says_why(monkeyp
     meta = backend.build_metadata(batch.meta)
     assert all(g.seq_lens is None for g in meta.groups)
     before = batch.kv_cache.clone()
-    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
+    check_result(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
 
 
 FUSED_ONLY = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
@@ -213,7 +212,7 @@ def test_masked_gqa_groups_run_on_a_fused_sdpa_kernel(monkeypatch, device, dtype
     before = batch.kv_cache.clone()
     with sdpa_kernel(FUSED_ONLY):
         out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
-    check(out, batch, before, dtype)
+    check_result(out, batch, before, dtype)
     masked = [c for c in calls if c[2]]
     assert len(masked) >= 2, "the batch plans a decode group and a masked prefill group"
     if backend.fold_masked_gqa:
@@ -237,7 +236,7 @@ def test_the_declared_workspace_covers_what_a_step_holds(monkeypatch, decode_ker
     monkeypatch.setattr(backend, "fold_masked_gqa", fold)
     meta = backend.build_metadata(batch.meta)
     before = batch.kv_cache.clone()
-    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
+    check_result(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
     held = sum(g.mask.nbytes for g in meta.groups if g.mask is not None)
     if backend._workspace is not None:
         held += backend._workspace.nbytes

@@ -20,8 +20,7 @@ import torch
 
 from backends.triton_paged import INTERPRETER_NOTICE, load_kernels
 from framework import BACKENDS
-from tests.backends.batches import mixed_specs, random_batch
-from tests.backends.test_agreement import check, run, seed_of
+from framework.testing.attention import check_result, mixed_specs, random_batch, run_named, seed_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -40,7 +39,7 @@ def mixed_batch(name, num_heads, num_kv_heads, head_dim, block_size, dtype, devi
 def test_head_and_block_sizes(head_dim, block_size, device):
     batch = mixed_batch("sizes", 4, 2, head_dim, block_size, torch.float32, device)
     before = batch.kv_cache.clone()
-    check(run("triton", batch, 4, 2, head_dim, block_size, torch.float32, device), batch, before, torch.float32)
+    check_result(run_named("triton", batch, 4, 2, head_dim, block_size, torch.float32, device), batch, before, torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -49,14 +48,14 @@ def test_head_and_block_sizes(head_dim, block_size, device):
 def test_half_precision_with_padded_and_plain_heads(head_dim, dtype, device):
     batch = mixed_batch("half", 8, 2, head_dim, 16, dtype, device)
     before = batch.kv_cache.clone()
-    check(run("triton", batch, 8, 2, head_dim, 16, dtype, device), batch, before, dtype)
+    check_result(run_named("triton", batch, 8, 2, head_dim, 16, dtype, device), batch, before, dtype)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(12, 4), (6, 6)])
 def test_groups_and_head_counts_that_are_not_powers_of_two(num_heads, num_kv_heads):
     batch = mixed_batch("npow2", num_heads, num_kv_heads, 32, 16, torch.float32, "cpu")
     before = batch.kv_cache.clone()
-    check(run("triton", batch, num_heads, num_kv_heads, 32, 16, torch.float32, "cpu"), batch, before, torch.float32)
+    check_result(run_named("triton", batch, num_heads, num_kv_heads, 32, 16, torch.float32, "cpu"), batch, before, torch.float32)
 
 
 @pytest.mark.parametrize("block_q, block_n", [(1, 16), (2, 16), (4, 32)])
@@ -66,7 +65,7 @@ def test_tiles_smaller_than_the_requests(monkeypatch, block_q, block_n):
     monkeypatch.setattr(load_kernels(torch.device("cpu")), "tile_sizes", lambda *args: (block_q, block_n))
     batch = mixed_batch("tiles", 4, 2, 32, 8, torch.float32, "cpu", num_reqs=6, max_len=5)
     before = batch.kv_cache.clone()
-    check(run("triton", batch, 4, 2, 32, 8, torch.float32, "cpu"), batch, before, torch.float32)
+    check_result(run_named("triton", batch, 4, 2, 32, 8, torch.float32, "cpu"), batch, before, torch.float32)
 
 
 @pytest.mark.parametrize("splits", [2, 3, 7])
@@ -82,7 +81,7 @@ def test_split_key_ranges_merge_to_the_same_answer(monkeypatch, splits, dtype):
     seed = seed_of("splits", splits, str(dtype))
     batch = random_batch(specs, 8, 2, 32, 8, dtype, seed)
     before = batch.kv_cache.clone()
-    check(run("triton", batch, 8, 2, 32, 8, dtype, "cpu"), batch, before, dtype)
+    check_result(run_named("triton", batch, 8, 2, 32, 8, dtype, "cpu"), batch, before, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -103,7 +102,7 @@ def test_the_graph_decode_launch_reads_its_lengths_on_the_device(monkeypatch, de
     batch.meta.max_seq_len = 256  # what the capture bounds lengths by, not this batch's longest
     meta = backend.build_graph_metadata(batch.meta)
     assert meta.launch.decode and meta.launch.num_splits == splits
-    check(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
+    check_result(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -183,7 +182,7 @@ def test_a_chunk_on_a_long_context_with_many_heads():
     batch = random_batch([(1000, 16)], num_heads, num_kv_heads, head_dim, block_size, dtype,
                          seed_of("long-chunks"))
     before = batch.kv_cache.clone()
-    check(run("triton", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu"), batch, before, dtype)
+    check_result(run_named("triton", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu"), batch, before, dtype)
 
 
 def test_head_size_above_256_is_refused():
@@ -196,7 +195,7 @@ def test_on_a_cpu_it_runs_interpreted_with_one_notice():
     """And keeps numpy's BLAS (which runs the interpreter's dots) on one thread."""
     code = ("import torch, triton\n"  # triton already imported: the switch must still work
             "from framework import BACKENDS\n"
-            "from tests.backends.batches import random_batch, relative_error\n"
+            "from framework.testing.attention import random_batch, relative_error\n"
             "kw = dict(num_heads=2, num_kv_heads=1, head_dim=16, scale=0.25, block_size=16, dtype=torch.float32)\n"
             "a = BACKENDS.create('triton', device='cpu', **kw)\n"
             "b = BACKENDS.create('triton', device='cpu', **kw)\n"
@@ -243,7 +242,7 @@ def test_the_interpreter_does_not_leak_out_of_a_cpu_backend(value):
     code = ("import os, torch, triton\n"
             "from framework import BACKENDS\n"
             "from backends.triton_paged import load_kernels\n"
-            "from tests.backends.batches import random_batch, relative_error\n"
+            "from framework.testing.attention import random_batch, relative_error\n"
             "b = BACKENDS.create('triton', num_heads=2, num_kv_heads=1, head_dim=16, scale=0.25, block_size=16,\n"
             "                    dtype=torch.float32, device='cpu')\n"
             "x = random_batch([(20, 1), (0, 5)], 2, 1, 16, 16, torch.float32, seed=0)\n"
@@ -376,7 +375,7 @@ def test_on_a_gpu_long_contexts_take_the_split_key_path(specs, dtype):
     assert meta.launch.num_splits > 1
     before = batch.kv_cache.clone()
     out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, out=torch.full_like(batch.q, float("nan")))
-    check(out, batch, before, dtype)
+    check_result(out, batch, before, dtype)
 
 
 @pytest.mark.gpu
@@ -388,4 +387,4 @@ def test_on_the_second_gpu(name):
     assert torch.cuda.current_device() == 0
     batch = mixed_batch("second-gpu", 8, 2, 128, 16, torch.bfloat16, "cuda:1", num_reqs=6, max_len=6)
     before = batch.kv_cache.clone()
-    check(run(name, batch, 8, 2, 128, 16, torch.bfloat16, "cuda:1"), batch, before, torch.bfloat16)
+    check_result(run_named(name, batch, 8, 2, 128, 16, torch.bfloat16, "cuda:1"), batch, before, torch.bfloat16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from framework import BACKENDS
-from tests.backends.batches import mixed_specs, random_batch
+from framework.testing.attention import mixed_specs, random_batch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 32, 16  # the tiny presets' attention shape
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from framework import LLM
 from models import iter_checkpoint, resolve_model
-from tests.conftest import make_hf_checkpoint
+from framework.testing.parity import make_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

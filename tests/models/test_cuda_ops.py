@@ -152,7 +152,7 @@ def test_the_model_stores_kv_in_the_rotary_pass_where_the_backend_lets_it(dtype)
     from framework import BACKENDS
     from models.config import ModelConfig
     from models.llama import LlamaForCausalLM
-    from tests.backends.batches import random_batch
+    from framework.testing.attention import random_batch
 
     ops = ops_for("cpu")
     cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -259,7 +259,7 @@ def test_the_model_prefetches_the_next_weights_it_reads_and_computes_the_same():
     from framework import BACKENDS
     from models.config import ModelConfig
     from models.llama import LlamaForCausalLM
-    from tests.backends.batches import random_batch
+    from framework.testing.attention import random_batch
 
     ops = ops_for("cpu")
     asked = []
@@ -320,7 +320,7 @@ def test_with_fuse_rotary_a_graph_decode_step_leaves_rope_to_the_attention_launc
     from framework import BACKENDS
     from models.config import ModelConfig
     from models.llama import LlamaForCausalLM
-    from tests.backends.batches import random_batch
+    from framework.testing.attention import random_batch
 
     ops = ops_for("cpu")
     rotations = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from framework import LLM, SamplingParams
-from tests.conftest import hf_greedy, make_hf_checkpoint
+from framework.testing.parity import hf_greedy, make_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 33, 2, 7, 120, 64], [300, 4, 17]]

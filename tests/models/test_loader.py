@@ -6,7 +6,7 @@ from safetensors.torch import save_file
 
 from framework import LLM, SamplingParams
 from models import ModelConfig, resolve_model
-from tests.conftest import hf_greedy, make_hf_checkpoint
+from framework.testing.parity import hf_greedy, make_hf_checkpoint
 
 
 def test_sharded_safetensors_and_bin_checkpoints_load_identically(tmp_path):
@@ -94,7 +94,7 @@ def test_architecture_without_an_lm_head_is_rejected(tmp_path):
     on a tensor name ('no place for: score.weight'); the config now names the architecture."""
     import transformers
 
-    from tests.conftest import TINY_HF
+    from framework.testing.parity import TINY_HF
 
     transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**TINY_HF)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="LlamaForSequenceClassification; supported: LlamaForCausalLM"):

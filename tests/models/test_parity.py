@@ -5,37 +5,9 @@ import random
 import pytest
 
 from framework import LLM, POLICIES, PREPARERS, SamplingParams
-from tests.conftest import TINY_HF, hf_greedy, make_hf_checkpoint, runnable_backends, step_through_interrupts
-
-MAX_TOKENS = 24
-BLOCK_SIZE = 8
-
-
-def parity_prompts(n=16, vocab=512, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(2, 90))] for _ in range(n)]
-
-
-def run_engine(path, **kwargs):
-    stats = []
-    llm = LLM(model=str(path), block_size=BLOCK_SIZE, max_model_len=160, max_num_batched_tokens=160,
-              num_gpu_blocks_override=26, max_num_seqs=8, check_invariants=True, **kwargs)
-    llm.engine.step_callbacks.append(lambda s, out: stats.append(s))
-    prompts = parity_prompts()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    return llm, prompts, outs, stats
-
-
-_REFERENCES: dict[str, list[list[int]]] = {}
-
-
-def reference(path, hf_model):
-    """transformers' greedy outputs for the parity prompts (computed once per checkpoint)."""
-    if str(path) not in _REFERENCES:
-        _REFERENCES[str(path)] = [hf_greedy(hf_model, p, MAX_TOKENS) for p in parity_prompts()]
-    return _REFERENCES[str(path)]
-
+from framework.testing.parity import (BLOCK_SIZE, MAX_TOKENS, TINY_HF, check_greedy_parity, hf_greedy,
+                                      make_hf_checkpoint, parity_prompts, parity_references, run_parity_workload)
+from tests.conftest import runnable_backends, step_through_interrupts
 
 #: Every CPU backend under the default preparer, and the reference backend under v0; the test
 #: below covers every policy x backend under both preparers. Named, not discovered, so that a
@@ -47,11 +19,7 @@ BACKEND_PREPARER = [("naive", "v1"), ("torch_paged", "v1"), ("triton", "v1"), ("
 @pytest.mark.parametrize("ckpt", ["llama_ckpt", "qwen2_ckpt", "mistral_ckpt"])
 def test_greedy_matches_transformers(ckpt, backend, preparer, request):
     path, hf_model = request.getfixturevalue(ckpt)
-    llm, prompts, outs, stats = run_engine(path, backend=backend, preparer=preparer)
-    assert llm.engine.scheduler.num_preemptions > 0, "the pool should be small enough to force preemption"
-    assert max(s.num_scheduled_reqs for s in stats) > 1, "batches should hold several requests"
-    assert [o.outputs[0].token_ids for o in outs] == reference(path, hf_model)
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    check_greedy_parity(path, hf_model, backend=backend, preparer=preparer)
 
 
 def policy_backend_pairs():
@@ -70,11 +38,11 @@ def test_preparers_give_identical_greedy_outputs(policy, backend, llama_ckpt):
     path, hf_model = llama_ckpt
     outputs = {}
     for preparer in PREPARERS.list():
-        _, _, outs, _ = run_engine(path, policy=policy, backend=backend, preparer=preparer)
+        _, _, outs, _ = run_parity_workload(path, policy=policy, backend=backend, preparer=preparer)
         outputs[preparer] = [o.outputs[0].token_ids for o in outs]
     assert {"v0", "v1"} <= set(outputs)
     for preparer, tokens in outputs.items():
-        assert tokens == reference(path, hf_model), f"preparer {preparer} under {policy}/{backend}"
+        assert tokens == parity_references(hf_model), f"preparer {preparer} under {policy}/{backend}"
 
 
 @pytest.mark.parametrize("preparer", ["v0", "v1"])
@@ -93,10 +61,10 @@ def test_repetition_penalty_matches_transformers(llama_ckpt, preparer):
     changed = 0
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         if i % 2:
-            want = reference(path, hf_model)[i]
+            want = parity_references(hf_model)[i]
         else:
             want = hf_greedy(hf_model, prompt, MAX_TOKENS, repetition_penalty=1.3)
-            changed += want != reference(path, hf_model)[i]
+            changed += want != parity_references(hf_model)[i]
         assert [c.token_ids for c in out.outputs] == [want] * params[i].n, i
     assert changed >= 3, "the penalty should change some greedy outputs"
 

@@ -2,8 +2,7 @@
 core parity workload (tests/models/test_parity.py) where requests get chunked and preempted."""
 import pytest
 
-from tests.conftest import hf_greedy
-from tests.models.test_parity import MAX_TOKENS, run_engine
+from framework.testing.parity import MAX_TOKENS, hf_greedy, run_parity_workload
 
 _HF: dict = {}
 
@@ -18,7 +17,7 @@ def hf_outputs(ckpt, model, prompts):
 @pytest.mark.parametrize("policy", ["chunked", "priority_swap"])
 def test_greedy_matches_transformers(policy, ckpt, request):
     path, hf_model = request.getfixturevalue(ckpt)
-    llm, prompts, outs, stats = run_engine(path, policy=policy)
+    llm, prompts, outs, stats = run_parity_workload(path, policy=policy)
     scheduler = llm.engine.scheduler
     assert scheduler.num_preemptions > 0, "the pool should be small enough to force preemption"
     if policy == "priority_swap":

@@ -9,7 +9,7 @@ from framework import LLM, EngineConfig, LLMEngine, SamplingParams
 from framework.common.detokenizer import IncrementalDetokenizer
 from framework.engine.output_processor import decode_continuation
 from framework.common.request import Request
-from tests.conftest import hf_greedy
+from framework.testing.parity import hf_greedy
 
 PROMPT_TEXT = "w5 w17 w3 w300 w42"
 MAX = 20

@@ -11,7 +11,8 @@ from framework.common.request import PLACEHOLDER, Request
 from framework.execution.executor import EXECUTORS
 from framework.execution.model_runner import ModelRunner
 from framework.testing.shadow import ShadowExecutor, reference_output
-from tests.conftest import hf_greedy, step_through_interrupts
+from framework.testing.parity import hf_greedy
+from tests.conftest import step_through_interrupts
 
 PARAMS = {
     "greedy": lambda rng, i: SamplingParams(max_tokens=rng.randrange(1, 50), temperature=0.0, ignore_eos=True),

@@ -9,7 +9,7 @@ import pytest
 from framework import LLM, SamplingParams
 from framework.common.config import EngineConfig
 from models.loader import resolve_model
-from tests.conftest import make_hf_checkpoint
+from framework.testing.parity import make_hf_checkpoint
 
 ENGINE = dict(backend="naive", max_model_len=64, max_num_seqs=8, num_gpu_blocks_override=64)
 PROMPT = [5, 9, 33, 2, 7]

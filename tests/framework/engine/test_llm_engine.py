@@ -7,7 +7,8 @@ from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameE
 from framework.common.clock import VirtualClock
 from framework.common.registry import BadOptionsError
 from framework.engine.output_processor import OutputProcessor
-from tests.conftest import hf_greedy, step_through_interrupts
+from framework.testing.parity import hf_greedy
+from tests.conftest import step_through_interrupts
 
 
 def small_llm(**kw):
@@ -246,12 +247,13 @@ def test_an_allocator_option_checked_against_its_pool_is_checked_against_the_rea
     ({"backend_options": {"bogus": 1}}, r"backend 'torch_paged': .*bogus"),
     ({"preparer_options": {"bogus": 1}}, r"preparer 'v1': .*bogus"),
 ])
-def test_a_bad_backend_or_preparer_option_is_refused_before_loading(options, match):
-    # Only their names had been resolved before loading: a sweep's pre-check let every job run into the error.
+@pytest.mark.parametrize("executor", ["model", "sim"])
+def test_a_bad_backend_or_preparer_option_is_refused_before_loading(options, match, executor):
+    # A sweep's pre-check runs this; a simulated run builds neither part, so it would pass a typo by unseen.
     from framework.engine.llm_engine import check_before_loading
 
     with pytest.raises(ValueError, match=match):
-        check_before_loading(EngineConfig(model="tiny-llama", **options))
+        check_before_loading(EngineConfig(model="tiny-llama", executor=executor, **options))
 
 
 def test_a_subclass_options_error_lists_its_bases_options_too():

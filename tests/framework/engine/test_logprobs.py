@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from framework import LLM, LLMEngine, SamplingParams
-from tests.conftest import hf_greedy
-from tests.models.test_parity import parity_prompts
+from framework.testing.parity import hf_greedy, parity_prompts
 
 TOL = 1e-4  # float32 logits of two implementations of the same model
 

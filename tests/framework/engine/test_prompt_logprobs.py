@@ -7,7 +7,7 @@ import torch
 
 from framework import LLM, LLMEngine, SamplingParams
 from tests.framework.engine.test_logprobs import TOL, check_entry, preempting_engine
-from tests.models.test_parity import parity_prompts
+from framework.testing.parity import parity_prompts
 
 
 def hf_prompt_logprobs(hf_model, prompt):

@@ -6,7 +6,7 @@ from framework import LLMEngine, SamplingParams
 from framework.common.sampling_params import RequestOutputKind
 from framework.engine.logprobs import token_text
 from framework.engine.output_processor import decode_continuation
-from tests.conftest import make_hf_checkpoint
+from framework.testing.parity import make_hf_checkpoint
 from tests.framework.common.test_detokenizer import chunk_tokenizer
 
 

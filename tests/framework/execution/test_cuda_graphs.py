@@ -6,7 +6,7 @@ import torch
 
 from framework import BACKENDS, LLM, SamplingParams
 from framework.execution.cuda_graphs import PaddedDecode, capture_sizes, is_graph_decode
-from tests.models.test_parity import parity_prompts
+from framework.testing.parity import parity_prompts
 
 MAX_TOKENS = 12
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from framework.server.server import LabServer
-from tests.conftest import make_hf_checkpoint
+from framework.testing.parity import make_hf_checkpoint
 from tests.hydra_support import compose_config
 
 ROOT = Path(__file__).resolve().parents[3]
