@@ -126,9 +126,11 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 #: Largest relative error against the float64 reference a dtype's result may have.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-GQA = ((4, 4), (4, 2), (8, 2), (8, 1))  # (query heads, K/V heads): 1, 2, 4 and 8 query heads per K/V head
+#: (query heads, K/V heads): 1, 2, 3, 4, 7 and 8 query heads per K/V head.
+GQA = ((4, 4), (4, 2), (6, 2), (8, 2), (7, 1), (8, 1))
 KINDS = ("mixed", "decode", "prefill")
-HEAD_DIM = 32
+HEAD_DIM = 32  # every case's head size but those of ``HEAD_DIMS``
+HEAD_DIMS = (64, 128)  # a mixed step in each dtype at each of these head sizes too
 
 
 def seed_of(*params: object) -> int:
@@ -143,7 +145,7 @@ def batch_specs(kind: str, rng: np.random.Generator, block_size: int) -> list[tu
         return mixed_specs(rng, block_size, num_reqs=7, max_len=70)
     if kind == "decode":
         return [(0, 1), (block_size - 1, 1), (block_size, 1)] + [(int(c), 1) for c in rng.integers(1, 90, size=4)]
-    return [(0, int(n)) for n in rng.integers(2, 60, size=3)] + [(2 * block_size, 9), (block_size - 2, 5)]
+    return [(0, int(n)) for n in rng.integers(2, 60, size=3)] + [(2 * block_size, 9), (max(1, block_size - 2), 5)]
 
 
 @dataclass(frozen=True)
@@ -159,16 +161,20 @@ class Case:
     dtype: torch.dtype
     block_size: int
     layout: str = "plain"
+    head_dim: int = HEAD_DIM
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         layout = "" if self.layout == "plain" else f", {self.layout} layout"
         return (f"{self.kind} step {list(self.specs)} ((computed, new) tokens per request), {self.num_heads} query "
-                f"heads over {self.num_kv_heads} K/V heads, {dtype}, block size {self.block_size}{layout}")
+                f"heads over {self.num_kv_heads} K/V heads of size {self.head_dim}, {dtype}, block size "
+                f"{self.block_size}{layout}")
 
 
-def cases(block_size: int = 16, dtypes: tuple[torch.dtype, ...] = tuple(TOLERANCE)) -> list[Case]:
-    """Every kind of step in every dtype and head grouping, then the layouts and edge cases in the first dtype."""
+def cases(block_size: int = 16, dtypes: tuple[torch.dtype, ...] = tuple(TOLERANCE),
+          head_dims: tuple[int, ...] = HEAD_DIMS, other_block_size: int | None = None) -> list[Case]:
+    """Every kind of step in every dtype and head grouping; a mixed step in each dtype at each of ``head_dims`` and at
+    ``other_block_size`` (default twice ``block_size``); then the layouts and edge cases in the first dtype."""
     out = []
     for dtype in dtypes:
         for num_heads, num_kv_heads in GQA:
@@ -176,6 +182,12 @@ def cases(block_size: int = 16, dtypes: tuple[torch.dtype, ...] = tuple(TOLERANC
                 rng = np.random.default_rng(seed_of(kind, num_heads, num_kv_heads, str(dtype), block_size))
                 specs = tuple(batch_specs(kind, rng, block_size))
                 out.append(Case(kind, specs, num_heads, num_kv_heads, dtype, block_size))
+        for head_dim in head_dims:
+            specs = tuple(batch_specs("mixed", np.random.default_rng(seed_of(head_dim, str(dtype))), block_size))
+            out.append(Case("mixed", specs, 8, 2, dtype, block_size, head_dim=head_dim))
+        bigger = other_block_size or 2 * block_size
+        specs = tuple(batch_specs("mixed", np.random.default_rng(seed_of(bigger, str(dtype))), bigger))
+        out.append(Case("mixed", specs, 8, 2, dtype, bigger))
     first = dtypes[0]
     strided = tuple(mixed_specs(np.random.default_rng(seed_of("strided", block_size)), block_size, 6, 40))
     out.append(Case("mixed", strided, 8, 2, first, block_size, "strided"))
@@ -192,27 +204,28 @@ def run_case(name: str, case: Case, device: str | torch.device = "cpu", **option
     """Run backend ``name`` (built with ``options``) on ``case``; AssertionError if its output strays from the float64
     reference past ``TOLERANCE``, leaves an element unwritten, or the step writes a cache slot not in ``slot_mapping``."""
     if not case.specs:
-        backend = BACKENDS.create(name, num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=HEAD_DIM,
-                                  scale=HEAD_DIM ** -0.5, block_size=case.block_size, dtype=case.dtype, device=device,
-                                  **options)
+        backend = BACKENDS.create(name, num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
+                                  head_dim=case.head_dim, scale=case.head_dim ** -0.5, block_size=case.block_size,
+                                  dtype=case.dtype, device=device, **options)
         _check_empty_step(backend, case, device)
         return
-    seed = seed_of(case.kind, case.specs, case.num_heads, case.num_kv_heads, str(case.dtype), case.layout)
-    batch = random_batch(list(case.specs), case.num_heads, case.num_kv_heads, HEAD_DIM, case.block_size, case.dtype,
-                         seed, device=device)
+    seed = seed_of(case.kind, case.specs, case.num_heads, case.num_kv_heads, str(case.dtype), case.layout,
+                   case.head_dim, case.block_size)
+    batch = random_batch(list(case.specs), case.num_heads, case.num_kv_heads, case.head_dim, case.block_size,
+                         case.dtype, seed, device=device)
     if case.layout == "strided":
         fused = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
-        q, k, v = fused.split([case.num_heads * HEAD_DIM, case.num_kv_heads * HEAD_DIM,
-                               case.num_kv_heads * HEAD_DIM], dim=1)
-        batch.q, batch.k, batch.v = (q.view(-1, case.num_heads, HEAD_DIM), k.view(-1, case.num_kv_heads, HEAD_DIM),
-                                     v.view(-1, case.num_kv_heads, HEAD_DIM))
+        d = case.head_dim
+        q, k, v = fused.split([case.num_heads * d, case.num_kv_heads * d, case.num_kv_heads * d], dim=1)
+        batch.q, batch.k, batch.v = (q.view(-1, case.num_heads, d), k.view(-1, case.num_kv_heads, d),
+                                     v.view(-1, case.num_kv_heads, d))
     elif case.layout == "wide":
         meta = batch.meta
         meta.block_table_cpu = np.pad(meta.block_table_cpu, ((0, 0), (0, 3)))
         meta.block_table = torch.from_numpy(meta.block_table_cpu).to(device)
     before = batch.kv_cache.clone()
-    result = run_named(name, batch, case.num_heads, case.num_kv_heads, HEAD_DIM, case.block_size, case.dtype, device,
-                       use_out=case.layout != "strided", **options)
+    result = run_named(name, batch, case.num_heads, case.num_kv_heads, case.head_dim, case.block_size, case.dtype,
+                       device, use_out=case.layout != "strided", **options)
     check_result(result, batch, before, case.dtype)
 
 
@@ -255,20 +268,21 @@ def _check_empty_step(backend: AttentionBackend, case: Case, device: str | torch
     none = np.zeros(0, dtype=np.int64)
     meta = AttentionMetadata.from_host(np.zeros(1, dtype=np.int64), none, np.zeros((0, 1), dtype=np.int64), none,
                                        case.block_size, device)
-    cache = torch.randn(2, 3, case.block_size, case.num_kv_heads, HEAD_DIM).to(device=device, dtype=case.dtype)
+    d = case.head_dim
+    cache = torch.randn(2, 3, case.block_size, case.num_kv_heads, d).to(device=device, dtype=case.dtype)
     before = cache.clone()
-    q = torch.zeros(0, case.num_heads, HEAD_DIM, dtype=case.dtype, device=device)
-    kv = torch.zeros(0, case.num_kv_heads, HEAD_DIM, dtype=case.dtype, device=device)
+    q = torch.zeros(0, case.num_heads, d, dtype=case.dtype, device=device)
+    kv = torch.zeros(0, case.num_kv_heads, d, dtype=case.dtype, device=device)
     out = backend.forward(q, kv, kv, cache, backend.build_metadata(meta))
-    assert tuple(out.shape) == (0, case.num_heads, HEAD_DIM), f"output shape {tuple(out.shape)} for no tokens"
+    assert tuple(out.shape) == (0, case.num_heads, d), f"output shape {tuple(out.shape)} for no tokens"
     assert torch.equal(cache, before), "a step of no tokens wrote the cache"
 
 
 def check_backend(name: str, device: str | torch.device = "cpu", block_size: int | None = None,
                   dtypes: tuple[torch.dtype, ...] | None = None, **options: Any) -> int:
     """Run registered backend ``name`` (built with ``options``) on every ``cases()`` step; AssertionError naming the
-    first it gets wrong. Defaults: the smallest block size it allows from 16 up, the dtypes it supports. Returns the
-    number of steps checked."""
+    first it gets wrong. Defaults: the smallest block size it allows from 16 up (and twice that), the dtypes and
+    ``HEAD_DIMS`` it supports. Returns the number of steps checked."""
     cls = BACKENDS.get(name)
     if block_size is None:
         block_size = int(np.lcm(16, cls.block_size_multiple))
@@ -277,7 +291,8 @@ def check_backend(name: str, device: str | torch.device = "cpu", block_size: int
     if not dtypes:
         raise ValueError(f"backend {name!r} supports none of {', '.join(str(d) for d in TOLERANCE)} at head size "
                          f"{HEAD_DIM} and block size {block_size}")
-    checked = cases(block_size, dtypes)
+    head_dims = tuple(d for d in HEAD_DIMS if not cls.unsupported(d, block_size, dtypes[0]))
+    checked = cases(block_size, dtypes, head_dims)
     for case in checked:
         try:
             run_case(name, case, device, **options)

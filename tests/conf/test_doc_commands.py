@@ -20,8 +20,8 @@ DOCS = [ROOT / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / 
         *sorted((ROOT / "conf").rglob("*.yaml")), *sorted((ROOT / "experiments").glob("*.py"))]
 #: Placeholders a reader fills in; a command holding one is a pattern, not a command.
 PLACEHOLDER = re.compile(r"\bNAME\b|\bKEY\b|\bVALUE\b|\bDATE\b|\.\.\.|\[")
-#: A plugin the docs install first (tests/policies/test_plugin.py runs those commands).
-PLUGINS = ("srpt",)
+#: Plugins the docs install first (tests/policies/test_plugin.py and tests/test_writing_a_part.py run those commands).
+PLUGINS = ("srpt", "padded_sdpa", "no_cache", "rebuild")
 RUN = re.compile(r"(?:python -m framework\.run|servelab-run|make run ARGS=\")([^`#\n\"]*)")
 #: What a command line's arguments look like (anything else after the name is prose about it).
 ARG = re.compile(r"-m|--multirun|~[\w.]+|[+~]?[\w./@-]+=\S*")
