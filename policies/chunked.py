@@ -173,7 +173,7 @@ class ChunkedPolicy(SchedulerPolicy):
         if not self.swap_in_in_order(scheduler, step):
             return
         for req in self.admission_order(scheduler):
-            if step.token_budget == 0 or len(scheduler.running) >= scheduler.max_num_seqs:
+            if step.token_budget == 0 or scheduler.seats_taken >= scheduler.max_num_seqs:
                 break
             prefix = scheduler.find_prefix(req)
             if not self.prompt_fits(scheduler, req, prefix) or not scheduler.schedule_request(

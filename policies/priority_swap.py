@@ -132,7 +132,7 @@ class PrioritySwapPolicy(ChunkedPolicy):
         order = self._order(req)
         victims = [r for r in scheduler.running
                    if self._order(r) > order and not step.is_scheduled(r) and not step.was_swapped_in(r)]
-        if (len(scheduler.running) - len(victims) >= scheduler.max_num_seqs
+        if (scheduler.seats_taken - len(victims) >= scheduler.max_num_seqs
                 or not scheduler.allocator.fits_after(req, n, prefix, victims)
                 or not self.prompt_fits(scheduler, req, prefix, victims)):
             return False

@@ -154,9 +154,14 @@ class Request:
 
     @property
     def needs_prompt_logprobs(self) -> bool:
-        """Whether prompt logprobs are asked for and some are still to be computed: until then the
-        prompt is computed in full, without prefix-cache hits (vLLM v1 skips them too)."""
+        """Whether prompt logprobs are asked for and some are still to be computed."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether it may start from prefix-cache hits, and its lookups count in the hit rate: not when it asks
+        for prompt logprobs, which a hit would skip (vLLM's ``skip_reading_prefix_cache``, for its whole life)."""
+        return self.sampling_params.prompt_logprobs is None
 
     @property
     def is_prefill(self) -> bool:

@@ -19,7 +19,7 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
     the swap blocks of their computed tokens; the queues and the allocator's books agree."""
     total = out.total_num_scheduled_tokens
     assert total <= scheduler.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
-    assert len(scheduler.running) <= scheduler.max_num_seqs, f"{len(scheduler.running)} running > max_num_seqs"
+    assert scheduler.seats_taken <= scheduler.max_num_seqs, f"{scheduler.seats_taken} seats taken > max_num_seqs"
     assert len(out.scheduled) == len(out.num_scheduled_tokens), "a request is scheduled twice"
     assert list(out.num_scheduled_tokens) == [r.request_id for r in out.scheduled], (
         "num_scheduled_tokens does not list the scheduled requests in scheduled order")

@@ -45,7 +45,7 @@ class Scheduler:
         self._forks_waiting: list[Request] = []  # forked in this step to wait, the policy not told yet
         self._rebuilt: list[Request] = []  # rows to rebuild after a step the executor failed on
         # Async scheduling: requests whose token in flight is their last (length), off the running queue
-        # but holding their blocks until update_from_output gives it.
+        # but holding their blocks and their seat until update_from_output gives it.
         self._finishing: list[Request] = []
         self.num_preemptions = 0
         self.num_swap_outs = 0
@@ -106,6 +106,12 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def seats_taken(self) -> int:
+        """Requests holding one of the ``max_num_seqs`` seats: those running, and (async scheduling) those whose
+        token in flight is their last, off ``running`` until it is known, as vLLM counts them."""
+        return len(self.running) + len(self._finishing)
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -283,8 +289,8 @@ class Scheduler:
     # -- operations for policies -----------------------------------------------------------------
     def find_prefix(self, request: Request) -> PrefixHit:
         """Cached blocks the request could start from; an empty hit for a request with blocks or computed
-        tokens, or with prompt logprobs to come (as vLLM v1: a hit would skip the positions computing them)."""
-        if (request.num_computed_tokens or request.block_ids or request.needs_prompt_logprobs
+        tokens, or that does not read the cache (``Request.reads_prefix_cache``)."""
+        if (request.num_computed_tokens or request.block_ids or not request.reads_prefix_cache
                 or request.num_placeholders):
             return PrefixHit()
         return self.allocator.find_prefix(request)
@@ -297,7 +303,7 @@ class Scheduler:
         self._check_num_tokens(step, request, num_tokens, prefix_tokens)
         waiting = request.status == RequestStatus.WAITING
         # A request preempted with a token in flight is prefilled once that token is known (next step).
-        if waiting and (len(self.running) >= self.max_num_seqs or request.num_placeholders):
+        if waiting and (self.seats_taken >= self.max_num_seqs or request.num_placeholders):
             return False
         if not waiting and request.status != RequestStatus.RUNNING:
             raise ValueError(f"{request.request_id} is {request.status.name}; only waiting or running requests run")
@@ -399,7 +405,7 @@ class Scheduler:
             self._check_num_tokens(step, request, num_tokens)
             if self.allocator.num_free_blocks < self.allocator.blocks_needed(request.num_computed_tokens + num_tokens):
                 return False
-        if len(self.running) >= self.max_num_seqs:
+        if self.seats_taken >= self.max_num_seqs:
             return False
         mapping = self.allocator.swap_in(request)
         if mapping is None:
@@ -458,7 +464,7 @@ class Scheduler:
             child.finished_time = now
             return
         self._receive(child)
-        if len(self.running) >= self.max_num_seqs:
+        if self.seats_taken >= self.max_num_seqs:
             # At the front, behind the samples forked to wait before it in this step: putting
             # each first would queue them last forked first (a later request's ahead of an
             # earlier one's). The policy hears of them in update_from_output.

@@ -45,9 +45,9 @@ class Replica:
 
     def prefix_tokens(self, request: Request) -> int:
         """Tokens of ``request``'s prompt this replica's prefix cache holds (whole blocks); 0
-        for a request that will not use them (its prompt logprobs are still to come)."""
+        for a request that will not use them (``Request.reads_prefix_cache``)."""
         self._settle(self.index, self._now)
-        if request.needs_prompt_logprobs:
+        if not request.reads_prefix_cache:
             return 0  # it will compute its whole prompt (Scheduler.find_prefix)
         if not self._own_hashes:
             return self.engine.allocator.find_prefix(request).num_tokens

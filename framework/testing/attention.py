@@ -201,8 +201,9 @@ def cases(block_size: int = 16, dtypes: tuple[torch.dtype, ...] = tuple(TOLERANC
 
 
 def run_case(name: str, case: Case, device: str | torch.device = "cpu", **options: Any) -> None:
-    """Run backend ``name`` (built with ``options``) on ``case``; AssertionError if its output strays from the float64
-    reference past ``TOLERANCE``, leaves an element unwritten, or the step writes a cache slot not in ``slot_mapping``."""
+    """Run backend ``name`` (built with ``options``) on ``case``; AssertionError if its output strays from the
+    float64 reference past ``TOLERANCE``, leaves an element unwritten, or the step writes a cache slot not in
+    ``slot_mapping``."""
     if not case.specs:
         backend = BACKENDS.create(name, num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                                   head_dim=case.head_dim, scale=case.head_dim ** -0.5, block_size=case.block_size,

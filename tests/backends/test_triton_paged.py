@@ -39,7 +39,8 @@ def mixed_batch(name, num_heads, num_kv_heads, head_dim, block_size, dtype, devi
 def test_head_and_block_sizes(head_dim, block_size, device):
     batch = mixed_batch("sizes", 4, 2, head_dim, block_size, torch.float32, device)
     before = batch.kv_cache.clone()
-    check_result(run_named("triton", batch, 4, 2, head_dim, block_size, torch.float32, device), batch, before, torch.float32)
+    result = run_named("triton", batch, 4, 2, head_dim, block_size, torch.float32, device)
+    check_result(result, batch, before, torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,7 +56,8 @@ def test_half_precision_with_padded_and_plain_heads(head_dim, dtype, device):
 def test_groups_and_head_counts_that_are_not_powers_of_two(num_heads, num_kv_heads):
     batch = mixed_batch("npow2", num_heads, num_kv_heads, 32, 16, torch.float32, "cpu")
     before = batch.kv_cache.clone()
-    check_result(run_named("triton", batch, num_heads, num_kv_heads, 32, 16, torch.float32, "cpu"), batch, before, torch.float32)
+    result = run_named("triton", batch, num_heads, num_kv_heads, 32, 16, torch.float32, "cpu")
+    check_result(result, batch, before, torch.float32)
 
 
 @pytest.mark.parametrize("block_q, block_n", [(1, 16), (2, 16), (4, 32)])
@@ -182,7 +184,8 @@ def test_a_chunk_on_a_long_context_with_many_heads():
     batch = random_batch([(1000, 16)], num_heads, num_kv_heads, head_dim, block_size, dtype,
                          seed_of("long-chunks"))
     before = batch.kv_cache.clone()
-    check_result(run_named("triton", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu"), batch, before, dtype)
+    result = run_named("triton", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu")
+    check_result(result, batch, before, dtype)
 
 
 def test_head_size_above_256_is_refused():

@@ -15,6 +15,6 @@ def test_check_invariants_is_off_by_default_and_on_with_the_scheduler_key():
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()
     engine.scheduler.max_num_seqs = 0  # break a budget: the next step's check must notice
-    with pytest.raises(AssertionError, match="1 running > max_num_seqs"):
+    with pytest.raises(AssertionError, match="1 seats taken > max_num_seqs"):
         engine.step()
     engine.abort_request("r")

@@ -171,10 +171,12 @@ class PagedBlockAllocator(BlockAllocator):
             self.stats.cow_copies += 1
         if num_new_blocks:
             request.block_ids += self._pop_free_blocks(num_new_blocks)
-        if first_allocation and request.num_preemptions:
+        # A lookup counts where one was made, as vLLM's hit rate: caching on, a request that reads the cache.
+        looked_up = first_allocation and self.enable_prefix_caching and request.reads_prefix_cache
+        if looked_up and request.num_preemptions:
             self.stats.preempted_query_tokens += request.num_tokens
             self.stats.preempted_hit_tokens += prefix_tokens
-        elif first_allocation:
+        elif looked_up:
             self.stats.prefix_query_tokens += request.num_tokens
             self.stats.prefix_hit_tokens += prefix_tokens
         if self.enable_prefix_caching:
@@ -342,23 +344,30 @@ class PagedBlockAllocator(BlockAllocator):
         block.hash = block.token_ids = None
 
     def _release_all(self, request: Request) -> None:
-        """Drop ``request``'s reference to each of its blocks, the tail first (it is then evicted
-        first); a block no one holds goes back to the free queue."""
+        """Drop ``request``'s reference to each of its blocks; a block no one holds goes back to the free
+        queue, the tail first, as vLLM's: a cached one at the end (the tail is evicted first), an uncached
+        one at the front (the tail handed out first)."""
         blocks, free = self._blocks, self._free
+        uncached = []
         for bid in reversed(request.block_ids):
             block = blocks[bid]
             block.ref_count -= 1
             if block.ref_count == 0:
                 free[bid] = None
                 if block.hash is None:
-                    free.move_to_end(bid, last=False)
+                    uncached.append(bid)
+        for bid in reversed(uncached):
+            free.move_to_end(bid, last=False)
         request.block_ids = []
 
     def free(self, request: Request) -> None:
         if self.enable_prefix_caching and request.block_ids:
             # Full blocks whose last token was a placeholder when computed (async scheduling) are sealed
-            # now: the request may not allocate again. Otherwise a no-op: sealed when allocated.
-            self._seal(request, len(request.block_hashes), request.num_computed_tokens // self.block_size)
+            # now: the request may not allocate again. Otherwise a no-op: sealed when allocated. Not the
+            # block a step still in flight computes (a preemption or abort with a token in flight): vLLM
+            # caches a block once the step computing it has given its output to a running request.
+            done = request.num_computed_tokens - request.num_placeholders
+            self._seal(request, len(request.block_hashes), done // self.block_size)
         self._release_all(request)
         if request.cpu_block_ids:
             self._cpu_free.extend(request.cpu_block_ids)

@@ -235,7 +235,7 @@ def test_invariants_catch_budget_and_sequence_overruns():
     with pytest.raises(AssertionError, match="2 tokens > max_num_batched_tokens"):
         check_after(s, plan)
     s.max_num_batched_tokens, s.max_num_seqs = 32, 1
-    with pytest.raises(AssertionError, match="2 running > max_num_seqs"):
+    with pytest.raises(AssertionError, match="2 seats taken > max_num_seqs"):
         check_after(s, lambda s_, st: None)
 
 
@@ -348,3 +348,58 @@ def test_commit_stands_placeholders_for_tokens_in_flight_and_uncommit_undoes_it(
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and not a.block_ids and s.running == [b]
     assert not b.num_placeholders
     s.abort_request("b")
+
+
+def test_a_request_whose_last_token_is_in_flight_keeps_its_seat_until_the_token_is_known():
+    """Async scheduling, as vLLM's AsyncScheduler: a request finishing by length leaves ``running`` at commit but
+    still counts against ``max_num_seqs``, so a waiting request is admitted only once that token is known."""
+    s = make(num_blocks=30, max_num_seqs=1)
+    a, b = add(s, "a", 4), add(s, "b", 4)
+    a.max_tokens = 1
+    s.policy.plan = admit(a)
+    first = s.schedule()
+    s.commit(first)
+    assert s.running == [] and s.seats_taken == 1
+    s.policy.plan = lambda sch, st: (sch.schedule_request(st, b, 4) and None)
+    assert s.schedule().scheduled == []
+    s.update_from_committed(first, {"a": 9})
+    assert a.is_finished and s.seats_taken == 0
+    assert s.schedule().scheduled == [b]
+
+
+def test_a_request_preempted_with_a_token_in_flight_caches_only_the_blocks_computed_so_far():
+    """Async scheduling, as vLLM's: the block the step in flight completes is not cached when its request is
+    preempted (vLLM caches a block once the step computing it returns to a running request), so the request's
+    readmission hits only the blocks before it."""
+    s = make(num_blocks=30)
+    a = add(s, "a", 7)  # its 8th token, sampled by the prefill, fills its second block of 4
+    s.policy.plan = admit(a)
+    prefill = s.schedule()
+    s.commit(prefill)
+    s.policy.plan = lambda sch, st: sch.schedule_request(st, a, 1)
+    decode = s.schedule()  # computes position 7 while the prefill's token is in flight
+    s.update_from_committed(prefill, {"a": 9})
+    s.commit(decode)
+    s.policy.plan = lambda sch, st: sch.preempt(st, a, RECOMPUTE)
+    s.schedule()  # the decode still in flight
+    s.update_from_committed(decode, {"a": 10})
+    assert s.find_prefix(a).num_tokens == 4
+
+
+def test_a_request_asking_for_prompt_logprobs_never_reads_the_prefix_cache_nor_counts_in_the_hit_rate():
+    """As vLLM's ``skip_reading_prefix_cache``: no hit even after a preemption, when its prompt logprobs are all
+    known; its lookups stay out of the hit rate, since none is made."""
+    s = make(num_blocks=30)
+    a = add(s, "a", 8)
+    s.policy.plan = admit(a)
+    step(s, s.policy.plan)
+    r = Request("r", list(range(3, 11)), SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=1),
+                arrival_time=1.0)
+    s.add_request(r)
+    assert s.find_prefix(r).num_tokens == 0
+    step(s, admit(r))
+    r.prompt_logprobs = [None] * 8  # all known, as the runner would leave them
+    step(s, lambda sch, st: sch.preempt(st, r, RECOMPUTE))
+    assert not r.needs_prompt_logprobs and s.find_prefix(r).num_tokens == 0
+    stats = s.allocator.stats
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.preempted_query_tokens) == (8, 0, 0)

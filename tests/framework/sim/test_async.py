@@ -33,7 +33,10 @@ def test_async_runs_the_requests_of_a_synchronous_run_in_less_time():
     assert [(o.request_id, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in async_outs] == \
         [(o.request_id, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in sync_outs]
     assert async_llm.engine.clock.now() < sync_llm.engine.clock.now()
-    assert async_llm.engine.executor.num_steps == sync_llm.engine.executor.num_steps
+    # A request finishing by length keeps its seat until its last token is known (vLLM's): a request waiting for
+    # that seat is admitted a step later, at most once per finished request.
+    sync_steps, async_steps = sync_llm.engine.executor.num_steps, async_llm.engine.executor.num_steps
+    assert sync_steps <= async_steps <= sync_steps + len(requests)
 
 
 def test_a_decode_step_lasts_the_longer_of_its_host_time_and_the_device_time_before_it():

@@ -312,3 +312,24 @@ def test_the_copy_that_takes_an_evicted_blocks_place(options, heir):
 def test_an_unknown_promote_duplicate_is_refused():
     with pytest.raises(ValueError, match="^promote_duplicate must be one of 'oldest', 'newest', got 'middle'$"):
         PagedBlockAllocator(num_blocks=4, block_size=2, promote_duplicate="middle")
+
+
+def test_without_prefix_caching_no_lookup_is_counted():
+    """vLLM's hit rate counts lookups, and with caching off none is made: no queries, so no 0% hit rate."""
+    alloc = PagedBlockAllocator(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    for rid in "ab":
+        compute(alloc, req(rid, list(range(10))), 10)
+    assert (alloc.stats.prefix_query_tokens, alloc.stats.prefix_hit_tokens) == (0, 0)
+
+
+def test_a_freed_requests_uncached_blocks_come_back_tail_first():
+    """As vLLM's BlockPool.free_blocks: a freed request's blocks go back tail first, so its uncached tail block is
+    the next handed out (its cached blocks queue for eviction, the tail first)."""
+    alloc = PagedBlockAllocator(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    a = req("a", list(range(10)))
+    compute(alloc, a, 10)
+    assert a.block_ids == [1, 2, 3]
+    alloc.free(a)
+    b = req("b", list(range(50, 60)))
+    compute(alloc, b, 10)
+    assert b.block_ids == [3, 2, 1]
