@@ -19,7 +19,7 @@ from framework.engine.logprobs import append_logprobs, append_prompt_logprobs
 from framework.engine.output_processor import OutputProcessor
 from framework.engine.parallel_sampling import SampleForks
 from framework.engine.prompts import Prompt, cache_salt, check_request_args, tokenize
-from framework.execution.executor import EXECUTORS, ExecutorOutput
+from framework.execution.executor import EXECUTORS, ExecutorOutput, check_kv_capacity, kv_cache_setting
 from framework.kv.block_allocator import ALLOCATORS
 from framework.scheduling.output import SchedulerOutput
 from framework.scheduling.policy import POLICIES, SchedulerPolicy
@@ -70,7 +70,8 @@ class CheckedConfig(NamedTuple):
 
 def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None) -> CheckedConfig:
     """What an engine of ``config`` refuses before it loads anything (the model's config, every part's name, the
-    token budget, async scheduling, the policy's and allocator's options): ValueError or UnavailableError, one line.
+    token budget, async scheduling, the policy's and allocator's options, a KV cache given in blocks that cannot hold
+    a request): ValueError or UnavailableError, one line.
     Resolves ``config``'s max_model_len and token budget in place."""
     source = resolve_model(config.model)
     config.max_model_len = resolve_max_model_len(config.max_model_len, source.config)
@@ -80,6 +81,8 @@ def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None
     ALLOCATORS.get(config.allocator)
     config.max_num_batched_tokens = resolve_token_budget(config, config.max_model_len)
     check_token_budget(config.policy, config.max_num_batched_tokens, config.max_model_len, max_prompt_len)
+    if config.num_gpu_blocks_override is not None:  # the KV cache's size is known before anything is built
+        check_kv_capacity(config, config.num_gpu_blocks_override)
     # The tensor parts' registries load torch (about 2 s), which a simulated run never needs: they are
     # checked only when the run names other parts or gives them options, so a typo is still caught.
     defaults = EngineConfig.backend, EngineConfig.preparer
@@ -154,13 +157,7 @@ class LLMEngine:
         # and its seeded generators' states before it.
         self._in_flight: tuple[SchedulerOutput, Any, list[tuple[Any, Any]]] | None = None
         num_blocks, num_cpu_blocks = self.executor.kv_block_counts()
-        usable = max(num_blocks - 1, 0)  # a budget below one block sizes no block, not the null block
-        capacity = usable * config.block_size
-        if capacity < config.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {usable} blocks x {config.block_size} tokens = {capacity} tokens, "
-                f"less than one request of max_model_len={config.max_model_len}; raise {_kv_cache_setting(config)} "
-                f"or lower max_model_len")
+        check_kv_capacity(config, num_blocks)
         try:
             self.executor.initialize(num_blocks, num_cpu_blocks)
         except (MemoryError, OSError, RuntimeError) as exc:
@@ -168,7 +165,7 @@ class LLMEngine:
                 raise
             raise ValueError(f"the KV cache of {num_blocks} blocks x {config.block_size} tokens does not fit in "
                              f"{self.executor.device} memory ({type(exc).__name__}); lower "
-                             f"{_kv_cache_setting(config)}") from None
+                             f"{kv_cache_setting(config)}") from None
         self.allocator = ALLOCATORS.create_with(config.allocator, config.allocator_options, num_blocks=num_blocks,
                                                 block_size=config.block_size, num_cpu_blocks=num_cpu_blocks,
                                                 enable_prefix_caching=config.enable_prefix_caching)
@@ -505,14 +502,3 @@ def _out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says memory ran out: Python's, the OS's (ENOMEM, a mapping refused) or torch's (CUDA)."""
     return (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)
             or type(exc).__name__ == "OutOfMemoryError")
-
-
-def _kv_cache_setting(config: EngineConfig) -> str:
-    """The setting that sized the KV cache, in ``EngineConfig``'s order of precedence: what to
-    raise when it is too small."""
-    if config.num_gpu_blocks_override is not None:
-        return f"num_gpu_blocks_override (now {config.num_gpu_blocks_override})"
-    if config.kv_cache_memory_gb is not None:
-        return f"kv_cache_memory_gb (now {config.kv_cache_memory_gb})"
-    return (f"cpu_kv_cache_gb (now {config.cpu_kv_cache_gb}) on a CPU or gpu_memory_utilization "
-            f"(now {config.gpu_memory_utilization}) on a GPU, set kv_cache_memory_gb or num_gpu_blocks_override,")

@@ -141,3 +141,26 @@ def activation_peak_bytes(model: ModelConfig, config: EngineConfig, dtype_bytes:
     kv = model.kv_size_per_device(tp)
     per_token = (2 * model.intermediate_size // tp + model.q_size // tp + 2 * kv + 4 * model.hidden_size) * dtype_bytes
     return config.max_num_batched_tokens * per_token * 2 + config.max_num_seqs * model.vocab_size * 4
+
+
+def check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
+    """ValueError, naming the setting to change, when ``num_blocks`` device blocks (null block included) hold less
+    than one request of ``max_model_len``."""
+    assert config.max_model_len is not None
+    usable = max(num_blocks - 1, 0)  # a budget below one block sizes no block, not the null block
+    capacity = usable * config.block_size
+    if capacity < config.max_model_len:
+        raise ValueError(f"the KV cache holds {usable} blocks x {config.block_size} tokens = {capacity} tokens, less "
+                         f"than one request of max_model_len={config.max_model_len}; raise {kv_cache_setting(config)} "
+                         f"or lower max_model_len")
+
+
+def kv_cache_setting(config: EngineConfig) -> str:
+    """The setting that sized the KV cache, in ``EngineConfig``'s order of precedence: what to
+    raise when it is too small."""
+    if config.num_gpu_blocks_override is not None:
+        return f"num_gpu_blocks_override (now {config.num_gpu_blocks_override})"
+    if config.kv_cache_memory_gb is not None:
+        return f"kv_cache_memory_gb (now {config.kv_cache_memory_gb})"
+    return (f"cpu_kv_cache_gb (now {config.cpu_kv_cache_gb}) on a CPU or gpu_memory_utilization "
+            f"(now {config.gpu_memory_utilization}) on a GPU, set kv_cache_memory_gb or num_gpu_blocks_override,")

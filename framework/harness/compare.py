@@ -319,9 +319,9 @@ def comparison_rows(dirs: Sequence[str | Path], x: str = "workload.rate",
     if label:
         keys = [_resolve_key(k, flats) for k in label]
     else:
-        # A failed run lacks what only a run records (the parts' names in its summary): the labels
-        # come from the runs that ran.
-        ran = [f for s, f in loaded if s.get("status") != "failed"]
+        # A failed run, or one stopped before it said what it runs, lacks what only a run records (the
+        # parts' names in its summary): the labels come from the runs that ran.
+        ran = [f for s, f in loaded if s.get("status") != "failed" and s.get("policy") is not None]
         keys = label_keys(ran if ran else flats, x)
         if ran and len(ran) < len(flats):
             # A key every run's config file has and a failed run's differs in (the value that made
@@ -398,14 +398,25 @@ def _run_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
 def aggregate(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per configuration and ``x`` of the runs' ``rows`` (``comparison_rows``), in their order: ``n_repeats``,
     the status (``2 completed, 1 failed`` where they differ) and per metric the mean and 95% interval
-    (``<metric>_ci95_low``/``_high``) over the completed repeats (over all where none completed)."""
+    (``<metric>_ci95_low``/``_high``) over the completed repeats (over all where none completed), a simulated repeat
+    identical to an earlier one of the same seed (a simulated run is deterministic) counted once (``duplicates``)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["label"], json.dumps(r["x"], default=str)), []).append(r)
     metrics = METRICS + _extra_metrics(rows)
     out = []
     for group in groups.values():
-        used = [r for r in group if r["status"] == "completed"] or group
+        completed = [r for r in group if r["status"] == "completed"] or group
+        # A copy of a sample is no second sample: counted twice, it would narrow the interval for nothing. Only a
+        # simulated run (on a named device) is deterministic.
+        seen: set[tuple[Any, ...]] = set()
+        used = []
+        for r in completed:
+            simulated = bool((r.get("summary") or {}).get("hardware"))
+            sample = (r.get("seed"), *(json.dumps(r.get(m), default=str) for m in metrics)) if simulated else id(r)
+            if sample not in seen:
+                seen.add(sample)
+                used.append(r)
         statuses = {s: sum(r["status"] == s for r in group) for s in dict.fromkeys(r["status"] for r in group)}
         row: dict[str, Any] = {"label": group[0]["label"], "x": group[0]["x"], "n_repeats": len(group),
                                "status": next(iter(statuses)) if len(statuses) == 1 else
@@ -417,7 +428,7 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 mean = int(mean)  # counts stay counts where every repeat agrees
             row.update({m: mean, f"{m}_ci95_low": low, f"{m}_ci95_high": high})
         row["run_dir"] = " ".join(r["run_dir"] for r in group)
-        row["runs"], row["used"] = group, used
+        row["runs"], row["used"], row["duplicates"] = group, used, len(completed) - len(used)
         out.append(row)
     return out
 
@@ -426,7 +437,7 @@ def _repeats_caption(configs: Sequence[dict[str, Any]], pooled: bool) -> str | N
     """What a figure's caption says of the repeats behind each point: how many were used (``aggregate``'s: the
     completed ones) and how many not completed were left out; None where every point is one run."""
     used = sorted({len(c["used"]) for c in configs})
-    left_out = sum(c["n_repeats"] - len(c["used"]) for c in configs)
+    left_out = sum(c["n_repeats"] - len(c["used"]) - c.get("duplicates", 0) for c in configs)
     if used == [1] and not left_out:
         return None
     counted = f"{used[0]}" if len(used) == 1 else f"{used[0]}-{used[-1]}"
@@ -495,6 +506,12 @@ def _differences(configs: Sequence[dict[str, Any]], x: str) -> list[str]:
               f"Each cell: the first configuration's mean over the second's, at the same `{x}`; **n.s.** (not "
               "significant): their 95% intervals overlap, so noise may explain the difference (a conservative test). "
               "Configurations that ran once are left out."]
+    duplicated = [c for c in configs if c.get("duplicates")]
+    if duplicated:
+        blocks.append(f"{len(duplicated)} configuration(s) had repeats identical to another of the same seed (a "
+                      f"simulated run is deterministic): each such run counted once, "
+                      f"{sum(c['duplicates'] for c in duplicated)} in all. Repeats of a simulated run must differ by "
+                      f"seed (`workload.seed=0,1,2`).")
     identical = [c["label"] for c in configs if c["n_repeats"] > 1 and _identical(c)]
     if identical:
         blocks.append(f"The repeats of {len(identical)} configuration(s) gave identical results: a simulated run is "

@@ -26,14 +26,13 @@ from framework.harness.cluster import Cluster, check_num_replicas, check_router_
 from framework.common.config import PART_NAMES, EngineConfig, check_bool, is_int
 from framework.engine.llm_engine import (LLMEngine, StepStats, check_before_loading, check_token_budget,
                                          resolve_max_model_len, resolve_token_budget)
-from framework.execution.executor import EXECUTORS, simulates_time
+from framework.execution.executor import EXECUTORS, check_kv_capacity, simulates_time
 from framework.harness.metrics import SLO, RequestRecord, step_time_noise, summarize
 from framework.common.outputs import RequestOutput
 from framework.harness.interrupts import interrupts_held
 from framework.harness.recorder import RunRecorder, claim_run_dir, clear_run_files
 from framework.harness.report import format_summary
 from framework.common.registry import split_spec
-from framework.sim.hardware import load_hardware
 from framework.sim.router import ROUTERS, Router
 from framework.harness.run_logger import Guarded, create_logger
 from framework.common.sampling_params import SamplingParams
@@ -136,7 +135,7 @@ ROOT_KEYS = ("model", "backend", "allocator", "preparer", "workload", "logger", 
 
 def check_run_options(cfg: DictConfig) -> None:
     """ValueErrors naming the run-level keys that are unknown (not ``ROOT_KEYS``: ``+max_num_seqs=8`` is no
-    engine option) or have bad values: ``warmup`` (an integer >= 0), the ``RUN_SWITCHES`` (booleans: the
+    engine option) or have bad values: ``warmup`` and ``repeat`` (integers >= 0), the ``RUN_SWITCHES`` (booleans: the
     string ``maybe`` or ``no`` would read as true) and the ``slo`` node's keys (those of ``SLO``)."""
     unknown = [str(key) for key in cfg if key not in ROOT_KEYS and key != "hydra"]
     if unknown:
@@ -146,6 +145,10 @@ def check_run_options(cfg: DictConfig) -> None:
     warmup = cfg.get("warmup", 1)
     if not is_int(warmup) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0 (short requests run before the measured ones), got {warmup!r}")
+    repeat = cfg.get("repeat", 0)
+    if not is_int(repeat) or repeat < 0:
+        raise ValueError(f"repeat must be an integer >= 0 (which repeat of its configuration a run is: -m ... "
+                         f"repeat=0,1,2), got {repeat!r}")
     for key in RUN_SWITCHES:
         check_bool(key, cfg.get(key, True))
     _check_node(cfg, "slo", "of ttft_ms, tpot_ms and e2el_ms (slo.ttft_ms=200)")
@@ -331,10 +334,16 @@ def check_experiment(cfg: DictConfig) -> tuple[EngineConfig, SLO, Workload, dict
     slo = SLO(**OmegaConf.to_container(cfg.slo, resolve=True)) if cfg.get("slo") else SLO()
     workload, sampling = create_workload(OmegaConf.to_container(cfg.workload, resolve=True))
     max_prompt_len = check_workload(config, workload)  # before a huge prompt is drawn, or an engine built
-    check_before_loading(dataclasses.replace(config), max_prompt_len)
+    resolved = dataclasses.replace(config)
+    checked = check_before_loading(resolved, max_prompt_len)
     EXECUTORS.check_options(config.executor, config.executor_options, config, None, None)
-    if config.executor_options.get("hardware") is not None:  # a simulated device: its fields, before a job runs
-        load_hardware(config.executor_options["hardware"])
+    if simulates_time(config.executor):
+        # Built from shapes alone (no weights), in milliseconds: its device, cost model and KV cache are checked
+        # here, so a sweep's pre-check refuses a job that would fail on them.
+        executor = EXECUTORS.create_with(config.executor, config.executor_options, resolved, checked.source,
+                                         VirtualClock())
+        check_kv_capacity(resolved, executor.kv_block_counts()[0])
+    create_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {})  # options only
     cluster_parts(cfg, config)
     make_clock(cfg.get("clock", "auto"), config.executor)
     return config, slo, workload, sampling, max_prompt_len

@@ -17,7 +17,8 @@ from framework.execution.attention import BACKENDS
 from framework.common.clock import Clock
 from framework.common.config import EngineConfig, resolve_dtype_name
 from framework.common.registry import UnavailableError
-from framework.execution.executor import EXECUTORS, GiB, Executor, ExecutorOutput, size_kv_cache
+from framework.execution.executor import (EXECUTORS, GiB, Executor, ExecutorOutput, check_kv_capacity,
+                                         size_kv_cache)
 from framework.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from framework.execution.host_memory import keep_freed_memory, lazy_zeros
 from framework.execution.input_preparer import PREPARERS
@@ -197,6 +198,10 @@ class ModelExecutor(Executor):
             logger.warning("backend.fuse_rotary applies to decode steps replayed from CUDA graphs, and this engine "
                            "captures none (executor.cuda_graphs=%s on %s): it changes nothing", cuda_graphs,
                            self._device)
+        if self._device.type != "cuda" or config.kv_cache_memory_gb is not None:
+            # The KV cache's size needs no profiled step: a cache that cannot hold a request is refused before the
+            # weights load.
+            check_kv_capacity(config, self.kv_block_counts()[0])
         self.fused_ops = ops = _fused_ops(self._device) if fused_ops else None
         self.model = LlamaForCausalLM.empty_on(self._device, cfg, self.backend, config.max_model_len, self.dtype, ops,
                                                pack_weights=bool(weight_prefetch_mb))

@@ -428,3 +428,20 @@ def test_a_sweeps_check_leaves_an_error_that_is_no_configuration_error_to_the_jo
     assert compare.sweep_refusals(jobs) is None
     jobs[1] = (["n=2"], OmegaConf.create({"n": 2}))
     assert compare.sweep_refusals(jobs) == ["bad value"]
+
+
+def test_a_run_stopped_before_it_said_what_it_runs_takes_no_part_into_the_labels(tmp_path):
+    """Ctrl-C during start-up leaves a summary of its status only: its parts are unknown, not None, and the labels
+    come from what tells the runs that ran apart."""
+    fake_run(tmp_path / "0", "a", None, 1.0, 1.0)
+    config = yaml.safe_load((tmp_path / "0" / "config.yaml").read_text())
+    stopped = tmp_path / "1"
+    stopped.mkdir()
+    config["engine"]["max_num_seqs"] = 2
+    (stopped / "config.yaml").write_text(yaml.safe_dump(config))
+    (stopped / "summary.json").write_text(json.dumps({"status": "interrupted", "interrupted": True}))
+    config["engine"]["max_num_seqs"] = 1
+    (tmp_path / "0" / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = comparison_rows([tmp_path])
+    assert [(r["label"], r["status"]) for r in rows] == [("max_num_seqs=1", "completed"),
+                                                         ("max_num_seqs=2", "interrupted")]

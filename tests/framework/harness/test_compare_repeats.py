@@ -149,8 +149,8 @@ def test_the_latency_cdfs_pool_only_the_repeats_the_table_averages(tmp_path, mon
 
 def test_identical_simulated_repeats_are_pointed_out(tmp_path):
     for repeat in range(2):
-        fake_run(tmp_path / str(repeat), "a", repeat, 100.0, 10.0, hardware="a100-80gb")
-        fake_run(tmp_path / f"b{repeat}", "b", repeat, 90.0, 10.0, hardware="a100-80gb")
+        fake_run(tmp_path / str(repeat), "a", repeat, 100.0, 10.0, seed=repeat, hardware="a100-80gb")
+        fake_run(tmp_path / f"b{repeat}", "b", repeat, 90.0, 10.0, seed=repeat, hardware="a100-80gb")
     md = table(tmp_path)
     assert "The repeats of 2 configuration(s) gave identical results" in md and "`workload.seed=0,1,2`" in md
     assert "None: simulated runs are deterministic" in md
@@ -193,3 +193,18 @@ def test_a_mean_of_zero_is_a_difference_not_a_missing_metric(tmp_path):
     zero = {"output_throughput": 0.0, "output_throughput_ci95_low": 0.0, "output_throughput_ci95_high": 0.0}
     some = {"output_throughput": 5.0, "output_throughput_ci95_low": 4.0, "output_throughput_ci95_high": 6.0}
     assert _ratio(zero, some, "output_throughput") == "0.00x"
+
+
+def test_a_repeat_identical_to_another_of_its_seed_counts_once(tmp_path):
+    """A simulated run is deterministic: repeat=0,1 with workload.seed=0,1 gives each seed twice. Counted as four
+    samples, the interval would be narrower than two samples allow, and nothing would say why."""
+    for run, (repeat, seed) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        fake_run(tmp_path / str(run), "a", repeat, 100.0 + 20 * seed, 10.0, seed=seed, hardware="a100-80gb")
+    [config] = aggregate(comparison_rows([tmp_path]))
+    assert (config["n_repeats"], config["duplicates"], len(config["used"])) == (4, 2, 2)
+    assert config["output_throughput"] == 110.0
+    half = 12.706 * 10.0 * math.sqrt(2) / math.sqrt(2)  # t(0.975, 1) x the two samples' std / sqrt(2)
+    assert config["output_throughput_ci95_high"] - 110.0 == pytest.approx(half, rel=1e-3)
+    md = table(tmp_path)
+    assert "1 configuration(s) had repeats identical to another of the same seed" in md and "2 in all" in md
+    assert "not completed left out" not in md

@@ -908,3 +908,30 @@ def test_warm_up_requests_fit_the_token_budget_and_a_refused_one_is_a_warning(ca
     assert [r.getMessage() for r in caplog.records] == [
         "2 of 2 warm-up requests did not run (prompt of 24 tokens needs 2 KV blocks but policy 'fcfs' admits at most "
         "1 (watermark=0.95 keeps 15 of 16 free)): one-time costs land on the measured requests"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["executor=sim", "executor.tensor_parallel_size=3"], "tensor_parallel_size=3 must be >= 1 and divide"),
+    (["executor=sim", "+cost_model.nope=1"], "unknown roofline option"),
+    (["executor=sim", "engine.num_gpu_blocks_override=null", "engine.kv_cache_memory_gb=0.00001"],
+     "the KV cache holds 0 blocks"),
+    (["engine.num_gpu_blocks_override=4"], r"the KV cache holds 3 blocks x 16 tokens = 48 tokens, less than one "
+                                           r"request of max_model_len=128; raise num_gpu_blocks_override \(now 4\)"),
+    (["logger=wandb", "logger.mode=bogus"], "logger.mode must be one of"),
+    (["repeat=-1"], "repeat must be an integer >= 0"),
+])
+def test_what_would_fail_every_job_is_refused_by_the_check_before_a_run(overrides, message, monkeypatch):
+    """A sweep's pre-check runs check_experiment on each job: a simulated device, cost model and KV cache, a KV cache
+    given in blocks, the logger's options and the repeat index are refused there, before any model is built."""
+    monkeypatch.setattr(EXECUTORS.get("model"), "__init__", lambda *a, **k: pytest.fail("a model executor was built"))
+    with pytest.raises(ValueError, match=message):
+        experiment.check_experiment(config(*overrides))
+
+
+def test_a_kv_cache_too_small_for_a_request_is_refused_before_the_weights_are_built(monkeypatch):
+    from framework import LLMEngine
+    from models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "empty_on", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(ValueError, match=r"the KV cache holds 0 blocks .* raise cpu_kv_cache_gb \(now 1e-05\)"):
+        LLMEngine(model="tiny-llama", device="cpu", cpu_kv_cache_gb=0.00001, max_model_len=128)
