@@ -5,18 +5,23 @@ unless ``--vllm-python`` names another interpreter; ``--setup`` makes it, as ``b
 built as vLLM's own tests build it (``tests/v1/core/utils.py``: a ``KVCacheConfig`` of one full-attention
 group, no model). This side is ``Scheduler`` + ``chunked`` + the paged allocator. Both get the same random
 cases (block sizes 4, 8 and 16, tight or ample KV, prefix caching on or off, shared prefixes and repeated prompts,
-a long-prefill cap or none, arrivals over the first steps) and every sampled token is the same constant
-(``ignore_eos``, ``max_tokens``), so both see the same token streams. Each step compares the requests
-scheduled, in order, with their token counts; the requests preempted, in order; each admitted request's
-prefix-hit tokens (``num_computed_tokens`` on admission); and with prefix caching every scheduled request's
-block ids. Prints how many cases agree on every step, how many steps agree before a case's first divergence,
-the first divergence of each kind with its case's seed, and each side's preemptions and prefix-hit tokens.
+cache salts, requests asking for prompt logprobs, a long-prefill cap or none, arrivals over the first steps) and
+every sampled token is the same constant (``ignore_eos``, ``max_tokens``), so both see the same token streams.
+Each step compares the requests scheduled, in order, with their token counts; the requests preempted, in order;
+each admitted request's prefix-hit tokens (``num_computed_tokens`` on admission); the prefix cache's counts so
+far (queries and hits, of first admissions and of re-admissions after a preemption: the hit rate's terms); and
+with prefix caching every scheduled request's block ids. ``--async`` drives both as their engines do with async
+scheduling (vLLM's ``AsyncScheduler``; this side's ``schedule``, ``update_from_committed``, ``commit``): step N+1
+is scheduled before step N's tokens are known. Prints how many cases agree on every step, how many steps agree
+before a case's first divergence, the first divergence of each kind with its case's seed, and each side's
+preemptions and prefix-hit tokens.
 
     python experiments/vllm_fidelity.py --setup          # make .vllm-venv (minutes, ~3.5 GB)
     python experiments/vllm_fidelity.py                  # 200 cases, both sides with their defaults
     python experiments/vllm_fidelity.py --earlier        # both as before vLLM 0.32's two newer defaults
     python experiments/vllm_fidelity.py --policy-option reserve_full_prompt=false   # this side as before, alone
     python experiments/vllm_fidelity.py --cases 1 --seed 1234                       # one case, by its seed
+    python experiments/vllm_fidelity.py --async                                     # both with async scheduling
 
 ``--earlier`` runs vLLM with ``scheduler_reserve_full_isl=False`` (before PR #37307) and with the long-prefill
 cap applied to a request alone (before PR #57951, which has no switch: the worker counts a lone request as
@@ -47,7 +52,9 @@ VOCAB = 1000
 SAMPLED_TOKEN = VOCAB + 1
 #: A case that has not finished after this many steps is stuck (a scheduler that never admits or never ends).
 MAX_STEPS = 20000
-KINDS = ("schedule", "preemption", "prefix hit", "block ids")
+KINDS = ("schedule", "preemption", "prefix hit", "prefix counts", "block ids")
+#: The prefix cache's counts, in vLLM's ``PrefixCacheStats`` names and order.
+COUNTS = ("queries", "hits", "preempted_queries", "preempted_hits")
 #: This side's options that reproduce the behaviour before vLLM 0.32's two newer defaults.
 EARLIER_OPTIONS = {"reserve_full_prompt": False, "long_prefill_cap_when_alone": True}
 
@@ -68,7 +75,10 @@ def make_case(seed: int) -> dict[str, Any]:
             shared = rng.choice(prefixes) if rng.random() < 0.6 else []
             prompt = shared + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 120))]
         requests.append({"id": str(i), "prompt": prompt, "max_tokens": rng.randint(1, 48),
-                         "arrival": 0 if burst else rng.randint(0, 40)})
+                         "arrival": 0 if burst else rng.randint(0, 40),
+                         # A salt keeps its requests' prefix hits among themselves; prompt logprobs read no cache.
+                         "salt": rng.choice(["a", "b"]) if rng.random() < 0.15 else None,
+                         "prompt_logprobs": 1 if rng.random() < 0.1 else None})
     needs = [-(-(len(r["prompt"]) + r["max_tokens"]) // bs) for r in requests]
     tight = rng.random() < 0.5
     usable = max(needs) + rng.randint(0, max(needs)) if tight else sum(needs) + rng.randint(0, sum(needs))
@@ -87,19 +97,20 @@ def arrivals(case: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
 
 
 def step_record(scheduled: list[tuple[str, int]], preempted: list[str], hits: dict[str, int],
-                blocks: dict[str, list[int]] | None) -> dict[str, Any]:
+                counts: list[int], blocks: dict[str, list[int]] | None) -> dict[str, Any]:
     """One step as both sides report it (JSON-ready); ``blocks`` only with prefix caching."""
     record: dict[str, Any] = {"schedule": [list(x) for x in scheduled], "preemption": preempted,
-                              "prefix hit": hits}
+                              "prefix hit": hits, "prefix counts": counts}
     if blocks is not None:
         record["block ids"] = blocks
     return record
 
 
 # -- this side --------------------------------------------------------------------------------------
-def servelab_trace(case: dict[str, Any], policy_options: dict[str, Any],
-                   allocator_options: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every step of ``case`` through this project's Scheduler, ``chunked`` and ``paged``, as ``step_record``s."""
+def servelab_trace(case: dict[str, Any], policy_options: dict[str, Any], allocator_options: dict[str, Any],
+                   async_scheduling: bool = False) -> list[dict[str, Any]]:
+    """Every step of ``case`` through this project's Scheduler, ``chunked`` and ``paged``, as ``step_record``s; with
+    ``async_scheduling`` as ``LLMEngine`` runs it (each step committed, the step before's tokens given after)."""
     from framework.common.clock import VirtualClock
     from framework.common.config import EngineConfig
     from framework.common.request import Request
@@ -117,23 +128,37 @@ def servelab_trace(case: dict[str, Any], policy_options: dict[str, Any],
                                        block_size=case["block_size"], num_cpu_blocks=0,
                                        enable_prefix_caching=case["prefix_caching"])
     sched = Scheduler(config, policy, allocator, VirtualClock())
-    pending, trace = arrivals(case), []
-    while pending or sched.has_unfinished_requests():
+    stats = allocator.stats
+    pending, trace, in_flight = arrivals(case), [], None
+    while pending or sched.has_unfinished_requests() or in_flight is not None:
         if len(trace) >= MAX_STEPS:
             break
         for r in pending.pop(len(trace), []):
-            sched.add_request(Request(r["id"], r["prompt"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
-                                      arrival_time=float(len(trace))))
+            params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, prompt_logprobs=r["prompt_logprobs"])
+            sched.add_request(Request(r["id"], r["prompt"], params, arrival_time=float(len(trace)),
+                                      cache_salt=r["salt"]))
         before = {r.request_id for r in sched.running}
         out = sched.schedule()
         scheduled = [(r.request_id, out.num_scheduled_tokens[r.request_id]) for r in out.scheduled]
         # Not advanced yet by this step's tokens: an admitted request's computed tokens are its prefix hit.
         hits = {r.request_id: r.num_computed_tokens for r in out.scheduled if r.request_id not in before}
+        counts = [stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.preempted_query_tokens,
+                  stats.preempted_hit_tokens]
         blocks = {r.request_id: list(r.block_ids) for r in out.scheduled} if case["prefix_caching"] else None
-        trace.append(step_record(scheduled, [r.request_id for r in out.preempted], hits, blocks))
-        sampled = {r.request_id: SAMPLED_TOKEN for r in out.scheduled
-                   if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens}
-        sched.update_from_output(out, sampled, now=float(len(trace)))
+        trace.append(step_record(scheduled, [r.request_id for r in out.preempted], hits, counts, blocks))
+        now = float(len(trace))
+        if not async_scheduling:
+            sampled = {r.request_id: SAMPLED_TOKEN for r in out.scheduled
+                       if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens}
+            sched.update_from_output(out, sampled, now=now)
+            continue
+        if in_flight is not None:  # every request the step before sampled for gets the token
+            sched.update_from_committed(in_flight, {r.request_id: SAMPLED_TOKEN for r in in_flight.scheduled},
+                                        now=now)
+        in_flight = None
+        if out.scheduled:
+            sched.commit(out)
+            in_flight = out
     return trace
 
 
@@ -144,7 +169,7 @@ def vllm_worker(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         _write_model_config(model_dir)
         for case in cases:
-            print(json.dumps(_vllm_trace(case, model_dir, args.earlier)), flush=True)
+            print(json.dumps(_vllm_trace(case, model_dir, args.earlier, args.async_scheduling)), flush=True)
 
 
 def _write_model_config(path: str) -> None:
@@ -155,9 +180,10 @@ def _write_model_config(path: str) -> None:
     Path(path, "config.json").write_text(json.dumps(config))
 
 
-def _vllm_scheduler(case: dict[str, Any], model_dir: str, earlier: bool):
+def _vllm_scheduler(case: dict[str, Any], model_dir: str, earlier: bool, async_scheduling: bool):
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -166,7 +192,8 @@ def _vllm_scheduler(case: dict[str, Any], model_dir: str, earlier: bool):
     scheduler_config = SchedulerConfig(
         max_num_seqs=case["max_num_seqs"], max_num_batched_tokens=case["max_num_batched_tokens"],
         max_model_len=MAX_MODEL_LEN, long_prefill_token_threshold=case["long_prefill_token_threshold"],
-        enable_chunked_prefill=True, is_encoder_decoder=False, scheduler_reserve_full_isl=not earlier)
+        enable_chunked_prefill=True, is_encoder_decoder=False, scheduler_reserve_full_isl=not earlier,
+        async_scheduling=async_scheduling)
     model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32",
                                max_model_len=MAX_MODEL_LEN)
     cache_config = CacheConfig(block_size=bs, enable_prefix_caching=case["prefix_caching"])
@@ -175,8 +202,10 @@ def _vllm_scheduler(case: dict[str, Any], model_dir: str, earlier: bool):
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     cache_config.num_gpu_blocks = num_blocks
-    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=bs,
-                      structured_output_manager=StructuredOutputManager(vllm_config), log_stats=False)
+    # log_stats: the prefix cache's counts (PrefixCacheStats) are kept only then.
+    sched = (AsyncScheduler if async_scheduling else Scheduler)(
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=bs,
+        structured_output_manager=StructuredOutputManager(vllm_config), log_stats=True)
     if earlier:
         _cap_when_alone(sched)
     return sched
@@ -202,14 +231,14 @@ def _cap_when_alone(sched) -> None:
     sched.schedule = first_read_padded
 
 
-def _vllm_trace(case: dict[str, Any], model_dir: str, earlier: bool) -> list[dict[str, Any]]:
+def _vllm_trace(case: dict[str, Any], model_dir: str, earlier: bool, async_scheduling: bool) -> list[dict[str, Any]]:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    sched = _vllm_scheduler(case, model_dir, earlier)
+    sched = _vllm_scheduler(case, model_dir, earlier, async_scheduling)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(case["block_size"], sha256)
     preempted: list[str] = []
@@ -219,39 +248,58 @@ def _vllm_trace(case: dict[str, Any], model_dir: str, earlier: bool) -> list[dic
         preempted.append(request.request_id)
         return preempt(request, *a, **kw)
     sched._preempt_request = logged_preempt
-    pending, trace = arrivals(case), []
-    while pending or sched.has_unfinished_requests():
+    counts = [0, 0, 0, 0]
+
+    def take_counts() -> None:  # vLLM hands its counts over once, then starts them again
+        made = sched.kv_cache_manager.make_prefix_cache_stats()
+        if made is not None:
+            for i, name in enumerate(COUNTS):
+                counts[i] += getattr(made, name)
+
+    def run_output(out, samples: dict[str, bool]):
+        ids = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                 sampled_token_ids=[[SAMPLED_TOKEN] if samples[rid] else [] for rid in ids])
+
+    pending, trace, in_flight = arrivals(case), [], None
+    while pending or sched.has_unfinished_requests() or in_flight is not None:
         if len(trace) >= MAX_STEPS:
             break
         for r in pending.pop(len(trace), []):
-            params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True)
+            params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, prompt_logprobs=r["prompt_logprobs"])
             sched.add_request(Request(r["id"], r["prompt"], params, None, arrival_time=float(len(trace)),
-                                      block_hasher=hasher))
+                                      block_hasher=hasher, cache_salt=r["salt"]))
         before = {r.request_id for r in sched.running}
         preempted.clear()
         out = sched.schedule()
+        take_counts()
         scheduled = list(out.num_scheduled_tokens.items())
         # num_computed_tokens has advanced by the step's tokens (_update_after_schedule): take them off.
         hits = {rid: sched.requests[rid].num_computed_tokens - n for rid, n in scheduled if rid not in before}
         blocks = ({rid: list(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid, _ in scheduled}
                   if case["prefix_caching"] else None)
-        trace.append(step_record(scheduled, list(preempted), hits, blocks))
-        ids = [rid for rid, _ in scheduled]
-        sampled = [[SAMPLED_TOKEN] if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens
-                   else [] for rid in ids]
-        sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in
-                                                                                       enumerate(ids)},
-                                                        sampled_token_ids=sampled))
+        trace.append(step_record(scheduled, list(preempted), hits, list(counts), blocks))
+        # A request samples once the step reaches its last known token (with async scheduling, its placeholder).
+        samples = {rid: not sched.requests[rid].is_prefill_chunk for rid, _ in scheduled}
+        if not async_scheduling:
+            sched.update_from_output(out, run_output(out, samples))
+            continue
+        if in_flight is not None:
+            sched.update_from_output(*in_flight)
+            take_counts()
+        in_flight = (out, run_output(out, samples)) if scheduled else None
     return trace
 
 
 class VllmWorker:
     """The vLLM worker over ``cases``: ``traces()`` yields their traces in order."""
 
-    def __init__(self, python: str, cases: list[dict[str, Any]], earlier: bool, work_dir: str) -> None:
+    def __init__(self, python: str, cases: list[dict[str, Any]], earlier: bool, async_scheduling: bool,
+                 work_dir: str) -> None:
         work = Path(work_dir, "cases.json")
         work.write_text(json.dumps(cases))
-        command = [python, __file__, "--worker", "--work", str(work)] + (["--earlier"] if earlier else [])
+        command = [python, __file__, "--worker", "--work", str(work)] + (["--earlier"] if earlier else []) + (
+            ["--async"] if async_scheduling else [])
         # vLLM's start-up notes (no Triton, block sizes for its CPU kernels) go to a file, shown if it fails.
         self.log = Path(work_dir, "worker.log").open("w+")
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=work_dir,
@@ -346,15 +394,17 @@ def _short(value: Any, limit: int = 300) -> str:
 def run(args: argparse.Namespace, vllm_python: str) -> Tally:
     cases = [make_case(args.seed + i) for i in range(args.cases)]
     label = "before vLLM 0.32's newer defaults" if args.earlier else "vLLM 0.32's defaults"
+    label += ", async scheduling" if args.async_scheduling else ""
     print(f"{args.cases} cases from seed {args.seed}, {label}; servelab's chunked options {args.policy_options}, "
           f"paged options {args.allocator_options}", flush=True)
     tally = Tally()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        worker = VllmWorker(vllm_python, cases, args.earlier, tmp)
+        worker = VllmWorker(vllm_python, cases, args.earlier, args.async_scheduling, tmp)
         try:
             for case, theirs in zip(cases, worker.traces()):
-                tally.add(case, servelab_trace(case, args.policy_options, args.allocator_options), theirs)
+                ours = servelab_trace(case, args.policy_options, args.allocator_options, args.async_scheduling)
+                tally.add(case, ours, theirs)
         finally:
             worker.close()
     if tally.cases < len(cases):
@@ -397,6 +447,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="the first case's seed; case i has seed + i")
     ap.add_argument("--earlier", action="store_true",
                     help="both sides as before vLLM 0.32's full-prompt admission and lone-prefill cap lifting")
+    ap.add_argument("--async", dest="async_scheduling", action="store_true",
+                    help="both sides with async scheduling (step N+1 scheduled before step N's tokens are known)")
     ap.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option of this side's chunked policy (repeatable)")
     ap.add_argument("--allocator-option", action="append", default=[], metavar="KEY=VALUE",

@@ -146,7 +146,8 @@ class ChunkedPolicy(SchedulerPolicy):
     def start_step(self, scheduler: Scheduler) -> None:
         """Fixes this step's long-prefill cap from the requests there are as it starts (vLLM 0.32 counts
         them once, before scheduling). ``schedule`` calls it first; so does an override of ``schedule``."""
-        alone = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.swapped) <= 1
+        # A request whose last token is in flight (async scheduling) is still in vLLM's running queue.
+        alone = scheduler.seats_taken + len(scheduler.waiting) + len(scheduler.swapped) <= 1
         self._prefill_cap = 0 if alone and not self.long_prefill_cap_when_alone else self.long_prefill_token_threshold
 
     def prompt_fits(self, scheduler: Scheduler, request: Request, prefix: PrefixHit,

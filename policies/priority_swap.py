@@ -130,16 +130,14 @@ class PrioritySwapPolicy(ChunkedPolicy):
         if self.prompt_fits(scheduler, req, prefix) and scheduler.schedule_request(step, req, n, prefix):
             return True
         order = self._order(req)
-        victims = [r for r in scheduler.running
-                   if self._order(r) > order and not step.is_scheduled(r) and not step.was_swapped_in(r)]
+        victims = [r for r in scheduler.preemptable(step) if self._order(r) > order]
         if (scheduler.seats_taken - len(victims) >= scheduler.max_num_seqs
                 or not scheduler.allocator.fits_after(req, n, prefix, victims)
                 or not self.prompt_fits(scheduler, req, prefix, victims)):
             return False
         # With reserve_full_prompt, victims make room for the whole prompt, not only for its first chunk.
         while not self.prompt_fits(scheduler, req, prefix):
-            candidates = [r for r in scheduler.running if not step.is_scheduled(r) and not step.was_swapped_in(r)]
-            victim = self.select_victim(candidates, req)
+            victim = self.select_victim(scheduler.preemptable(step), req)
             if victim is None:
                 return False
             scheduler.preempt(step, victim)

@@ -84,12 +84,12 @@ def check_before_loading(config: EngineConfig, max_prompt_len: int | None = None
     if config.num_gpu_blocks_override is not None:  # the KV cache's size is known before anything is built
         check_kv_capacity(config, config.num_gpu_blocks_override)
     # The tensor parts' registries load torch (about 2 s), which a simulated run never needs: they are
-    # checked only when the run names other parts or gives them options, so a typo is still caught.
+    # checked only when the run names other parts, so a typo is still caught. Their options are not (the
+    # default backend's config file sets some in every run), and a simulated run builds neither part.
     defaults = EngineConfig.backend, EngineConfig.preparer
     preparer_forks = False  # the default preparer (v1) runs n samples as n requests
     preparer_defers = True
-    if (config.executor == "model" or (config.backend, config.preparer) != defaults or config.backend_options
-            or config.preparer_options):
+    if config.executor == "model" or (config.backend, config.preparer) != defaults:
         from framework.execution.attention import BACKEND_ARGUMENTS, BACKENDS
         from framework.execution.input_preparer import PREPARER_ARGUMENTS, PREPARERS
 

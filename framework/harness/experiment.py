@@ -27,6 +27,7 @@ from framework.common.config import PART_NAMES, EngineConfig, check_bool, is_int
 from framework.engine.llm_engine import (LLMEngine, StepStats, check_before_loading, check_token_budget,
                                          resolve_max_model_len, resolve_token_budget)
 from framework.execution.executor import EXECUTORS, check_kv_capacity, simulates_time
+from framework.sim.executor import SimExecutor
 from framework.harness.metrics import SLO, RequestRecord, step_time_noise, summarize
 from framework.common.outputs import RequestOutput
 from framework.harness.interrupts import interrupts_held
@@ -337,7 +338,7 @@ def check_experiment(cfg: DictConfig) -> tuple[EngineConfig, SLO, Workload, dict
     resolved = dataclasses.replace(config)
     checked = check_before_loading(resolved, max_prompt_len)
     EXECUTORS.check_options(config.executor, config.executor_options, config, None, None)
-    if simulates_time(config.executor):
+    if issubclass(EXECUTORS.get(config.executor), SimExecutor):
         # Built from shapes alone (no weights), in milliseconds: its device, cost model and KV cache are checked
         # here, so a sweep's pre-check refuses a job that would fail on them.
         executor = EXECUTORS.create_with(config.executor, config.executor_options, resolved, checked.source,

@@ -49,8 +49,9 @@ class SchedulerPolicy(ABC):
         return list(waiting)
 
     def select_victim(self, candidates: list[Request], requester: Request) -> Request | None:
-        """Whom to preempt so ``requester`` can run; ``candidates`` are running requests not
-        scheduled this step, oldest admission first. None: preempt nobody (the requester waits)."""
+        """Whom to preempt so ``requester`` can run; ``candidates`` are ``Scheduler.preemptable``: running requests
+        not scheduled this step (with async scheduling, those whose last token is in flight too), oldest admission
+        first. None: preempt nobody (the requester waits)."""
         return candidates[-1] if candidates else None
 
     def preemption_mode_for(self, victim: Request) -> str:

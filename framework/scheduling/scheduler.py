@@ -6,6 +6,7 @@ tokens back into the requests.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,9 @@ class Scheduler:
         # Async scheduling: requests whose token in flight is their last (length), off the running queue
         # but holding their blocks and their seat until update_from_output gives it.
         self._finishing: list[Request] = []
+        # Each running (or finishing) request's place in the order requests entered the running queue.
+        self._run_order: dict[str, int] = {}
+        self._entries = itertools.count()
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_steps = 0
@@ -88,6 +92,7 @@ class Scheduler:
         if request is None:
             return None
         self._leave_queue(request)
+        self._run_order.pop(request_id, None)
         self.allocator.free(request)
         request.drop_placeholder()  # its output ends at the tokens known
         request.status = RequestStatus.FINISHED_ABORTED
@@ -106,6 +111,24 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def _enter_running(self, request: Request) -> None:
+        self.running.append(request)
+        self._run_order[request.request_id] = next(self._entries)
+
+    def preemptable(self, step: Step, requester: Request | None = None) -> list[Request]:
+        """The requests ``step`` may preempt for ``requester`` (never itself), oldest entry to the running queue
+        first: running ones not scheduled or swapped in this step and, with async scheduling, those whose last
+        token is in flight (the token still finishes them). vLLM keeps these in its running queue, whose newest it
+        preempts first, the requester included: one that entered before a running requester comes after it."""
+        pool = self.running
+        if self._finishing:
+            order = self._run_order
+            after = order[requester.request_id] if requester is not None and requester in self.running else -1
+            finishing = [r for r in self._finishing if order[r.request_id] > after]
+            if finishing:
+                pool = sorted(self.running + finishing, key=lambda r: order[r.request_id])
+        return [r for r in pool if r is not requester and not step.is_scheduled(r) and not step.was_swapped_in(r)]
 
     @property
     def seats_taken(self) -> int:
@@ -280,6 +303,7 @@ class Scheduler:
         return False
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        self._run_order.pop(request.request_id, None)
         request.status = status
         request.finished_time = now
         self.allocator.free(request)
@@ -313,7 +337,7 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens += prefix_tokens
-            self.running.append(request)
+            self._enter_running(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock.now()
                 request.num_cached_tokens = prefix_tokens
@@ -343,9 +367,7 @@ class Scheduler:
             self._check_num_tokens(step, request, num_tokens, prefix.num_tokens if prefix else 0)
             return False
         while not self.schedule_request(step, request, num_tokens, prefix):
-            candidates = [r for r in self.running
-                          if r is not request and not step.is_scheduled(r) and not step.was_swapped_in(r)]
-            victim = self.policy.select_victim(candidates, request)
+            victim = self.policy.select_victim(self.preemptable(step, request), request)
             if victim is None:
                 if request.status == RequestStatus.RUNNING:
                     self.preempt(step, request)
@@ -367,7 +389,10 @@ class Scheduler:
         if mode not in (RECOMPUTE, SWAP):  # a typo ("Swap") would otherwise recompute, silently
             raise ValueError(f"{request.request_id}: preemption mode must be {RECOMPUTE!r} or {SWAP!r}, got {mode!r} "
                              f"(policy {self.policy.name!r})")
-        self.running.remove(request)
+        if request in self._finishing:  # its token in flight still finishes it (update_from_committed)
+            self._finishing.remove(request)
+        else:
+            self.running.remove(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         if mode == SWAP:
@@ -412,7 +437,7 @@ class Scheduler:
             return False
         self.swapped.remove(request)
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._enter_running(request)
         step.out.swapped_in.append(request)
         step.out.resumed_requests.append(request)
         step.out.blocks_to_swap_in.extend(mapping)
@@ -474,7 +499,7 @@ class Scheduler:
         self.allocator.fork(parent, child)
         child.num_computed_tokens = parent.num_prompt_tokens
         child.status = RequestStatus.RUNNING
-        self.running.append(child)
+        self._enter_running(child)
         self._forked.append(child)
 
     def _tell_forks_waiting(self) -> None:

@@ -29,10 +29,11 @@ def test_bad_arguments_are_usage_errors(argv, match, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("options", [{}, vllm_fidelity.EARLIER_OPTIONS])
-def test_this_sides_trace_serves_every_request_of_a_case_within_its_limits(options):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_this_sides_trace_serves_every_request_of_a_case_within_its_limits(options, async_scheduling):
     for seed in range(12):
         case = vllm_fidelity.make_case(seed)
-        trace = vllm_fidelity.servelab_trace(case, options, {})
+        trace = vllm_fidelity.servelab_trace(case, options, {}, async_scheduling)
         assert len(trace) < vllm_fidelity.MAX_STEPS
         computed: dict[str, int] = {}
         for step in trace:
@@ -71,3 +72,18 @@ def test_full_prompt_admission_preempts_less_on_tight_caches():
                    for options in ({}, {"reserve_full_prompt": False})]
     assert preemptions[0] < preemptions[1]
 
+
+
+def test_the_prefix_counts_leave_out_requests_that_read_no_cache():
+    """The cases hold salted requests and requests asking for prompt logprobs; the counts each step records are
+    the hit rate's terms, which count no lookup for a request that reads no cache (as vLLM's)."""
+    cases = [vllm_fidelity.make_case(seed) for seed in range(40)]
+    requests = [r for c in cases for r in c["requests"]]
+    assert any(r["salt"] for r in requests) and any(r["prompt_logprobs"] for r in requests)
+    case = next(c for c in cases if c["prefix_caching"] and any(r["prompt_logprobs"] for r in c["requests"]))
+    trace = vllm_fidelity.servelab_trace(case, {}, {})
+    reading = [r for r in case["requests"] if r["prompt_logprobs"] is None]
+    # A first admission looks up the prompt (a re-admission after a preemption counts apart).
+    assert trace[-1]["prefix counts"][0] == sum(len(r["prompt"]) for r in reading)
+    admissions = [(rid, hit) for step in trace for rid, hit in step["prefix hit"].items()]
+    assert all(hit == 0 for rid, hit in admissions if rid not in {r["id"] for r in reading})

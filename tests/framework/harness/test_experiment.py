@@ -935,3 +935,25 @@ def test_a_kv_cache_too_small_for_a_request_is_refused_before_the_weights_are_bu
     monkeypatch.setattr(LlamaForCausalLM, "empty_on", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(ValueError, match=r"the KV cache holds 0 blocks .* raise cpu_kv_cache_gb \(now 1e-05\)"):
         LLMEngine(model="tiny-llama", device="cpu", cpu_kv_cache_gb=0.00001, max_model_len=128)
+
+
+def test_the_check_builds_the_simulator_but_no_other_executor_on_simulated_time(monkeypatch):
+    """A plugin running the real forward pass on simulated time loads weights when built: the check (once per job in
+    a sweep's pre-check, again in each run) must not build it."""
+    from omegaconf import OmegaConf
+
+    from framework.execution.executors.model import ModelExecutor
+
+    class VirtualTimeModel(ModelExecutor):
+        @classmethod
+        def make_clock(cls):
+            return VirtualClock()
+
+        def __init__(self, *args, **kwargs):
+            pytest.fail("the check built an executor that loads weights")
+
+    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    EXECUTORS.register("virtual_time_model_for_test")(VirtualTimeModel)
+    cfg = config()
+    OmegaConf.update(cfg, "executor", {"name": "virtual_time_model_for_test"}, force_add=True)
+    assert experiment.check_experiment(cfg)[0].executor == "virtual_time_model_for_test"

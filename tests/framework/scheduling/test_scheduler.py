@@ -403,3 +403,24 @@ def test_a_request_asking_for_prompt_logprobs_never_reads_the_prefix_cache_nor_c
     assert not r.needs_prompt_logprobs and s.find_prefix(r).num_tokens == 0
     stats = s.allocator.stats
     assert (stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.preempted_query_tokens) == (8, 0, 0)
+
+
+@pytest.mark.parametrize("first, victim", [("a", "b"), ("b", "a")])
+def test_a_request_whose_last_token_is_in_flight_is_preempted_as_vllm_pops_its_running_queue(first, victim):
+    """Async scheduling: vLLM keeps such a request in its running queue and preempts the newest there, the
+    requester included. So ``b`` (last token in flight) gives its block to ``a`` when it entered after ``a``;
+    entered before, ``a`` preempts itself. A preempted ``b`` still finishes by the token in flight."""
+    s = make(num_blocks=3)  # two usable blocks of 4: one each
+    a, b = add(s, "a", 4), add(s, "b", 4)
+    b.max_tokens = 1
+    order = [a, b] if first == "a" else [b, a]
+    s.policy.plan = admit(*order)
+    prefill = s.schedule()
+    s.commit(prefill)
+    s.policy.plan = lambda sch, st: sch.schedule_or_preempt(st, a, 1)
+    out = s.schedule()  # a's fifth token needs a block
+    assert [r.request_id for r in out.preempted + out.swapped_out] == [victim]
+    s.update_from_committed(prefill, {"a": 9, "b": 9})
+    assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.output_token_ids == [9]
+    s.abort_request("a")
+    assert s.allocator.num_free_blocks == 2 and s.allocator.num_free_cpu_blocks == 8  # a swapped-out b's too

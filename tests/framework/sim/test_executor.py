@@ -4,6 +4,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -347,3 +348,15 @@ def test_a_cost_model_without_a_dtype_keyword_still_loads_and_is_told_the_dtype(
         assert roofline.executor.cost_model.dtype == "float16"
     finally:
         COST_MODELS._classes.pop("old_style_for_test", None)
+
+
+def test_a_simulated_run_composed_by_hydra_checks_and_builds_without_torch():
+    # The default backend's config file gives every composed run backend options: a check of their names
+    # imported torch (about 2 s) into every simulated run and every sweep's pre-check.
+    code = ("import sys; from tests.hydra_support import compose_config; "
+            "from framework.harness.experiment import check_experiment; from framework.run import engine_config; "
+            "from framework import LLMEngine; cfg = compose_config('executor=sim', 'workload.num_requests=2'); "
+            "check_experiment(cfg); LLMEngine(engine_config(cfg)); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
