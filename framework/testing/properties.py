@@ -161,7 +161,8 @@ def priority_checks(before, out, s):
 
 
 def sjf_checks(before, out, s):
-    for r in entered(out):
+    # Admissions from the waiting queue only: a swapped request comes back before anyone is admitted (chunked's).
+    for r in admitted(out):
         for w in s.waiting:
             assert (w.num_prompt_tokens, w.arrival_time) > (r.num_prompt_tokens, r.arrival_time)
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from framework.testing.properties import (POLICY_CHECKS, priority_checks, run_workload, setups, swapped_return_first,
                                           workloads)
 
-CASES = [(policy, "") for policy in sorted(POLICY_CHECKS)] + [("fcfs", "swap"), ("chunked", "swap")]
+CASES = [(policy, "") for policy in sorted(POLICY_CHECKS)] + [("fcfs", "swap"), ("chunked", "swap"), ("sjf", "swap")]
 
 
 @pytest.mark.parametrize("policy, mode", CASES)
