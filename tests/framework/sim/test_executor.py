@@ -351,8 +351,8 @@ def test_a_cost_model_without_a_dtype_keyword_still_loads_and_is_told_the_dtype(
 
 
 def test_a_simulated_run_composed_by_hydra_checks_and_builds_without_torch():
-    # The default backend's config file gives every composed run backend options: a check of their names
-    # imported torch (about 2 s) into every simulated run and every sweep's pre-check.
+    # The default backend's config file gives every composed run backend options: checking their names would
+    # import torch (about 2 s) into every simulated run and every sweep's pre-check.
     code = ("import sys; from tests.hydra_support import compose_config; "
             "from framework.harness.experiment import check_experiment; from framework.run import engine_config; "
             "from framework import LLMEngine; cfg = compose_config('executor=sim', 'workload.num_requests=2'); "
