@@ -55,6 +55,7 @@ class Request:
         "block_hashes", "stop_reason", "status_message", "eos_token_ids", "max_model_len", "max_tokens",
         "generator", "parent_id", "index", "prompt", "first_scheduled_time", "first_token_time",
         "token_times", "finished_time", "num_preemptions", "num_swaps", "forks", "extra", "arrival_order",
+        "run_order",
         "detokenizer",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "num_placeholders", "cache_salt",
     )
@@ -115,6 +116,8 @@ class Request:
         #: Position in which the scheduler received the request (``Scheduler.add_request`` or a
         #: fork), 0 before: it orders requests that tie in everything else, as a queue would.
         self.arrival_order = 0
+        #: Position in which it last entered the scheduler's running queue (vLLM's running-list order), 0 before.
+        self.run_order = 0
         #: The output text decoded as it grows (set by the engine for a request with stop strings
         #: or DELTA outputs), else None.
         self.detokenizer: IncrementalDetokenizer | None = None

@@ -6,7 +6,6 @@ tokens back into the requests.
 """
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -48,9 +47,7 @@ class Scheduler:
         # Async scheduling: requests whose token in flight is their last (length), off the running queue
         # but holding their blocks and their seat until update_from_output gives it.
         self._finishing: list[Request] = []
-        # Each running (or finishing) request's place in the order requests entered the running queue.
-        self._run_order: dict[str, int] = {}
-        self._entries = itertools.count()
+        self._num_entered = 0  # entries to the running queue so far: the last one's run_order
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_steps = 0
@@ -92,7 +89,6 @@ class Scheduler:
         if request is None:
             return None
         self._leave_queue(request)
-        self._run_order.pop(request_id, None)
         self.allocator.free(request)
         request.drop_placeholder()  # its output ends at the tokens known
         request.status = RequestStatus.FINISHED_ABORTED
@@ -114,7 +110,8 @@ class Scheduler:
 
     def _enter_running(self, request: Request) -> None:
         self.running.append(request)
-        self._run_order[request.request_id] = next(self._entries)
+        self._num_entered += 1
+        request.run_order = self._num_entered
 
     def preemptable(self, step: Step, requester: Request | None = None) -> list[Request]:
         """The requests ``step`` may preempt for ``requester`` (never itself), oldest entry to the running queue
@@ -123,11 +120,11 @@ class Scheduler:
         preempts first, the requester included: one that entered before a running requester comes after it."""
         pool = self.running
         if self._finishing:
-            order = self._run_order
-            after = order[requester.request_id] if requester is not None and requester in self.running else -1
-            finishing = [r for r in self._finishing if order[r.request_id] > after]
+            running = requester is not None and requester.status == RequestStatus.RUNNING
+            after = requester.run_order if running else 0
+            finishing = [r for r in self._finishing if r.run_order > after]
             if finishing:
-                pool = sorted(self.running + finishing, key=lambda r: order[r.request_id])
+                pool = sorted(self.running + finishing, key=lambda r: r.run_order)
         return [r for r in pool if r is not requester and not step.is_scheduled(r) and not step.was_swapped_in(r)]
 
     @property
@@ -303,7 +300,6 @@ class Scheduler:
         return False
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
-        self._run_order.pop(request.request_id, None)
         request.status = status
         request.finished_time = now
         self.allocator.free(request)

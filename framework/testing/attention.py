@@ -172,9 +172,9 @@ class Case:
 
 
 def cases(block_size: int = 16, dtypes: tuple[torch.dtype, ...] = tuple(TOLERANCE),
-          head_dims: tuple[int, ...] = HEAD_DIMS, other_block_size: int | None = None) -> list[Case]:
+          head_dims: tuple[int, ...] = HEAD_DIMS) -> list[Case]:
     """Every kind of step in every dtype and head grouping; a mixed step in each dtype at each of ``head_dims`` and at
-    ``other_block_size`` (default twice ``block_size``); then the layouts and edge cases in the first dtype."""
+    twice ``block_size``; then the layouts and edge cases in the first dtype."""
     out = []
     for dtype in dtypes:
         for num_heads, num_kv_heads in GQA:
@@ -185,7 +185,7 @@ def cases(block_size: int = 16, dtypes: tuple[torch.dtype, ...] = tuple(TOLERANC
         for head_dim in head_dims:
             specs = tuple(batch_specs("mixed", np.random.default_rng(seed_of(head_dim, str(dtype))), block_size))
             out.append(Case("mixed", specs, 8, 2, dtype, block_size, head_dim=head_dim))
-        bigger = other_block_size or 2 * block_size
+        bigger = 2 * block_size
         specs = tuple(batch_specs("mixed", np.random.default_rng(seed_of(bigger, str(dtype))), bigger))
         out.append(Case("mixed", specs, 8, 2, dtype, bigger))
     first = dtypes[0]
