@@ -238,9 +238,13 @@ class TorchPagedBackend(AttentionBackend):
             ws = self._workspace = torch.empty(numel, dtype=like.dtype, device=like.device)
         return ws[:numel].view(shape)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def kv_slots(self, meta: TorchPagedMetadata) -> torch.Tensor:
+        return meta.common.slot_mapping
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: TorchPagedMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.common.slot_mapping)
+        if k is not None and v is not None:
+            write_kv(k, v, kv_cache, meta.common.slot_mapping)
         out = torch.empty_like(q) if out is None else out
         for group in meta.groups:
             self._attend(q, kv_cache, group, out)

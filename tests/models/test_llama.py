@@ -132,3 +132,13 @@ def test_starting_an_engine_does_not_import_torchs_compiler_stack():
             "    assert name not in sys.modules, f'the engine imported {name}'\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_padded_rows_add_at_most_an_eighth_and_come_in_few_counts():
+    from models.llama import padded_rows
+
+    counts = [padded_rows(rows) for rows in range(1, 8193)]
+    assert counts[:64] == list(range(1, 65)), "a decode batch of up to 64 multiplies as it is"
+    assert all(rows <= padded <= rows * 9 / 8 for rows, padded in enumerate(counts, start=1))
+    assert counts == sorted(counts) and all(padded_rows(c) == c for c in counts), "a padded count pads to itself"
+    assert len(set(counts[:2048])) == 64 + 8 * 5, "8 counts an octave above 64"

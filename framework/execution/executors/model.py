@@ -27,7 +27,7 @@ from framework.execution.model_runner import LaunchedStep, ModelRunner
 from framework.execution.sampler import Sampler
 from framework.scheduling.output import SchedulerOutput
 from models.cpu_ops import fused_ops
-from models.llama import LlamaForCausalLM, compute_linears_in_float32
+from models.llama import LlamaForCausalLM, compute_linears_in_float32, pad_linear_rows
 from models.loader import ModelSource, iter_checkpoint, load_tokenizer
 from models.presets import SHAPE_ONLY_PRESETS
 
@@ -138,9 +138,11 @@ class ModelExecutor(Executor):
     (``models.cuda_ops``), falling back to torch's with a warning when they cannot be had; false:
     torch's. ``float32_matmul`` (``auto``, ``true``, ``false``): a bf16/fp16 model's linear layers
     multiply in float32 (``compute_linears_in_float32``); ``auto``: on a CPU whose flags
-    (``/proc/cpuinfo``) show no matrix instructions for that dtype. ``cuda_graphs`` (``auto``, ``true``,
-    ``false``): decode steps replay CUDA graphs captured at padded batch sizes
-    (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can. ``decode_matmul``
+    (``/proc/cpuinfo``) show no matrix instructions for that dtype. ``pad_matmul_rows`` (``auto``, ``true``,
+    ``false``): linear layers multiply up to 1/8 more rows, so that their products come in about 100 row
+    counts (``models.llama.pad_linear_rows``); ``auto``: where oneDNN runs them, half-precision products on a
+    CPU. ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA graphs captured at padded
+    batch sizes (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can. ``decode_matmul``
     (``torch``, ``tuned``): ``tuned`` (CUDA) times torch's product against a split-K Triton kernel per linear
     layer shape at start-up and runs the faster at up to 128 rows (``models.cuda_matmul``).
     ``weight_prefetch_mb`` (default 0: off): each fused operator asks the L2 cache for the next this many MiB of
@@ -151,13 +153,15 @@ class ModelExecutor(Executor):
     supports_async = True
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_ops: bool = True,
-                 float32_matmul: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                 decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
+                 float32_matmul: bool | str = "auto", pad_matmul_rows: bool | str = "auto",
+                 cuda_graphs: bool | str = "auto", decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
         super().__init__(config, source, clock)
         if not isinstance(fused_ops, bool):
             raise ValueError(f"executor.fused_ops must be true or false, got {fused_ops!r}")
         if float32_matmul not in (True, False, "auto"):
             raise ValueError(f"executor.float32_matmul must be auto, true or false, got {float32_matmul!r}")
+        if pad_matmul_rows not in (True, False, "auto"):
+            raise ValueError(f"executor.pad_matmul_rows must be auto, true or false, got {pad_matmul_rows!r}")
         if cuda_graphs not in (True, False, "auto"):
             raise ValueError(f"executor.cuda_graphs must be auto, true or false, got {cuda_graphs!r}")
         if decode_matmul not in ("torch", "tuned"):
@@ -214,6 +218,10 @@ class ModelExecutor(Executor):
                               and not cpu_has_matmul_instructions(self.dtype))
         if float32_matmul and self.dtype != torch.float32:
             compute_linears_in_float32(self.model)
+        if pad_matmul_rows == "auto":  # float32 products run on MKL, which compiles nothing per shape
+            pad_matmul_rows = self._device.type == "cpu" and self.dtype != torch.float32 and not float32_matmul
+        if pad_matmul_rows:
+            pad_linear_rows(self.model)
         #: ``models.cuda_matmul.Choice`` per weight shape and row bucket, with ``decode_matmul=tuned``.
         self.matmul_choices = []
         if decode_matmul == "tuned":

@@ -103,6 +103,54 @@ def test_float32_matmul_is_auto_true_or_false(llama_ckpt):
         bf16_engine(llama_ckpt[0], "always")
 
 
+def product_rows(monkeypatch):
+    """The row counts of every matrix product the model runs from here on (torch's ``F.linear``)."""
+    rows = []
+    linear = torch.nn.functional.linear
+
+    def spy(x, weight, bias=None):
+        rows.append(x.shape[0])
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    return rows
+
+
+@pytest.mark.parametrize("dtype, float32_matmul, padded", [("bfloat16", False, True), ("bfloat16", True, False),
+                                                           ("float32", "auto", False)])
+def test_pad_matmul_rows_auto_pads_half_precision_products_on_a_cpu(llama_ckpt, monkeypatch, dtype, float32_matmul,
+                                                                    padded):
+    """A 70-token prompt's products run at 72 rows where oneDNN multiplies (bf16 on a CPU), at 70 where MKL does
+    (float32, or bf16 through float32 weights); the step's logits row is the prompt's last either way."""
+    llm = LLM(model=str(llama_ckpt[0]), dtype=dtype, max_model_len=128, block_size=8,
+              executor_options={"float32_matmul": float32_matmul})
+    rows = product_rows(monkeypatch)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 73))}], SamplingParams(max_tokens=1, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 1
+    layers = len(llm.engine.executor.model.layers)
+    assert rows == [72 if padded else 70] * 4 * layers + [1]
+
+
+def test_pad_matmul_rows_true_pads_float32_products_too_and_keeps_their_rows(llama_ckpt, monkeypatch):
+    plain = LLM(model=str(llama_ckpt[0]), dtype="bfloat16", max_model_len=128,
+                executor_options={"float32_matmul": True, "pad_matmul_rows": False})
+    padded = LLM(model=str(llama_ckpt[0]), dtype="bfloat16", max_model_len=128,
+                 executor_options={"float32_matmul": True, "pad_matmul_rows": True})
+    rows = product_rows(monkeypatch)
+    x = torch.randn(100, plain.engine.executor.model.config.hidden_size).bfloat16()
+    linear = padded.engine.executor.model.layers[0].self_attn.qkv_proj
+    out = linear(x)
+    assert rows == [104], "100 rows pad to 104 (a step of 8 between 64 and 128)"
+    assert out.shape == (100, linear.out_features) and out.dtype == torch.bfloat16
+    assert torch.equal(out, plain.engine.executor.model.layers[0].self_attn.qkv_proj(x)), \
+        "MKL's rows do not depend on the rows beside them"
+
+
+def test_pad_matmul_rows_is_auto_true_or_false(llama_ckpt):
+    with pytest.raises(ValueError, match="executor.pad_matmul_rows must be auto, true or false, got 'yes'"):
+        LLM(model=str(llama_ckpt[0]), max_model_len=64, executor_options={"pad_matmul_rows": "yes"})
+
+
 def test_decode_matmul_is_torch_or_tuned_and_tuned_needs_cuda(llama_ckpt):
     common = dict(model=str(llama_ckpt[0]), max_model_len=64, num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match="executor.decode_matmul must be torch or tuned, got 'fast'"):
