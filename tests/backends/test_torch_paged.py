@@ -149,6 +149,23 @@ def test_the_kernel_cuts_rows_of_uneven_work_into_runs_that_cover_each_row_once(
     check_result(out, batch, before, torch.float32)
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_auto_prefills_go_to_sdpa_in_a_half_precision_the_cpu_multiplies_natively(monkeypatch, dtype, native):
+    """Decodes stay with the C++ kernel; ``prefill_kernel=cpp`` keeps prefills there too."""
+    import backends.torch_paged as torch_paged
+
+    monkeypatch.setattr(torch_paged, "cpu_has_matmul_instructions", lambda d: native and d != torch.float32)
+    auto, cpp = make("auto", dtype), make("auto", dtype, prefill_kernel="cpp")
+    assert auto.kernel_decodes and cpp.kernel_decodes and cpp.kernel_prefills
+    assert auto.kernel_prefills == (dtype == torch.float32 or not native)
+    batch = random_batch([(20, 1), (0, 9), (32, 5)], 4, 2, 16, 16, dtype, seed=2)
+    meta = auto.build_metadata(batch.meta)
+    assert [g.seq_lens is not None for g in meta.groups] == [True] + [auto.kernel_prefills] * (len(meta.groups) - 1)
+    before = batch.kv_cache.clone()
+    check_result(auto.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, dtype)
+
+
 @pytest.mark.parametrize("decode_kernel, prefill_kernel, device, match", [
     ("fast", "auto", "cpu", "backend.decode_kernel must be one of auto, cpp, sdpa, got 'fast'"),
     ("auto", "fast", "cpu", "backend.prefill_kernel must be one of auto, cpp, sdpa, got 'fast'"),

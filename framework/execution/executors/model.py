@@ -7,7 +7,6 @@ import gc
 import importlib
 import logging
 import os
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -19,6 +18,7 @@ from framework.common.config import EngineConfig, resolve_dtype_name
 from framework.common.registry import UnavailableError
 from framework.execution.executor import (EXECUTORS, GiB, Executor, ExecutorOutput, check_kv_capacity,
                                          size_kv_cache)
+from framework.execution.cpu_features import cpu_has_matmul_instructions
 from framework.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from framework.execution.host_memory import keep_freed_memory, lazy_zeros
 from framework.execution.input_preparer import PREPARERS
@@ -69,19 +69,6 @@ def set_num_threads(num_threads: int | None) -> None:
     wanted = num_threads or before
     if wanted != current:
         torch.set_num_threads(wanted)
-
-
-#: CPU flags (``/proc/cpuinfo``) of matrix or dot-product instructions per half-precision dtype.
-MATMUL_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
-
-
-def cpu_has_matmul_instructions(dtype: torch.dtype, cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU multiplies ``dtype`` matrices natively; True where its flags cannot be read."""
-    try:
-        flags = next(line for line in Path(cpuinfo).read_text().splitlines() if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return True
-    return any(flag in flags for flag in MATMUL_FLAGS.get(dtype, ()))
 
 
 def _fused_ops(device: torch.device) -> ModuleType | None:

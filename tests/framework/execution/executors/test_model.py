@@ -63,18 +63,6 @@ def test_kv_sizing_on_a_gpu_leaves_the_profiled_step_and_at_least_the_backends_w
     assert executor.kv_block_counts()[0] == int((total * 0.5 - used - step) // per_block)
 
 
-def test_cpu_matmul_flags_are_read_from_cpuinfo(tmp_path):
-    from framework.execution.executors.model import cpu_has_matmul_instructions
-
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
-    assert not cpu_has_matmul_instructions(torch.bfloat16, str(cpuinfo))
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
-    assert cpu_has_matmul_instructions(torch.bfloat16, str(cpuinfo))
-    assert not cpu_has_matmul_instructions(torch.float16, str(cpuinfo))
-    assert cpu_has_matmul_instructions(torch.bfloat16, str(tmp_path / "missing")), "unknown: trust torch's kernel"
-
-
 def bf16_engine(path, float32_matmul):
     from framework import LLM
 
