@@ -277,13 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.setup:
         print(f"vLLM's python: {setup_venv(DEFAULT_VENV)}")
         return
-    from backends.torch_paged import TorchPagedBackend
-    from framework import POLICIES
+    from framework import BACKENDS, POLICIES
     from framework.execution.attention import AttentionBackend
     from framework.execution.executors.model import ModelExecutor
 
     options = [name for name in inspect.signature(ModelExecutor).parameters if name not in ("config", "source", "clock")]
-    options += [f"backend.{name}" for name in inspect.signature(TorchPagedBackend).parameters
+    options += [f"backend.{name}" for name in inspect.signature(BACKENDS.get("torch_paged")).parameters
                 if name not in inspect.signature(AttentionBackend).parameters]
 
     def known(side: str) -> bool:
