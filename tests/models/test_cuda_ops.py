@@ -144,11 +144,12 @@ def test_qkv_rotary_into_cache_refuses_mismatched_caches_and_slots():
         ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q, cache[0], cache[1, :2], torch.arange(3))
 
 
+@pytest.mark.parametrize("backend_name", ["triton", "torch_paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_model_stores_kv_in_the_rotary_pass_where_the_backend_lets_it(dtype):
-    """A Llama layer stack with the Triton backend and these operators (interpreted) writes K/V in the RoPE
-    pass and calls the backend without them: hidden states and cache equal the separate store's, on a step
-    of prefills, a chunk on a cached context and decodes."""
+def test_the_model_stores_kv_in_the_rotary_pass_where_the_backend_lets_it(dtype, backend_name):
+    """A Llama layer stack with the Triton or torch_paged backend and these operators (interpreted) writes K/V in
+    the RoPE pass and calls the backend without them: hidden states and cache equal the separate store's, on a
+    step of prefills, a chunk on a cached context and decodes."""
     from framework import BACKENDS
     from models.config import ModelConfig
     from models.llama import LlamaForCausalLM
@@ -157,7 +158,7 @@ def test_the_model_stores_kv_in_the_rotary_pass_where_the_backend_lets_it(dtype)
     ops = ops_for("cpu")
     cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    backend = BACKENDS.create("triton", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=8,
+    backend = BACKENDS.create(backend_name, num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=8,
                               dtype=dtype, device="cpu")
     model = LlamaForCausalLM.empty_on(torch.device("cpu"), cfg, backend, 256, dtype, ops)
     model.init_random(0, 0.2)
