@@ -31,6 +31,15 @@ logger = logging.getLogger(__name__)
 KERNELS = ("auto", "cpp", "sdpa")
 
 
+def check_kernels(device: torch.device, decode_kernel: str = "auto", prefill_kernel: str = "auto") -> None:
+    """ValueError naming a kernel option that is none of ``KERNELS``, or ``cpp`` off a CPU."""
+    for key, value in (("decode_kernel", decode_kernel), ("prefill_kernel", prefill_kernel)):
+        if value not in KERNELS:
+            raise ValueError(f"backend.{key} must be one of {', '.join(KERNELS)}, got {value!r}")
+        if value == "cpp" and device.type != "cpu":
+            raise ValueError(f"backend.{key}=cpp runs on a CPU, not {device}; use auto or sdpa")
+
+
 @dataclass
 class PagedGroup:
     """Requests that run in one SDPA call, padded to ``q_len`` queries and ``num_blocks`` blocks.
@@ -102,11 +111,7 @@ class TorchPagedBackend(AttentionBackend):
                  dtype: torch.dtype, device: torch.device, decode_kernel: str = "auto",
                  prefill_kernel: str = "auto") -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
-        for key, value in (("decode_kernel", decode_kernel), ("prefill_kernel", prefill_kernel)):
-            if value not in KERNELS:
-                raise ValueError(f"backend.{key} must be one of {', '.join(KERNELS)}, got {value!r}")
-            if value == "cpp" and self.device.type != "cpu":
-                raise ValueError(f"backend.{key}=cpp runs on a CPU, not {self.device}; use auto or sdpa")
+        check_kernels(self.device, decode_kernel, prefill_kernel)
         # Whether a masked prefill group's query heads go in as rows of their K/V head (see _attend):
         # on CUDA SDPA has no fused kernel for a mask with GQA; a CPU's flash kernel takes both, and
         # ran 1.2-2x faster than the folded rows (2 cores, head_dim 32-128).

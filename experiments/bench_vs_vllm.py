@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = ROOT / ".vllm-venv"
@@ -89,20 +90,27 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "outputs": outputs}), flush=True)
 
 
+def configuration(side: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A configuration's policy, backend options and executor options (see ``--policies``)."""
+    import yaml
+
+    name, *settings = side.partition(":")[0].split("@")
+    policy, _, kernel = name.partition("+")
+    backend_options = {"decode_kernel": kernel, "prefill_kernel": kernel} if kernel else {}
+    executor_options = {}
+    for key, _, value in (setting.partition("=") for setting in settings):
+        part, _, option = key.rpartition(".")
+        (backend_options if part == "backend" else executor_options)[option] = yaml.safe_load(value)
+    return policy, backend_options, executor_options
+
+
 def _servelab_side(args: argparse.Namespace):
     import torch
-    import yaml
 
     from framework import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    name, *settings = args.worker.partition(":")[0].split("@")
-    policy, _, kernel = name.partition("+")
-    backend_options = {"decode_kernel": kernel, "prefill_kernel": kernel} if kernel else {}
-    executor_options = {}
-    for key, _, value in (o.partition("=") for o in settings):
-        part, _, name = key.rpartition(".")
-        (backend_options if part == "backend" else executor_options)[name] = yaml.safe_load(value)
+    policy, backend_options, executor_options = configuration(args.worker)
     llm = LLM(model=args.model, policy=policy, dtype=args.dtype, block_size=32, max_num_seqs=64,
               max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=args.shape != "prefill",
               seed=0, backend_options=backend_options, executor_options=executor_options)
@@ -277,9 +285,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.setup:
         print(f"vLLM's python: {setup_venv(DEFAULT_VENV)}")
         return
-    from framework import BACKENDS, POLICIES
+    from framework import BACKENDS, POLICIES  # first: it sets OMP_WAIT_POLICY before torch loads
     from framework.execution.attention import AttentionBackend
     from framework.execution.executors.model import ModelExecutor
+
+    import torch
+    from backends.torch_paged import check_kernels
 
     options = [name for name in inspect.signature(ModelExecutor).parameters if name not in ("config", "source", "clock")]
     options += [f"backend.{name}" for name in inspect.signature(BACKENDS.get("torch_paged")).parameters
@@ -296,6 +307,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not args.policies:
         ap.error(f"--policies: {', '.join(unknown) or '(none)'} not POLICY[+sdpa|+cpp][@KEY=VALUE...][:spin]; "
                  f"policies: {', '.join(POLICIES.list())}; options: {', '.join(options)}")
+    for side in args.policies:
+        _, backend_options, executor_options = configuration(side)
+        try:
+            check_kernels(torch.device("cpu"), **backend_options)
+            ModelExecutor.check_values(**executor_options)
+        except ValueError as exc:
+            ap.error(f"--policies: {side}: {exc}")
     vllm_python = args.vllm_python or str(DEFAULT_VENV / "bin" / "python")
     if not Path(vllm_python).exists():
         ap.error(f"no vLLM venv at {vllm_python}: run with --setup first, or give --vllm-python")

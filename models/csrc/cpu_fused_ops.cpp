@@ -94,7 +94,7 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
-    // SiLU below float's normal range (g < -87) comes out 0, where torch's is a denormal.
+    // A result below float's normal range comes out 0, where torch's is a denormal.
     const FlushToZero flush;
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = xp + r * xs;
@@ -233,6 +233,26 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
+// What both RoPE operators read: qkv [T, (H + 2 KVH) D] with contiguous rows, q [T, H, D] contiguous, positions
+// [T] int64 each a row of cos and sin [max_positions, D / 2], all in qkv's dtype but positions.
+void check_rotary(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                  const torch::Tensor& sin, const torch::Tensor& q, int64_t kv_heads) {
+  check_rows(qkv, "qkv");
+  const int64_t rows = qkv.size(0);
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(0) == rows && q.scalar_type() == qkv.scalar_type() &&
+              q.size(2) % 2 == 0, "q must be contiguous [T, H, D] in qkv's dtype, D even");
+  TORCH_CHECK(qkv.size(1) == (q.size(1) + 2 * kv_heads) * q.size(2), "qkv must hold q, k and v");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.dim() == 1 &&
+              positions.size(0) == rows, "positions must be contiguous int64 [T]");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+              cos.stride(0) == sin.stride(0) && cos.size(1) == q.size(2) / 2 && cos.scalar_type() == qkv.scalar_type() &&
+              sin.scalar_type() == qkv.scalar_type(), "cos and sin must be [max_positions, D / 2] with contiguous rows, in qkv's dtype");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "position ", pos[r], " is outside cos and sin's ", cos.size(0), " rows");
+  }
+}
+
 }  // namespace
 
 // out = rms_norm(x) * weight; x, out: [T, n] with contiguous rows; weight: [n].
@@ -264,11 +284,10 @@ void silu_and_mul(const torch::Tensor& x, torch::Tensor out) {
 // positions [T] (int64) with cos, sin [max_positions, D / 2].
 void qkv_rotary(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
                 const torch::Tensor& sin, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
-  check_rows(qkv, "qkv");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k and v must be contiguous");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous(), "positions must be contiguous int64");
-  TORCH_CHECK(cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0), "cos and sin rows must be contiguous");
-  TORCH_CHECK(qkv.size(1) == (q.size(1) + 2 * k.size(1)) * q.size(2), "qkv must hold q, k and v");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous() &&
+              k.size(0) == qkv.size(0) && k.size(2) == q.size(2) && k.scalar_type() == qkv.scalar_type() &&
+              v.scalar_type() == qkv.scalar_type(), "k and v must be contiguous [T, KVH, D] in qkv's dtype");
+  check_rotary(qkv, positions, cos, sin, q, k.size(1));
   dispatch(qkv.scalar_type(), "qkv_rotary", [&](auto t) { qkv_rotary_impl<decltype(t)>(qkv, positions, cos, sin, q, k, v); });
 }
 
@@ -277,16 +296,12 @@ void qkv_rotary(const torch::Tensor& qkv, const torch::Tensor& positions, const 
 void qkv_rotary_into_cache(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
                            const torch::Tensor& sin, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            const torch::Tensor& slot_mapping) {
-  check_rows(qkv, "qkv");
-  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous(), "positions must be contiguous int64");
-  TORCH_CHECK(cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0), "cos and sin rows must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
               k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && k_cache.size(3) == q.size(2),
               "k_cache and v_cache must be [blocks, block_size, KVH, D] of one layout, each token's heads contiguous");
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
               "the caches must have qkv's dtype");
-  TORCH_CHECK(qkv.size(1) == (q.size(1) + 2 * k_cache.size(2)) * q.size(2), "qkv must hold q, k and v");
+  check_rotary(qkv, positions, cos, sin, q, k_cache.size(2));
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.size(0) == qkv.size(0), "slot_mapping must be contiguous int64 [T]");
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();

@@ -25,6 +25,10 @@ spec.loader.exec_module(bench_vs_vllm)
     (["--policies", "fcfs@pad_rows=false"], "--policies: fcfs@pad_rows=false not POLICY[+sdpa|+cpp][@KEY=VALUE...]"),
     (["--policies", "fcfs@pad_matmul_rows"], "--policies: fcfs@pad_matmul_rows not POLICY"),
     (["--policies", "fcfs@backend.kernel=cpp"], "--policies: fcfs@backend.kernel=cpp not POLICY"),
+    (["--policies", "fcfs,chunked@pad_matmul_rows=null"],
+     "--policies: chunked@pad_matmul_rows=null: executor.pad_matmul_rows must be auto, true or false, got None"),
+    (["--policies", "chunked@backend.prefill_kernel=fast"],
+     "--policies: chunked@backend.prefill_kernel=fast: backend.prefill_kernel must be one of auto, cpp, sdpa"),
     (["--policies", ","], "--policies: (none) not POLICY"),
     (["--vllm-python", "/nonexistent/python"], "no vLLM venv at /nonexistent/python: run with --setup first"),
     (["--dtype", "float16"], "invalid choice: 'float16'"),
@@ -94,9 +98,6 @@ def test_a_servelab_worker_runs_the_workload_as_the_engine_does(llama_ckpt, tmp_
     assert first["seconds"] > 0 and first["cpu_seconds"] > 0
 
 
-@pytest.mark.parametrize("side", ["chunked@pad_matmul_rows=maybe", "chunked@backend.prefill_kernel=fast"])
-def test_a_configuration_s_options_reach_its_engine(llama_ckpt, tmp_path, side):
-    (tmp_path / "work.json").write_text(json.dumps([[([1, 2], 2)]]))
-    args = argparse.Namespace(threads=1, dtype="float32", spin_count=1000, shape="mixed")
-    with pytest.raises(RuntimeError, match=f"the {side} worker exited with status 1"):
-        bench_vs_vllm.Worker(sys.executable, side, str(llama_ckpt[0]), str(tmp_path / "work.json"), args)
+def test_a_configuration_is_a_policy_with_backend_and_executor_options():
+    assert bench_vs_vllm.configuration("chunked+sdpa@pad_matmul_rows=false@backend.prefill_kernel=cpp:spin") == (
+        "chunked", {"decode_kernel": "sdpa", "prefill_kernel": "cpp"}, {"pad_matmul_rows": False})

@@ -127,7 +127,27 @@ def test_qkv_rotary_into_cache_refuses_mismatched_caches_and_slots_outside_them(
     with pytest.raises(RuntimeError, match="slot 32 is outside the cache's 32 slots"):
         ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q, cache[0], cache[1],
                                   torch.tensor([0, 32, 1]))
-    assert not cache.any(), "nothing written before the refusal"
+    with pytest.raises(RuntimeError, match=r"positions must be contiguous int64 \[T\]"):
+        ops.qkv_rotary_into_cache(qkv, positions[:1], rotary.cos, rotary.sin, q, cache[0], cache[1], torch.arange(3))
+    with pytest.raises(RuntimeError, match="position 64 is outside cos and sin's 64 rows"):
+        ops.qkv_rotary_into_cache(qkv, torch.tensor([0, 64, 1]), rotary.cos, rotary.sin, q, cache[0], cache[1],
+                                  torch.arange(3))
+    with pytest.raises(RuntimeError, match=r"q must be contiguous \[T, H, D\]"):
+        ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, q[:1], cache[0], cache[1], torch.arange(3))
+    assert not cache.any(), "nothing written before a refusal"
+
+
+def test_qkv_rotary_refuses_outputs_and_tables_of_other_shapes():
+    ops = fused_ops()
+    rotary = RotaryEmbedding(32, 64, 10000.0, None, 64, torch.float32)
+    qkv, positions = torch.randn(3, 4 * 32), torch.arange(3)
+    q, k, v = torch.empty(3, 2, 32), torch.empty(3, 1, 32), torch.empty(3, 1, 32)
+    with pytest.raises(RuntimeError, match=r"k and v must be contiguous \[T, KVH, D\]"):
+        ops.qkv_rotary(qkv, positions, rotary.cos, rotary.sin, q, k[:1], v[:1])
+    with pytest.raises(RuntimeError, match=r"q must be contiguous \[T, H, D\]"):
+        ops.qkv_rotary(qkv, positions, rotary.cos, rotary.sin, q[:2], k, v)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[max_positions, D / 2\]"):
+        ops.qkv_rotary(qkv, positions, rotary.cos[:, :8], rotary.sin[:, :8], q, k, v)
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1024, 32000])

@@ -142,3 +142,18 @@ def test_padded_rows_add_at_most_an_eighth_and_come_in_few_counts():
     assert all(rows <= padded <= rows * 9 / 8 for rows, padded in enumerate(counts, start=1))
     assert counts == sorted(counts) and all(padded_rows(c) == c for c in counts), "a padded count pads to itself"
     assert len(set(counts[:2048])) == 64 + 8 * 5, "8 counts an octave above 64"
+
+
+def test_padded_linear_layers_keep_every_input_shape_and_its_rows():
+    from models.llama import pad_linear_rows
+
+    gen = torch.Generator().manual_seed(0)
+    plain = torch.nn.Linear(100, 8)
+    padded = torch.nn.Linear(100, 8)
+    padded.load_state_dict(plain.state_dict())
+    pad_linear_rows(padded)
+    for shape in [(0, 100), (1, 100), (65, 100), (129, 100), (100,), (70, 3, 100), (3, 70, 100)]:
+        x = torch.randn(*shape, generator=gen)
+        out = padded(x)
+        assert out.shape == plain(x).shape, shape
+        torch.testing.assert_close(out, plain(x), rtol=1e-6, atol=1e-6)  # a product's rows may block differently

@@ -143,19 +143,7 @@ class ModelExecutor(Executor):
                  float32_matmul: bool | str = "auto", pad_matmul_rows: bool | str = "auto",
                  cuda_graphs: bool | str = "auto", decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
         super().__init__(config, source, clock)
-        if not isinstance(fused_ops, bool):
-            raise ValueError(f"executor.fused_ops must be true or false, got {fused_ops!r}")
-        if float32_matmul not in (True, False, "auto"):
-            raise ValueError(f"executor.float32_matmul must be auto, true or false, got {float32_matmul!r}")
-        if pad_matmul_rows not in (True, False, "auto"):
-            raise ValueError(f"executor.pad_matmul_rows must be auto, true or false, got {pad_matmul_rows!r}")
-        if cuda_graphs not in (True, False, "auto"):
-            raise ValueError(f"executor.cuda_graphs must be auto, true or false, got {cuda_graphs!r}")
-        if decode_matmul not in ("torch", "tuned"):
-            raise ValueError(f"executor.decode_matmul must be torch or tuned, got {decode_matmul!r}")
-        if type(weight_prefetch_mb) is not int or weight_prefetch_mb < 0:
-            raise ValueError(f"executor.weight_prefetch_mb must be a whole number of MiB >= 0 (0: off), got "
-                             f"{weight_prefetch_mb!r}")
+        self.check_values(fused_ops, float32_matmul, pad_matmul_rows, cuda_graphs, decode_matmul, weight_prefetch_mb)
         if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
             raise ValueError(
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
@@ -226,6 +214,22 @@ class ModelExecutor(Executor):
     @classmethod
     def load_tokenizer(cls, source: ModelSource) -> Any | None:
         return load_tokenizer(source)
+
+    @staticmethod
+    def check_values(fused_ops: bool = True, float32_matmul: bool | str = "auto", pad_matmul_rows: bool | str = "auto",
+                     cuda_graphs: bool | str = "auto", decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
+        """ValueError naming the first option whose value is none of its choices (whatever the device)."""
+        for name, value in (("float32_matmul", float32_matmul), ("pad_matmul_rows", pad_matmul_rows),
+                            ("cuda_graphs", cuda_graphs)):
+            if value not in (True, False, "auto"):
+                raise ValueError(f"executor.{name} must be auto, true or false, got {value!r}")
+        if not isinstance(fused_ops, bool):
+            raise ValueError(f"executor.fused_ops must be true or false, got {fused_ops!r}")
+        if decode_matmul not in ("torch", "tuned"):
+            raise ValueError(f"executor.decode_matmul must be torch or tuned, got {decode_matmul!r}")
+        if type(weight_prefetch_mb) is not int or weight_prefetch_mb < 0:
+            raise ValueError(f"executor.weight_prefetch_mb must be a whole number of MiB >= 0 (0: off), got "
+                             f"{weight_prefetch_mb!r}")
 
     def _use_cuda_graphs(self, option: bool | str) -> bool:
         """``executor.cuda_graphs`` resolved for this device and backend; ValueError for ``true`` where

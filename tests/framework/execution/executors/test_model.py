@@ -130,8 +130,8 @@ def test_pad_matmul_rows_true_pads_float32_products_too_and_keeps_their_rows(lla
     out = linear(x)
     assert rows == [104], "100 rows pad to 104 (a step of 8 between 64 and 128)"
     assert out.shape == (100, linear.out_features) and out.dtype == torch.bfloat16
-    assert torch.equal(out, plain.engine.executor.model.layers[0].self_attn.qkv_proj(x)), \
-        "MKL's rows do not depend on the rows beside them"
+    # the same products, up to the order of a sum where MKL blocks 104 rows otherwise than 100
+    torch.testing.assert_close(out, plain.engine.executor.model.layers[0].self_attn.qkv_proj(x), rtol=1e-2, atol=1e-2)
 
 
 def test_pad_matmul_rows_is_auto_true_or_false(llama_ckpt):
