@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from backends.naive import write_kv
 from framework.common.registry import UnavailableError
-from framework.execution.cpu_features import cpu_has_matmul_instructions
 from framework.execution.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from framework.execution.cpu_features import cpu_has_matmul_instructions
 from framework.execution.host_memory import to_device
 
 logger = logging.getLogger(__name__)

@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from backends.torch_paged import check_kernels
 
-    options = [name for name in inspect.signature(ModelExecutor).parameters if name not in ("config", "source", "clock")]
+    options = [name for name in inspect.signature(ModelExecutor).parameters
+               if name not in ("config", "source", "clock")]
     options += [f"backend.{name}" for name in inspect.signature(BACKENDS.get("torch_paged")).parameters
                 if name not in inspect.signature(AttentionBackend).parameters]
 

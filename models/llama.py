@@ -191,8 +191,8 @@ def padded_rows(rows: int) -> int:
 
 def _row_padded(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
-    padded = padded_rows(rows)
-    if padded == rows or x.dim() != 2:
+    padded = padded_rows(rows) if x.dim() == 2 else rows
+    if padded == rows:
         return forward(x)
     full = x.new_empty(padded, x.shape[1])
     full[:rows] = x
@@ -201,9 +201,9 @@ def _row_padded(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 
 
 def pad_linear_rows(model: nn.Module) -> None:
-    """Has every ``nn.Linear`` run its forward on a 2-D input with zero rows added up to ``padded_rows`` and
-    return the input's rows only (other inputs as they are): oneDNN compiles a half-precision product per row count (about 1 ms each on a
-    CPU) and keeps 1,024, so the token counts of a server's steps, new in most steps, would compile in most."""
+    """Has every ``nn.Linear`` run its forward on a 2-D input with zero rows added up to ``padded_rows`` and return
+    the input's rows only (other inputs as they are): oneDNN compiles a half-precision product per row count
+    (about 1 ms each on a CPU) and keeps 1,024, so a server's token counts, new in most steps, compiled in most."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.forward = functools.partial(_row_padded, module.forward)

@@ -16,13 +16,15 @@
 #include <xmmintrin.h>
 #endif
 
-#include "convert.h"
 #include "fast_exp.h"
 
 namespace {
 
-using servelab::round_to;
-using servelab::to_float;
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
 
 // Rows per parallel task: about 16k elements, so a decode step's few rows still split across threads
 // only when there is enough work to pay for the wake-up.
@@ -111,7 +113,7 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
 
 // Rotates a row's heads in transformers' "rotate half" convention into out, rounding as it does
 // (x * cos and rotate_half(x) * sin each to the dtype, then their sum). kHalf > 0 fixes head_dim / 2 at
-// compile time: with it a run-time length, GCC's bfloat16 loop took 10x float32's.
+// compile time: over a run-time length GCC's bfloat16 loop took 10x float32's.
 template <typename T, int kHalf>
 inline void rotate_heads(const T* __restrict__ x, T* __restrict__ out, const T* __restrict__ cos,
                          const T* __restrict__ sin, int64_t heads, int64_t run_time_half) {
