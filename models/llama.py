@@ -194,10 +194,7 @@ def _row_padded(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     padded = padded_rows(rows) if x.dim() == 2 else rows
     if padded == rows:
         return forward(x)
-    full = x.new_empty(padded, x.shape[1])
-    full[:rows] = x
-    full[rows:].zero_()
-    return forward(full)[:rows]
+    return forward(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
 
 
 def pad_linear_rows(model: nn.Module) -> None:

@@ -91,16 +91,22 @@ def test_qkv_rotary_splits_and_rotates_exactly_as_the_torch_path(rows, head_dim,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, block_size", [(32, 8), (80, 16)])
 def test_qkv_rotary_into_cache_writes_the_keys_and_values_at_their_slots_only(head_dim, block_size, dtype):
-    """q as ``qkv_rotary`` gives it; the rotated keys and the values at each row's slot of a paged cache
-    (blocks out of order, slots mid-block) of one layer of a [2, layers, ...] cache; every other slot as it was."""
-    ops = fused_ops()
-    rows, heads, kv_heads, blocks = 9, 6, 2, 5
+    assert_rotary_into_cache(fused_ops(), dtype, 6, 2, head_dim, block_size)
+
+
+def assert_rotary_into_cache(ops, dtype, heads, kv_heads, head_dim, block_size, device="cpu") -> None:
+    """``ops.qkv_rotary_into_cache`` (of a C++ or Triton operator module) gives q as ``ops.qkv_rotary`` does, and
+    the rotated keys and the values at each row's slot of one layer of a [2, layers, ...] paged cache (blocks out
+    of order, slots mid-block); every other slot and layer as it was."""
+    rows, blocks = 9, 5
     rotary, qkv, positions = rotary_inputs(rows, heads, kv_heads, head_dim, dtype)
-    q, k = torch.empty(rows, heads, head_dim, dtype=dtype), torch.empty(rows, kv_heads, head_dim, dtype=dtype)
+    rotary, qkv, positions = rotary.to(device), qkv.to(device), positions.to(device)
+    q = torch.empty(rows, heads, head_dim, dtype=dtype, device=device)
+    k = torch.empty(rows, kv_heads, head_dim, dtype=dtype, device=device)
     v = torch.empty_like(k)
     ops.qkv_rotary(qkv, positions, rotary.cos, rotary.sin, q, k, v)
-    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(3))[:rows]
-    cache = torch.randn(2, 3, blocks, block_size, kv_heads, head_dim).to(dtype)
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(3))[:rows].to(device)
+    cache = torch.randn(2, 3, blocks, block_size, kv_heads, head_dim).to(device=device, dtype=dtype)
     before, layer = cache.clone(), cache[:, 1]
     fused_q = torch.empty_like(q)
     ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, fused_q, layer[0], layer[1], slots)
@@ -109,7 +115,7 @@ def test_qkv_rotary_into_cache_writes_the_keys_and_values_at_their_slots_only(he
     flat, flat_before = layer.reshape(2, -1, kv_heads, head_dim), before[:, 1].reshape(2, -1, kv_heads, head_dim)
     torch.testing.assert_close(flat[0, slots], k, **exactly)
     torch.testing.assert_close(flat[1, slots], v, **exactly)
-    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool, device=device)
     untouched[slots] = False
     assert torch.equal(flat[:, untouched], flat_before[:, untouched])
     assert torch.equal(cache[:, [0, 2]], before[:, [0, 2]]), "the other layers are not written"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models.rope import RotaryEmbedding
-from tests.models.test_cpu_ops import assert_close, assert_norms_as_transformers
+from tests.models.test_cpu_ops import assert_close, assert_norms_as_transformers, assert_rotary_into_cache
 
 pytest.importorskip("triton")
 
@@ -108,29 +108,7 @@ def test_on_a_gpu_the_model_samples_the_same_with_and_without_the_fused_operator
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(6, 2, 32, 8), (4, 4, 80, 16)])
 def test_qkv_rotary_into_cache_writes_the_keys_and_values_at_their_slots_only(device, dtype, heads, kv_heads,
                                                                               head_dim, block_size):
-    """The fused store: q as ``qkv_rotary`` gives it, the rotated keys and the values at each row's slot of a
-    paged cache (blocks out of order, slots mid-block), every other slot as it was."""
-    ops = ops_for(device)
-    rows, blocks = 9, 5
-    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, 512, dtype).to(device)
-    gen = torch.Generator().manual_seed(head_dim + block_size)
-    qkv = randn(rows, (heads + 2 * kv_heads) * head_dim, gen=gen, dtype=dtype, device=device)
-    positions = torch.randint(0, 512, (rows,), generator=gen).to(device)
-    slots = torch.randperm(blocks * block_size, generator=gen)[:rows].to(device)
-    q, k = torch.empty(rows, heads, head_dim, dtype=dtype, device=device), torch.empty(rows, kv_heads, head_dim,
-                                                                                         dtype=dtype, device=device)
-    v = torch.empty_like(k)
-    ops.qkv_rotary(qkv, positions, rotary.cos, rotary.sin, q, k, v)
-    cache = randn(2, blocks, block_size, kv_heads, head_dim, gen=gen, dtype=dtype, device=device)
-    before = cache.clone()
-    fused_q = torch.empty_like(q)
-    ops.qkv_rotary_into_cache(qkv, positions, rotary.cos, rotary.sin, fused_q, cache[0], cache[1], slots)
-    assert torch.equal(fused_q, q)
-    flat, flat_before = cache.view(2, -1, kv_heads, head_dim), before.view(2, -1, kv_heads, head_dim)
-    assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
-    untouched = torch.ones(blocks * block_size, dtype=torch.bool, device=device)
-    untouched[slots] = False
-    assert torch.equal(flat[:, untouched], flat_before[:, untouched])
+    assert_rotary_into_cache(ops_for(device), dtype, heads, kv_heads, head_dim, block_size, device)
 
 
 def test_qkv_rotary_into_cache_refuses_mismatched_caches_and_slots():
