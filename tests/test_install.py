@@ -52,9 +52,10 @@ def test_the_wheel_ships_the_configs_and_hardware_presets(installed):
 def test_the_wheel_ships_the_cpu_kernels_sources(installed):
     from backends.cpu_kernels import SOURCE as decode
     from framework.execution.cpp_extension import INCLUDE
+    from models.cpu_ops import AMX_SOURCE as amx
     from models.cpu_ops import SOURCE as fused
 
-    for source in (decode, fused, INCLUDE / "fast_exp.h"):
+    for source in (decode, fused, amx, INCLUDE / "fast_exp.h"):
         assert (installed / source.relative_to(ROOT)).is_file(), source
 
 

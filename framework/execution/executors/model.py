@@ -18,7 +18,7 @@ from framework.common.config import EngineConfig, resolve_dtype_name
 from framework.common.registry import UnavailableError
 from framework.execution.executor import (EXECUTORS, GiB, Executor, ExecutorOutput, check_kv_capacity,
                                          size_kv_cache)
-from framework.execution.cpu_features import cpu_has_matmul_instructions
+from framework.execution.cpu_features import cpu_has_amx_bf16, cpu_has_matmul_instructions
 from framework.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from framework.execution.host_memory import keep_freed_memory, lazy_zeros
 from framework.execution.input_preparer import PREPARERS
@@ -26,8 +26,8 @@ from framework.execution.memory_profile import dummy_steps, peak_bytes, run_dumm
 from framework.execution.model_runner import LaunchedStep, ModelRunner
 from framework.execution.sampler import Sampler
 from framework.scheduling.output import SchedulerOutput
-from models.cpu_ops import fused_ops
-from models.llama import LlamaForCausalLM, compute_linears_in_float32, pad_linear_rows
+from models.cpu_ops import amx_linear, fused_ops
+from models.llama import LlamaForCausalLM, compute_linears_in_float32, pad_linear_rows, use_amx_linears
 from models.loader import ModelSource, iter_checkpoint, load_tokenizer
 from models.presets import SHAPE_ONLY_PRESETS
 
@@ -95,6 +95,34 @@ def tune_decode_matmuls(model: torch.nn.Module, rows: list[int]) -> list:
         return cuda_matmul.tune(model, rows, cache=cuda_matmul.cache_path())
 
 
+def _check_amx(device: torch.device, dtype: torch.dtype, float32_matmul: bool | str) -> None:
+    """ValueError where ``executor.amx_matmul=true`` cannot apply (its kernel multiplies bf16 on a CPU),
+    UnavailableError where this CPU has no AMX tiles."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(f"executor.amx_matmul=true multiplies bf16 on a CPU, and this engine runs {str(dtype)[6:]} on "
+                         f"{device}; use amx_matmul=auto or false")
+    if float32_matmul is True:
+        raise ValueError("executor.amx_matmul=true multiplies bf16 weights, which float32_matmul=true replaces by "
+                         "float32 copies; set one of them off")
+    if not cpu_has_amx_bf16():
+        raise UnavailableError("executor.amx_matmul=true: this CPU has no AMX tiles for bf16 (amx_tile and amx_bf16 in "
+                               "/proc/cpuinfo); use amx_matmul=auto or false")
+
+
+def _use_amx(model: torch.nn.Module, required: bool) -> int:
+    """``use_amx_linears`` with ``models.cpu_ops.amx_linear()``; where that cannot be had, UnavailableError when
+    ``required``, else a warning and 0 (the products stay torch's)."""
+    try:
+        ops = amx_linear()
+    except UnavailableError as exc:
+        if required:
+            raise UnavailableError(f"executor.amx_matmul=true: {exc}; use amx_matmul=auto or false") from exc
+        logger.warning("the AMX linear layers cannot be had (%s); products run on torch's "
+                       "(executor.amx_matmul=false silences this)", exc)
+        return 0
+    return use_amx_linears(model, ops)
+
+
 def _check_prefetch(device: torch.device, fused_ops: bool, megabytes: int) -> None:
     """ValueError where ``executor.weight_prefetch_mb`` cannot run: its prefetch is Hopper's bulk
     ``cp.async.bulk.prefetch.L2``, issued by the fused CUDA operators, into an L2 cache it must fit."""
@@ -128,7 +156,10 @@ class ModelExecutor(Executor):
     (``/proc/cpuinfo``) show no matrix instructions for that dtype. ``pad_matmul_rows`` (``auto``, ``true``,
     ``false``): linear layers multiply up to 1/8 more rows, so that their products come in about 100 row
     counts (``models.llama.pad_linear_rows``); ``auto``: where oneDNN runs them, half-precision products on a
-    CPU. ``cuda_graphs`` (``auto``, ``true``, ``false``): decode steps replay CUDA graphs captured at padded
+    CPU. ``amx_matmul`` (``auto``, ``true``, ``false``): a bf16 model's linear layers multiply up to
+    ``models.llama.AMX_MAX_ROWS`` rows on a C++ kernel over Intel AMX tiles (``models.llama.use_amx_linears``), without
+    oneDNN's per-call cost; ``auto``: on a CPU with the tiles, unless ``float32_matmul``. ``cuda_graphs`` (``auto``,
+    ``true``, ``false``): decode steps replay CUDA graphs captured at padded
     batch sizes (``framework.execution.cuda_graphs``); ``auto``: on CUDA with a backend that can. ``decode_matmul``
     (``torch``, ``tuned``): ``tuned`` (CUDA) times torch's product against a split-K Triton kernel per linear
     layer shape at start-up and runs the faster at up to 128 rows (``models.cuda_matmul``).
@@ -141,9 +172,11 @@ class ModelExecutor(Executor):
 
     def __init__(self, config: EngineConfig, source: ModelSource, clock: Clock, fused_ops: bool = True,
                  float32_matmul: bool | str = "auto", pad_matmul_rows: bool | str = "auto",
-                 cuda_graphs: bool | str = "auto", decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
+                 amx_matmul: bool | str = "auto", cuda_graphs: bool | str = "auto", decode_matmul: str = "torch",
+                 weight_prefetch_mb: int = 0) -> None:
         super().__init__(config, source, clock)
-        self.check_values(fused_ops, float32_matmul, pad_matmul_rows, cuda_graphs, decode_matmul, weight_prefetch_mb)
+        self.check_values(fused_ops, float32_matmul, pad_matmul_rows, amx_matmul, cuda_graphs, decode_matmul,
+                          weight_prefetch_mb)
         if source.is_preset and source.name in SHAPE_ONLY_PRESETS:
             raise ValueError(
                 f"model {source.name!r} is a shape-only preset (no weights): run it with executor=sim, or "
@@ -157,6 +190,8 @@ class ModelExecutor(Executor):
         if decode_matmul == "tuned" and self._device.type != "cuda":
             raise ValueError(f"executor.decode_matmul=tuned needs a CUDA device (its kernels are timed there), not "
                              f"{self._device}; use decode_matmul=torch")
+        if amx_matmul is True:
+            _check_amx(self._device, self.dtype, float32_matmul)
         if weight_prefetch_mb:
             _check_prefetch(self._device, fused_ops, weight_prefetch_mb)
             if float32_matmul is True and self.dtype != torch.float32:
@@ -197,6 +232,10 @@ class ModelExecutor(Executor):
             pad_matmul_rows = self._device.type == "cpu" and self.dtype != torch.float32 and not float32_matmul
         if pad_matmul_rows:
             pad_linear_rows(self.model)
+        use_amx = amx_matmul is True or (amx_matmul == "auto" and self._device.type == "cpu"
+                                         and self.dtype == torch.bfloat16 and not float32_matmul and cpu_has_amx_bf16())
+        #: How many linear layers multiply on the AMX kernel.
+        self.amx_linears = _use_amx(self.model, required=amx_matmul is True) if use_amx else 0
         #: ``models.cuda_matmul.Choice`` per weight shape and row bucket, with ``decode_matmul=tuned``.
         self.matmul_choices = []
         if decode_matmul == "tuned":
@@ -217,11 +256,11 @@ class ModelExecutor(Executor):
 
     @staticmethod
     def check_values(fused_ops: bool = True, float32_matmul: bool | str = "auto",
-                     pad_matmul_rows: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                     decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
+                     pad_matmul_rows: bool | str = "auto", amx_matmul: bool | str = "auto",
+                     cuda_graphs: bool | str = "auto", decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
         """ValueError naming the first option whose value is none of its choices (whatever the device)."""
         for name, value in (("float32_matmul", float32_matmul), ("pad_matmul_rows", pad_matmul_rows),
-                            ("cuda_graphs", cuda_graphs)):
+                            ("amx_matmul", amx_matmul), ("cuda_graphs", cuda_graphs)):
             if value not in (True, False, "auto"):
                 raise ValueError(f"executor.{name} must be auto, true or false, got {value!r}")
         if not isinstance(fused_ops, bool):

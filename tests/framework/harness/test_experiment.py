@@ -248,8 +248,8 @@ def test_a_registered_executor_runs_on_its_own_clock(tmp_path, monkeypatch):
     clocks = []
     # The model executor's own options go with its name.
     summary = run_experiment(config("executor=model", "executor.name=test_wall_time", "~executor.fused_ops",
-                                    "~executor.float32_matmul", "~executor.pad_matmul_rows", "~executor.cuda_graphs",
-                                    "~executor.decode_matmul", "~executor.weight_prefetch_mb",
+                                    "~executor.float32_matmul", "~executor.pad_matmul_rows", "~executor.amx_matmul",
+                                    "~executor.cuda_graphs", "~executor.decode_matmul", "~executor.weight_prefetch_mb",
                                     "plots=false"), tmp_path, on_engine=lambda engine: clocks.append(engine.clock))
     assert [type(c) for c in clocks] == [WallClock]
     assert summary["completed"] == 6 and summary["duration_s"] > 0 and summary["mean_ttft_ms"] > 0
