@@ -11,6 +11,7 @@ from framework.execution.cpu_features import cpu_has_amx_bf16
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_fused_ops.cpp"
 AMX_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_amx_linear.cpp"
+AMX_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mamx-tile", "-mamx-bf16")
 
 
 def fused_ops() -> ModuleType:
@@ -26,7 +27,9 @@ def amx_linear() -> ModuleType:
     this CPU has no AMX bf16 tiles, the build fails, or Linux does not grant this process the tiles."""
     if not cpu_has_amx_bf16():
         raise UnavailableError("this CPU has no AMX tiles for bf16 (amx_tile and amx_bf16 in /proc/cpuinfo)")
-    module = load_cpu_extension("amx_linear", AMX_SOURCE, "the AMX linear layers for CPUs", ("-mamx-tile", "-mamx-bf16"))
+    # Every CPU with the tiles has AVX-512, which the kernel's rounding uses, whatever torch's own capability is set
+    # to (ATEN_CPU_CAPABILITY=avx2 would otherwise leave it out of the build flags).
+    module = load_cpu_extension("amx_linear", AMX_SOURCE, "the AMX linear layers for CPUs", AMX_FLAGS)
     if not module.available():
         raise UnavailableError("Linux did not grant this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM; "
                                "Linux 5.16 or later)")

@@ -1,11 +1,13 @@
-"""Speed guards for the fused C++ operators against the torch operators they replace, on a prefill step's
-2,048 rows of the engine-speed benchmark's model (``make bench``; read each fused case against its torch
-case in the same run). The inputs are random: all-zero ones hid SiLU's denormal results, 6x its time."""
+"""Speed guards for the C++ operators against the torch operators they replace, on the engine-speed benchmark's
+model (``make bench``; read each C++ case against its torch case in the same run): the fused ones on a prefill
+step's 2,048 rows, the AMX linear layers on a decode step's 50. The inputs are random: all-zero ones hid SiLU's
+denormal results, 6x its time."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from models.cpu_ops import fused_ops
+from framework.execution.cpu_features import cpu_has_amx_bf16
+from models.cpu_ops import amx_linear, fused_ops
 from models.rope import RotaryEmbedding
 
 ROWS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2048, 8, 4, 32, 768
@@ -47,3 +49,20 @@ def test_qkv_rotary(benchmark, impl, dtype):
             return rotary(positions, rq.reshape(ROWS, HEADS, HEAD_DIM), rk.reshape(ROWS, KV_HEADS, HEAD_DIM)), rv
 
         benchmark(split_and_rotate)
+
+
+@pytest.mark.parametrize("impl", [pytest.param("amx", marks=pytest.mark.skipif(
+    not cpu_has_amx_bf16(), reason="needs a CPU with AMX bf16 tiles")), "torch"])
+@pytest.mark.parametrize("in_features, out_features", [(256, 1536), (768, 256)], ids=["gate_up", "down"])
+def test_decode_linear(benchmark, impl, in_features, out_features):
+    """A bf16 product of a decode step (50 rows): oneDNN's per-call cost against the work, the kernel's against
+    torch's ``F.linear``."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(50, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    if impl == "amx":
+        ops = amx_linear()
+        packed, out = ops.pack_weight(weight), torch.empty(50, out_features, dtype=torch.bfloat16)
+        benchmark(ops.amx_linear, x, packed, None, out)
+    else:
+        benchmark(F.linear, x, weight)

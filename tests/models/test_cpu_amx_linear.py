@@ -148,12 +148,38 @@ def test_auto_warns_and_runs_torchs_products_where_the_kernel_cannot_be_had(llam
         llm, tokens = run(llama_ckpt[0])
     assert llm.engine.executor.amx_linears == 0 and all(len(t) == 12 for t in tokens)
     assert "did not grant" in caplog.text and "executor.amx_matmul=false" in caplog.text
+
+
+def test_amx_matmul_true_where_the_kernel_cannot_be_had_fails_before_the_weights_load(llama_ckpt, monkeypatch):
+    def not_granted():
+        raise UnavailableError("Linux did not grant this process the AMX tiles")
+
+    monkeypatch.setattr(model_executor, "cpu_has_amx_bf16", lambda: True)
+    monkeypatch.setattr(model_executor, "amx_linear", not_granted)
+    monkeypatch.setattr(model_executor, "iter_checkpoint", SimpleNamespace)  # loading would fail otherwise
     with pytest.raises(UnavailableError, match="executor.amx_matmul=true: Linux did not grant"):
         run(llama_ckpt[0], amx_matmul=True)
 
 
+def test_the_kernel_is_built_for_avx512_whatever_torchs_own_capability(monkeypatch):
+    """Under ATEN_CPU_CAPABILITY=avx2 torch's flags leave AVX-512 out, which every CPU with AMX tiles has and the
+    kernel's rounding uses: the build failed on such a machine, every process again."""
+    import models.cpu_ops as cpu_ops
+
+    builds = []
+    monkeypatch.setattr(cpu_ops, "cpu_has_amx_bf16", lambda: True)
+    monkeypatch.setattr(cpu_ops, "load_cpu_extension", lambda *args: builds.append(args) or SimpleNamespace(
+        available=lambda: True))
+    cpu_ops.amx_linear()
+    (name, source, what, flags), = builds
+    assert source == cpu_ops.AMX_SOURCE and {"-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16"} <= set(flags)
+
+
 @pytest.mark.parametrize("options, dtype, error, message", [
     ({"amx_matmul": "yes"}, "bfloat16", ValueError, "executor.amx_matmul must be auto, true or false, got 'yes'"),
+    # 1 == True, and 1 read as off: the kernel silently unused
+    ({"amx_matmul": 1}, "bfloat16", ValueError, "executor.amx_matmul must be auto, true or false, got 1"),
+    ({"pad_matmul_rows": 0.0}, "bfloat16", ValueError, "executor.pad_matmul_rows must be auto, true or false, got 0.0"),
     ({"amx_matmul": True}, "float32", ValueError, "amx_matmul=true multiplies bf16 on a CPU, and this engine runs "
                                                   "float32 on cpu"),
     ({"amx_matmul": True, "float32_matmul": True}, "bfloat16", ValueError, "set one of them off"),

@@ -109,18 +109,17 @@ def _check_amx(device: torch.device, dtype: torch.dtype, float32_matmul: bool | 
                                "/proc/cpuinfo); use amx_matmul=auto or false")
 
 
-def _use_amx(model: torch.nn.Module, required: bool) -> int:
-    """``use_amx_linears`` with ``models.cpu_ops.amx_linear()``; where that cannot be had, UnavailableError when
-    ``required``, else a warning and 0 (the products stay torch's)."""
+def _amx_ops(required: bool) -> ModuleType | None:
+    """``models.cpu_ops.amx_linear()``; where it cannot be had, UnavailableError when ``required``, else a warning and
+    None (the products stay torch's)."""
     try:
-        ops = amx_linear()
+        return amx_linear()
     except UnavailableError as exc:
         if required:
             raise UnavailableError(f"executor.amx_matmul=true: {exc}; use amx_matmul=auto or false") from exc
         logger.warning("the AMX linear layers cannot be had (%s); products run on torch's "
                        "(executor.amx_matmul=false silences this)", exc)
-        return 0
-    return use_amx_linears(model, ops)
+        return None
 
 
 def _check_prefetch(device: torch.device, fused_ops: bool, megabytes: int) -> None:
@@ -217,25 +216,26 @@ class ModelExecutor(Executor):
             # weights load.
             check_kv_capacity(config, self.kv_block_counts()[0])
         self.fused_ops = ops = _fused_ops(self._device) if fused_ops else None
+        if float32_matmul == "auto":  # only half-precision models are asked about
+            float32_matmul = (self.dtype != torch.float32 and self._device.type == "cpu"
+                              and not cpu_has_matmul_instructions(self.dtype))
+        use_amx = amx_matmul is True or (amx_matmul == "auto" and self._device.type == "cpu"
+                                         and self.dtype == torch.bfloat16 and not float32_matmul and cpu_has_amx_bf16())
+        amx_ops = _amx_ops(required=amx_matmul is True) if use_amx else None
         self.model = LlamaForCausalLM.empty_on(self._device, cfg, self.backend, config.max_model_len, self.dtype, ops,
                                                pack_weights=bool(weight_prefetch_mb))
         if source.path is None:
             self.model.init_random(config.model_seed, cfg.initializer_range)
         else:
             self.model.load_weights(iter_checkpoint(source.path))
-        if float32_matmul == "auto":  # only half-precision models are asked about
-            float32_matmul = (self.dtype != torch.float32 and self._device.type == "cpu"
-                              and not cpu_has_matmul_instructions(self.dtype))
         if float32_matmul and self.dtype != torch.float32:
             compute_linears_in_float32(self.model)
         if pad_matmul_rows == "auto":  # float32 products run on MKL, which compiles nothing per shape
             pad_matmul_rows = self._device.type == "cpu" and self.dtype != torch.float32 and not float32_matmul
         if pad_matmul_rows:
             pad_linear_rows(self.model)
-        use_amx = amx_matmul is True or (amx_matmul == "auto" and self._device.type == "cpu"
-                                         and self.dtype == torch.bfloat16 and not float32_matmul and cpu_has_amx_bf16())
         #: How many linear layers multiply on the AMX kernel.
-        self.amx_linears = _use_amx(self.model, required=amx_matmul is True) if use_amx else 0
+        self.amx_linears = use_amx_linears(self.model, amx_ops) if amx_ops is not None else 0
         #: ``models.cuda_matmul.Choice`` per weight shape and row bucket, with ``decode_matmul=tuned``.
         self.matmul_choices = []
         if decode_matmul == "tuned":
@@ -261,7 +261,8 @@ class ModelExecutor(Executor):
         """ValueError naming the first option whose value is none of its choices (whatever the device)."""
         for name, value in (("float32_matmul", float32_matmul), ("pad_matmul_rows", pad_matmul_rows),
                             ("amx_matmul", amx_matmul), ("cuda_graphs", cuda_graphs)):
-            if value not in (True, False, "auto"):
+            # `is`: 1 == True and 0 == False, and 1 would read as off where an option tests `is True`.
+            if not (value is True or value is False or value == "auto"):
                 raise ValueError(f"executor.{name} must be auto, true or false, got {value!r}")
         if not isinstance(fused_ops, bool):
             raise ValueError(f"executor.fused_ops must be true or false, got {fused_ops!r}")
