@@ -44,6 +44,33 @@ inline void for_each_row(const T* cache, const int64_t* blocks, int64_t len, int
   }
 }
 
+// out[g][d] = sum over the first len tokens t of p[g * stride + t] * v[t][d], for kG query heads sharing the
+// value rows of vh (a K/V head's, in its blocks): each row read and converted once, the sums in registers.
+template <typename T, int kD, int kG>
+inline void sum_values(const float* p, int64_t stride, const T* vh, const int64_t* blocks, int64_t len, int64_t bs,
+                       int64_t v_blk, int64_t v_tok, float* out) {
+  float local[kG][kD] = {};
+  for (int64_t start = 0; start < len; start += bs) {
+    const T* block = vh + blocks[start / bs] * v_blk;
+    const int64_t stop = std::min(bs, len - start);
+    for (int64_t i = 0; i < stop; ++i) {
+      const T* v = block + i * v_tok;
+      float converted[kD];
+      const float* row = converted;
+      if constexpr (std::is_same_v<T, float>) {
+        row = v;  // read where it lies
+      } else {
+        for (int d = 0; d < kD; ++d) converted[d] = to_float(v[d]);
+      }
+      for (int g = 0; g < kG; ++g) {
+        const float pg = p[g * stride + start + i];
+        for (int d = 0; d < kD; ++d) local[g][d] += pg * row[d];
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g) std::copy(local[g], local[g] + kD, out + g * kD);
+}
+
 // The G query heads sharing a K/V head read each of its key and value rows once.
 // kD > 0 fixes head_dim at compile time so the row loops vectorise; 0 reads it at run time.
 template <typename T, int kD>
@@ -106,24 +133,40 @@ void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
-      // One query head at a time over all of its tokens, its D sums in registers when D is a constant:
-      // summing every head's row into memory per token is bound by the stores.
-      for (int64_t head = 0; head < H; ++head) {
-        const float* p = &scores[head * max_len];
-        const T* vh = vp + (head / G) * v_head;
-        float local[kD > 0 ? kD : 1] = {};
-        float* a = kD > 0 ? local : &acc[head * D];
-        if constexpr (kD == 0) std::fill(a, a + D, 0.f);
-        for (int64_t start = 0; start < len; start += bs) {
-          const T* block = vh + blocks[start / bs] * v_blk;
-          const int64_t stop = std::min(bs, len - start);
-          for (int64_t i = 0; i < stop; ++i) {
-            const float pi = p[start + i];
-            const T* v = block + i * v_tok;
-            for (int64_t d = 0; d < D; ++d) a[d] += pi * to_float(v[d]);
+      // The G query heads of a K/V head together over all of its tokens, their sums in registers where
+      // G * D is small and both are constants, so that each value row is read once: summing every head's
+      // row into memory per token is bound by the stores. Otherwise one query head at a time.
+      for (int64_t h = 0; h < KVH; ++h) {
+        const T* vh = vp + h * v_head;
+        const float* p = &scores[h * G * max_len];
+        float* a = &acc[h * G * D];
+        if constexpr (kD > 0 && kD <= 128) {
+          if (G == 1) { sum_values<T, kD, 1>(p, max_len, vh, blocks, len, bs, v_blk, v_tok, a); continue; }
+          if (G == 2) { sum_values<T, kD, 2>(p, max_len, vh, blocks, len, bs, v_blk, v_tok, a); continue; }
+          if constexpr (kD <= 64) {
+            if (G == 4) { sum_values<T, kD, 4>(p, max_len, vh, blocks, len, bs, v_blk, v_tok, a); continue; }
+          }
+          if constexpr (kD <= 32) {
+            if (G == 8) { sum_values<T, kD, 8>(p, max_len, vh, blocks, len, bs, v_blk, v_tok, a); continue; }
           }
         }
-        if constexpr (kD > 0) std::copy(local, local + kD, &acc[head * kD]);
+        for (int64_t g = 0; g < G; ++g) {
+          if constexpr (kD > 0) {
+            sum_values<T, kD, 1>(p + g * max_len, max_len, vh, blocks, len, bs, v_blk, v_tok, a + g * kD);
+          } else {
+            float* ag = a + g * D;
+            std::fill(ag, ag + D, 0.f);
+            for (int64_t start = 0; start < len; start += bs) {
+              const T* block = vh + blocks[start / bs] * v_blk;
+              const int64_t stop = std::min(bs, len - start);
+              for (int64_t i = 0; i < stop; ++i) {
+                const float pi = p[g * max_len + start + i];
+                const T* v = block + i * v_tok;
+                for (int64_t d = 0; d < D; ++d) ag[d] += pi * to_float(v[d]);
+              }
+            }
+          }
+        }
       }
       T* orow = op + r * H * D;
       for (int64_t i = 0; i < H * D; ++i) orow[i] = static_cast<T>(acc[i]);

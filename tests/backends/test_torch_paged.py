@@ -82,7 +82,8 @@ def make(decode_kernel: str, dtype: torch.dtype = torch.float32, device: str = "
 
 @pytest.mark.parametrize("decode_kernel", ["cpp", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 16), (8, 8, 32), (6, 1, 64), (4, 1, 128)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 16), (8, 8, 32), (6, 1, 64), (4, 1, 128),
+                                                             (8, 1, 32), (8, 2, 64)])  # value sums of 8 and 4 heads
 def test_both_decode_kernels_match_the_float64_reference(decode_kernel, dtype, num_heads, num_kv_heads, head_dim):
     # Decodes of every context length around block edges (empty, one token, a full block, ...),
     # beside prefills, at heads the C++ kernel meets as groups of query heads per K/V head.
