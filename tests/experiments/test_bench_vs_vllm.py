@@ -67,6 +67,7 @@ def test_fresh_prompts_give_every_round_its_own_prompts_and_the_same_lengths(fre
             pass
 
     monkeypatch.setattr(bench_vs_vllm, "Worker", FakeWorker)
+    monkeypatch.setattr(bench_vs_vllm, "SETTLE_S", 0.0)
     args = argparse.Namespace(num_requests=4, seed=0, shape="mixed", fresh_prompts=fresh, warmup=1, rounds=2,
                               policies=["chunked"], dtype="float32", threads=1)
     runs = bench_vs_vllm.compare(args, sys.executable)
@@ -78,6 +79,32 @@ def test_fresh_prompts_give_every_round_its_own_prompts_and_the_same_lengths(fre
     assert [r["tokens"] for r in runs["chunked"]] == [sum(lengths.pop())] * 2
     assert "8/8" in capsys.readouterr().out  # both timed rounds of 4 requests compared
 
+
+
+def test_each_timed_round_starts_one_side_later(monkeypatch, capsys):
+    """No side always runs at the same place in a round; each waits for the one before to settle."""
+    order: list[str] = []
+
+    class FakeWorker:
+        def __init__(self, python, side, model, work, args):
+            self.side, self.works = side, json.loads(Path(work).read_text())
+
+        def run(self, index=0):
+            order.append(self.side)
+            return {"seconds": 1.0, "cpu_seconds": 1.0, "outputs": [[index]] * len(self.works[index])}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_vs_vllm, "Worker", FakeWorker)
+    pauses = []
+    monkeypatch.setattr(bench_vs_vllm.time, "sleep", pauses.append)
+    args = argparse.Namespace(num_requests=2, seed=0, shape="mixed", fresh_prompts=False, warmup=1, rounds=3,
+                              policies=["fcfs", "chunked"], dtype="float32", threads=1)
+    runs = bench_vs_vllm.compare(args, sys.executable)
+    assert order[3:] == ["fcfs", "chunked", "vllm", "chunked", "vllm", "fcfs", "vllm", "fcfs", "chunked"]
+    assert all(len(runs[side]) == 3 for side in ("fcfs", "chunked", "vllm"))
+    assert pauses == [bench_vs_vllm.SETTLE_S] * 9, "a pause before every timed run"
 
 def test_a_servelab_worker_runs_the_workload_as_the_engine_does(llama_ckpt, tmp_path):
     path, _ = llama_ckpt

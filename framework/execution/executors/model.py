@@ -257,7 +257,8 @@ class ModelExecutor(Executor):
     @staticmethod
     def check_values(fused_ops: bool = True, float32_matmul: bool | str = "auto",
                      pad_matmul_rows: bool | str = "auto", amx_matmul: bool | str = "auto",
-                     cuda_graphs: bool | str = "auto", decode_matmul: str = "torch", weight_prefetch_mb: int = 0) -> None:
+                     cuda_graphs: bool | str = "auto", decode_matmul: str = "torch",
+                     weight_prefetch_mb: int = 0) -> None:
         """ValueError naming the first option whose value is none of its choices (whatever the device)."""
         for name, value in (("float32_matmul", float32_matmul), ("pad_matmul_rows", pad_matmul_rows),
                             ("amx_matmul", amx_matmul), ("cuda_graphs", cuda_graphs)):
