@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import framework.execution.executors.model as model_executor
-from framework import LLM, SamplingParams
 from framework.common.registry import UnavailableError
 from framework.execution.cpu_features import cpu_has_amx_bf16
 from models.cpu_ops import amx_linear
 from models.llama import AMX_MAX_ROWS, use_amx_linears
+from tests.models.test_cpu_ops import generate
 
 needs_amx = pytest.mark.skipif(not cpu_has_amx_bf16(), reason="needs a CPU with AMX bf16 tiles (Sapphire Rapids on)")
 
@@ -111,11 +111,9 @@ def test_only_bf16_layers_of_shapes_the_tiles_take_are_routed_and_only_up_to_the
 
 
 def run(path, dtype="bfloat16", **options):
-    llm = LLM(model=str(path), dtype=dtype, max_model_len=128, block_size=8, executor_options=options)
-    prompts = [[5, 9, 33, 2, 7, 120, 64] * 3, [300, 4, 17], list(range(3, 60))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    return llm, [o.outputs[0].token_ids for o in outs]
+    """The engine and its greedy tokens (``test_cpu_ops.generate``'s prompts), bf16 unless told."""
+    llm, outputs, _ = generate(path, dtype=dtype, **options)
+    return llm, [tokens for tokens, _ in outputs]
 
 
 @needs_amx
@@ -190,7 +188,9 @@ def test_amx_matmul_values_that_cannot_apply_are_one_line_errors(llama_ckpt, opt
 
 
 def test_amx_matmul_true_on_a_cpu_without_tiles_fails_before_the_weights_load(llama_ckpt, monkeypatch):
-    monkeypatch.setattr(model_executor, "cpu_has_amx_bf16", lambda: False)
+    import models.cpu_ops as cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "cpu_has_amx_bf16", lambda: False)
     monkeypatch.setattr(model_executor, "iter_checkpoint", SimpleNamespace)  # loading would fail otherwise
     with pytest.raises(UnavailableError, match="this CPU has no AMX tiles for bf16"):
         run(llama_ckpt[0], amx_matmul=True)

@@ -207,10 +207,10 @@ def test_a_tensor_with_strided_rows_is_refused_not_misread():
         fused_ops().rms_norm(x, torch.ones(32), torch.empty(8, 32), 1e-6)
 
 
-def generate(path, **options):
+def generate(path, dtype="auto", **options):
     """The engine, its greedy tokens and logprobs, and for each attention call whether the model had stored
     the new K/V already (the backend got none)."""
-    llm = LLM(model=str(path), max_model_len=128, block_size=8, executor_options=options)
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=128, block_size=8, executor_options=options)
     backend, stored = llm.engine.executor.backend, []
     forward = backend.forward
     backend.forward = lambda q, k, v, *rest, **kw: (stored.append(k is None), forward(q, k, v, *rest, **kw))[1]

@@ -96,17 +96,14 @@ def tune_decode_matmuls(model: torch.nn.Module, rows: list[int]) -> list:
 
 
 def _check_amx(device: torch.device, dtype: torch.dtype, float32_matmul: bool | str) -> None:
-    """ValueError where ``executor.amx_matmul=true`` cannot apply (its kernel multiplies bf16 on a CPU),
-    UnavailableError where this CPU has no AMX tiles."""
+    """ValueError where ``executor.amx_matmul=true`` cannot apply: its kernel multiplies bf16 on a CPU (whether this
+    CPU has the tiles, ``_amx_ops`` finds out, before the weights load too)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         raise ValueError(f"executor.amx_matmul=true multiplies bf16 on a CPU, and this engine runs {str(dtype)[6:]} on "
                          f"{device}; use amx_matmul=auto or false")
     if float32_matmul is True:
         raise ValueError("executor.amx_matmul=true multiplies bf16 weights, which float32_matmul=true replaces by "
                          "float32 copies; set one of them off")
-    if not cpu_has_amx_bf16():
-        raise UnavailableError("executor.amx_matmul=true: this CPU has no AMX tiles for bf16 (amx_tile and amx_bf16 in "
-                               "/proc/cpuinfo); use amx_matmul=auto or false")
 
 
 def _amx_ops(required: bool) -> ModuleType | None:
