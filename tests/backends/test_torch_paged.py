@@ -100,6 +100,22 @@ def test_both_decode_kernels_match_the_float64_reference(decode_kernel, dtype, n
     check_result(out, batch, before, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [1, 5, 8, 32, 48])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 2, 32), (4, 1, 128)])
+def test_the_kernel_reads_keys_16_at_a_time_across_any_block_size(dtype, block_size, num_heads, num_kv_heads,
+                                                                  head_dim):
+    # The kernel scores 16 keys at a time, walking the block table: blocks smaller than 16 tokens, a size
+    # 16 does not divide, and contexts ending inside a 16 or a block.
+    specs = [(c, 1) for c in (0, 1, 4, 15, 16, 17, 47, 48, 49, 95, 161)] + [(3, 20), (40, 9)]
+    batch = random_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=block_size)
+    backend = make("cpp", dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   block_size=block_size)
+    before = batch.kv_cache.clone()
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
+    check_result(out, batch, before, dtype)
+
+
 @pytest.mark.parametrize("decode_kernel, prefill_kernel", [("cpp", "sdpa"), ("sdpa", "cpp")])
 def test_the_kernel_takes_rows_spread_through_the_batch(decode_kernel, prefill_kernel):
     # Decodes between prefills, one kind in the kernel: its rows are not consecutive, so they are
