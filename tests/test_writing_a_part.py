@@ -13,6 +13,7 @@ import pytest
 
 from framework import ALLOCATORS, BACKENDS, LLM, PREPARERS, SamplingParams
 from framework.testing.parity import parity_prompts
+from framework.testing.registries import forget_registrations
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "writing-a-part.md"
 PARTS = ("my_parts/no_cache.py", "my_parts/padded_sdpa.py", "my_parts/rebuild.py")
@@ -34,9 +35,7 @@ def pyproject() -> str:
 @pytest.fixture
 def forgetting_registries(monkeypatch):
     """Parts registered in the test are gone after it."""
-    for registry in REGISTRIES:
-        registry.list()  # the built-ins registered before the copy
-        monkeypatch.setattr(registry, "_classes", dict(registry._classes))
+    forget_registrations(monkeypatch, *REGISTRIES)
     yield
     for module in [name for name in sys.modules if name == "my_parts" or name.startswith("my_parts.")]:
         del sys.modules[module]

@@ -5,7 +5,7 @@ token ids (executor ``shadow``), so every step checks that each request reads ba
 ``drive`` runs a workload of ``Arrival``s through it; ``kv_leaks_checked`` fails a test whose engines end with
 KV blocks held. ``framework.testing.properties`` (needs hypothesis) holds the property-test recipe,
 ``framework.testing.attention`` the float64 reference for attention backends, ``framework.testing.parity`` greedy
-parity with transformers.
+parity with transformers, ``framework.testing.registries`` parts a test registers and forgets.
 
 May import: ``common``, ``kv``, ``scheduling``, ``execution``, ``engine``.
 """

@@ -6,6 +6,7 @@ from pathlib import Path
 from framework import POLICIES, SamplingParams
 from framework.testing import Arrival
 from framework.testing.properties import run_workload
+from framework.testing.registries import forget_registrations
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-policy.md"
 
@@ -18,7 +19,7 @@ def fixed_workload(n=16, seed=0):
 
 
 def test_the_walkthrough_code_runs(monkeypatch):
-    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))  # its registrations stay here
+    forget_registrations(monkeypatch, POLICIES)  # its registrations stay here
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
     assert len(blocks) == 7
     namespace = {}

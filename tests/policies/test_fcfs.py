@@ -4,6 +4,7 @@ import pytest
 from framework import EngineConfig, LLMEngine, SamplingParams
 from framework.common.request import RequestStatus
 from framework.scheduling.policy import POLICIES
+from framework.testing.registries import forget_registrations
 from policies.fcfs import FCFSPolicy
 
 
@@ -62,7 +63,7 @@ class LastComeFirstServed(FCFSPolicy):
 def test_waiting_order_may_return_a_view_of_the_queue(monkeypatch):
     """FCFS iterated the hook's answer while admitting (so removing from the queue): a reversed
     view failed with 'deque mutated during iteration'."""
-    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))
+    forget_registrations(monkeypatch, POLICIES)
     POLICIES.register("test_lifo")(LastComeFirstServed)
     e = engine(policy="test_lifo", max_num_seqs=2)
     for i in range(5):

@@ -17,6 +17,7 @@ from framework import POLICIES, LLMEngine, SamplingParams
 from framework.harness.plugin_configs import store_plugin_options
 from framework.common.registry import BadOptionsError
 from framework.run import engine_config
+from framework.testing.registries import forget_registrations
 from tests.conf.test_compose import compose_with
 from tests.hydra_support import CONF
 from tests.policies.harness import Arrival, drive, shadow_engine
@@ -69,7 +70,7 @@ def installed_plugin(tmp_path, monkeypatch):
                     "--target", str(site), str(src)], check=True, capture_output=True, text=True)
     assert list(site.glob("my_policies-0.1.0.dist-info/entry_points.txt")), "pip did not install the metadata"
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))  # forget the plugin afterwards
+    forget_registrations(monkeypatch, POLICIES)  # forget the plugin afterwards
     POLICIES.refresh_plugins()
     yield
     sys.modules.pop("my_policies.srpt", None)
@@ -186,7 +187,7 @@ def test_a_registered_policy_without_a_config_file_is_an_option(monkeypatch):
     """In tree (a file in policies/) or in a notebook: registered, it needs no conf/policy/NAME.yaml."""
     from policies.fcfs import FCFSPolicy
 
-    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))
+    forget_registrations(monkeypatch, POLICIES)
     POLICIES.register("fcfs_without_file")(type("FcfsWithoutFile", (FCFSPolicy,), {}))
     assert "policy/fcfs_without_file" in store_plugin_options()  # the package's conf/, as a notebook calls it
     config = engine_config(compose_with(["+policy=fcfs_without_file", "+policy.preemption_mode=swap"]))
@@ -201,7 +202,7 @@ def test_an_option_of_a_policy_without_a_config_file_set_without_plus_says_to_ad
     from framework.harness.overrides import hydra_error_line
     from policies.fcfs import FCFSPolicy
 
-    monkeypatch.setattr(POLICIES, "_classes", dict(POLICIES._classes))
+    forget_registrations(monkeypatch, POLICIES)
     POLICIES.register("fcfs_without_file")(type("FcfsWithoutFile", (FCFSPolicy,), {}))
     store_plugin_options(CONF)
     with pytest.raises(HydraException) as error:

@@ -12,6 +12,7 @@ from framework.execution.executor import EXECUTORS
 from framework.execution.model_runner import ModelRunner
 from framework.testing.shadow import ShadowExecutor, reference_output
 from framework.testing.parity import hf_greedy
+from framework.testing.registries import forget_registrations
 from tests.conftest import step_through_interrupts
 
 PARAMS = {
@@ -285,7 +286,7 @@ def test_blocks_a_failed_step_was_to_fill_leave_the_prefix_cache_though_their_re
     blocks go: aborted by the client, or preempted by X's decode when the 5 blocks run out. Those blocks were
     sealed for the prefix cache when R was scheduled; left there, a later prompt like R's (or R recomputed)
     would take them as a hit and read KV never written, which the shadow executor asserts against."""
-    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    forget_registrations(monkeypatch, EXECUTORS)
     EXECUTORS.register("test_failing_shadow")(FailingShadow)
     engine = LLMEngine(EngineConfig(model="tiny-llama", executor="test_failing_shadow", policy="chunked",
                                     executor_options={"num_blocks": 5}, block_size=4, max_model_len=16,

@@ -8,6 +8,7 @@ import torch
 
 from framework import EXECUTORS, LLM, PREPARERS, SamplingParams
 from framework.execution.executors.model import ModelExecutor
+from framework.testing.registries import forget_registrations
 
 BS = 4
 
@@ -108,7 +109,7 @@ class SubclassedModelExecutor(ModelExecutor):
 def test_a_subclass_of_the_model_executor_forks_v0_samples_as_the_model_executor_does(monkeypatch):
     """The engine forked parallel samples only for the executor named "model": a subclass ran
     v0's n samples as n requests, prefilling the prompt n times."""
-    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    forget_registrations(monkeypatch, EXECUTORS)
     EXECUTORS.register("test_subclassed_model")(SubclassedModelExecutor)
     runs = {}
     for executor in ("model", "test_subclassed_model"):

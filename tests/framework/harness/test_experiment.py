@@ -20,6 +20,7 @@ from framework.harness.experiment import make_clock, run_experiment
 from framework.harness.recorder import RunRecorder
 from framework.harness.workload import WorkloadContext
 from framework.harness.workloads.trace import load_trace
+from framework.testing.registries import forget_registrations
 from tests.hydra_support import compose_config, read_csv
 from tests.processes import children
 
@@ -238,7 +239,7 @@ class WallTimeExecutor(Executor):
 def test_a_registered_executor_runs_on_its_own_clock(tmp_path, monkeypatch):
     """clock=auto is the executor's own clock, as LLMEngine picks it: a wall-time executor that is
     not named "model" ran on a virtual clock that nothing advanced, every latency 0."""
-    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    forget_registrations(monkeypatch, EXECUTORS)
     EXECUTORS.register("test_wall_time")(WallTimeExecutor)
     assert type(make_clock("auto", "test_wall_time")) is WallClock
     with pytest.raises(ValueError, match="executor=test_wall_time runs in wall time"):
@@ -952,7 +953,7 @@ def test_the_check_builds_the_simulator_but_no_other_executor_on_simulated_time(
         def __init__(self, *args, **kwargs):
             pytest.fail("the check built an executor that loads weights")
 
-    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    forget_registrations(monkeypatch, EXECUTORS)
     EXECUTORS.register("virtual_time_model_for_test")(VirtualTimeModel)
     cfg = config()
     OmegaConf.update(cfg, "executor", {"name": "virtual_time_model_for_test"}, force_add=True)

@@ -14,6 +14,7 @@ from framework.engine.llm_engine import LLMEngine
 from framework.execution.executor import EXECUTORS
 from framework.sim.executor import SimExecutor
 from framework.harness.experiment import engine_config, run_experiment
+from framework.testing.registries import forget_registrations
 from tests.framework.sim.support import RunCounter
 from tests.hydra_support import compose_config, read_csv
 
@@ -48,7 +49,7 @@ def test_a_registered_subclass_of_the_sim_executor_takes_the_device_and_cost_mod
     """Whether the hardware and cost_model groups apply is asked of the executor's clock, not its
     name: a subclass of the sim executor was refused them ("for simulated runs only"), even
     without +hardware, since conf/executor/sim.yaml sets the cost_model node."""
-    monkeypatch.setattr(EXECUTORS, "_classes", dict(EXECUTORS._classes))
+    forget_registrations(monkeypatch, EXECUTORS)
     EXECUTORS.register("test_counting_sim")(CountingSim)
     config = engine_config(compose_with(["executor=sim", "executor.name=test_counting_sim", "+hardware=h100-sxm",
                                          "+cost_model.matmul_efficiency=0.5"]))

@@ -15,6 +15,7 @@ from framework.sim.cost_model import COST_MODELS, BatchShape
 from framework.sim.cost_models.roofline import RooflineCostModel
 from framework.execution.executor import EXECUTORS
 from framework.sim.hardware import GiB, hardware_presets, load_hardware
+from framework.testing.registries import forget_registrations
 from tests.framework.sim.support import RunCounter, chat_requests
 
 LLAMA3_8B_PARAMS = 8_030_261_248
@@ -308,7 +309,7 @@ class SlowerRoofline(RooflineCostModel):
 def test_decode_runs_of_a_cost_model_overriding_step_time_alone_take_its_times(monkeypatch):
     """The fast path timed decode runs with the base's decode_step_time, skipping the override:
     the fast-forwarded run ended earlier than stepping one by one."""
-    monkeypatch.setattr(COST_MODELS, "_classes", dict(COST_MODELS._classes))
+    forget_registrations(monkeypatch, COST_MODELS)
     COST_MODELS.register("test_slower_roofline")(SlowerRoofline)
     requests = chat_requests(20, rate=4.0, seed=1)
     results = []

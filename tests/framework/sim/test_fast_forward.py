@@ -10,6 +10,7 @@ from framework.sim.fast_forward import advance, declares_steady_decode, replay_d
 from framework.harness.recorder import RunRecorder
 from framework.common.request import Request, RequestStatus
 from framework.harness.workload import WorkloadRequest
+from framework.testing.registries import forget_registrations
 from policies.fcfs import FCFSPolicy
 from tests.framework.sim.support import RunCounter, chat_requests
 
@@ -187,7 +188,7 @@ def test_a_subclass_overriding_how_steps_run_is_not_fast_forwarded_as_its_base(p
     """Decode runs were planned by the base class's code: the executor's extra time and the
     allocator's refusals were skipped on the fast path (0 preemptions instead of 27)."""
     registry = EXECUTORS if part == "executor" else ALLOCATORS
-    monkeypatch.setattr(registry, "_classes", dict(registry._classes))
+    forget_registrations(monkeypatch, registry)
     registry.register(f"test_{cls.__name__.lower()}")(cls)
     requests = [WorkloadRequest(str(i), list(range(10 + i, 110 + i)), 200) for i in range(4)]
     results = []
