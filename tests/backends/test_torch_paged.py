@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from backends.cpu_kernels import paged_decode
 from backends.torch_paged import prefill_groups
 from framework import BACKENDS
-from framework.testing.attention import check_result, random_batch, run_named
+from framework.testing.attention import (TOLERANCE, check_result, random_batch, reference_attention, relative_error,
+                                        run_named)
 
 
 def padded_and_real(groups, q, n):
@@ -114,6 +116,32 @@ def test_the_kernel_reads_keys_16_at_a_time_across_any_block_size(dtype, block_s
     before = batch.kv_cache.clone()
     out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
     check_result(out, batch, before, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("length, first, second", [(17, 0, 9), (18, 16, 17), (40, 5, 20), (40, 33, 38)])
+def test_the_kernel_softmax_takes_the_largest_score_wherever_it_lies(dtype, length, first, second):
+    # Two scores of about a thousand, two apart, both in the row's first 32 keys (the kernel takes their maximum 16
+    # wide) or both in its tail, the others about a hundred: measured from less than the row's largest, both exps
+    # would overflow and weigh the same.
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    gen = torch.Generator().manual_seed(length * 100 + first)
+    q = torch.randn(1, heads, head_dim, generator=gen, dtype=torch.float64) * 30
+    keys = torch.randn(length, kv_heads, head_dim, generator=gen, dtype=torch.float64) * 3
+    values = torch.randn(length, kv_heads, head_dim, generator=gen, dtype=torch.float64)
+    keys[first] = q[0].view(kv_heads, heads // kv_heads, head_dim).sum(1) / 5
+    keys[second] = keys[first] * 0.998
+    q, keys, values = (t.to(dtype) for t in (q, keys, values))
+    scale = head_dim ** -0.5
+    expected = reference_attention(q, keys, values, scale, heads // kv_heads)
+    blocks = -(-length // block_size)
+    cache = torch.zeros(2, blocks * block_size, kv_heads, head_dim, dtype=dtype)
+    cache[0, :length], cache[1, :length] = keys, values
+    cache = cache.view(2, blocks, block_size, kv_heads, head_dim)
+    out = torch.empty(1, heads, head_dim, dtype=dtype)
+    paged_decode()(q, cache[0], cache[1], torch.arange(blocks).view(1, -1), torch.zeros(1, dtype=torch.long),
+                   torch.tensor([length]), scale, out)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("decode_kernel, prefill_kernel", [("cpp", "sdpa"), ("sdpa", "cpp")])
