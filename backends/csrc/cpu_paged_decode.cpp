@@ -80,20 +80,26 @@ void key_scores(const float* qf, const T* cache, const int64_t* blocks, int64_t 
                 int64_t tok_stride, int64_t head_stride, int64_t KVH, int64_t G, float* scores, int64_t stride) {
   constexpr int kC = kD / 16;
   const int64_t row_bytes = KVH * head_stride * static_cast<int64_t>(sizeof(T));  // a token's rows, all heads
-  int64_t block = 0, offset = 0;  // of token t0
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int m = static_cast<int>(std::min<int64_t>(16, len - t0));
-    const T* rows[16];
-    for (int j = 0; j < m; ++j) {
+  int64_t block = 0, offset = 0;  // of the next token whose row is looked up
+  // The next n tokens' rows (all heads), walking the block table on from where the last call stopped.
+  auto look_up = [&](const T** rows, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) {
       rows[j] = cache + blocks[block] * blk_stride + offset * tok_stride;
       if (++offset == bs) offset = 0, ++block;
     }
+  };
+  const T* rows[16];
+  const T* ahead[16];
+  look_up(rows, std::min<int64_t>(16, len));
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, len - t0));
     const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1);
     // The next 16 tokens' rows are asked for now: the hardware's prefetchers stop at each block's edge.
-    for (int64_t t = t0 + m, b = block, o = offset; t < std::min(len, t0 + m + 16); ++t) {
-      const char* row = reinterpret_cast<const char*>(cache + blocks[b] * blk_stride + o * tok_stride);
+    const int64_t next = std::min<int64_t>(16, len - t0 - m);
+    look_up(ahead, next);
+    for (int64_t j = 0; j < next; ++j) {
+      const char* row = reinterpret_cast<const char*>(ahead[j]);
       for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte);
-      if (++o == bs) o = 0, ++b;
     }
     for (int64_t h = 0; h < KVH; ++h) {
       __m512 k[16][kC];
@@ -114,6 +120,7 @@ void key_scores(const float* qf, const T* cache, const int64_t* blocks, int64_t 
         _mm512_mask_storeu_ps(scores + (h * G + g) * stride + t0, lanes, sum16(part));
       }
     }
+    std::copy(ahead, ahead + next, rows);
   }
 }
 #endif
