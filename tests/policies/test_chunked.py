@@ -2,6 +2,7 @@
 import pytest
 
 from framework import EngineConfig, LLMEngine, SamplingParams
+from framework.common.request import RequestStatus
 
 
 def engine(policy="chunked", **kw):
@@ -94,22 +95,26 @@ def test_an_on_waiting_override_that_skips_the_waiting_heap_is_reported(policy_n
 
 
 # -- vLLM 0.32's newer defaults (issue 26), each with the earlier behaviour one option away ---------------------
-def scheduler(num_blocks=9, budget=16, policy="chunked", **options):
+def scheduler(num_blocks=9, budget=16, policy="chunked", num_cpu_blocks=0, max_num_seqs=8, **options):
     """A bare scheduler over blocks of 4 tokens (``num_blocks - 1`` usable), with prefix caching."""
     from framework.common.clock import VirtualClock
     from framework.kv.allocators.paged import PagedBlockAllocator
     from framework.scheduling.policy import POLICIES
     from framework.scheduling.scheduler import Scheduler
 
-    config = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64,
+    config = EngineConfig(block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
                           check_invariants=True)
-    return Scheduler(config, POLICIES.create(policy, **options), PagedBlockAllocator(num_blocks, 4), VirtualClock())
+    return Scheduler(config, POLICIES.create(policy, **options), PagedBlockAllocator(num_blocks, 4, num_cpu_blocks),
+                     VirtualClock())
 
 
-def arrive(s, rid, prompt, max_tokens=20):
+def arrive(s, rid, prompt, max_tokens=20, arrival_time=None):
     from framework.common.request import Request
 
-    s.add_request(Request(rid, prompt, greedy(max_tokens), arrival_time=float(len(s.requests))))
+    request = Request(rid, prompt, greedy(max_tokens),
+                      arrival_time=float(len(s.requests)) if arrival_time is None else arrival_time)
+    s.add_request(request)
+    return request
 
 
 def run_step(s):
@@ -168,3 +173,41 @@ def test_the_long_prefill_cap_holds_when_another_request_waits_or_runs():
 def test_a_flag_that_is_not_a_bool_is_refused(policy, option, value):
     with pytest.raises(ValueError, match=f"^{option} must be true or false, got {value!r}$"):
         scheduler(policy=policy, **{option: value})
+
+
+def swap_out_by_hand(s, *requests):
+    """One step in which the policy swaps ``requests`` out (as a shortage of blocks would), then runs nothing."""
+    schedule = s.policy.schedule
+    s.policy.schedule = lambda sch, step: [sch.preempt(step, r, "swap") for r in requests] and None
+    try:
+        run_step(s)
+    finally:
+        s.policy.schedule = schedule
+    assert all(r.status == RequestStatus.SWAPPED for r in requests)
+
+
+def test_nothing_is_swapped_in_when_the_running_requests_take_the_whole_budget():
+    # Swapped in with no tokens, a request would hold device blocks without running, step after step.
+    s = scheduler(num_blocks=20, budget=4, num_cpu_blocks=8, max_num_seqs=4, preemption_mode="swap")
+    b = arrive(s, "b", list(range(3, 7)))
+    run_step(s)
+    a = arrive(s, "a", list(range(10, 34)))
+    run_step(s)
+    swap_out_by_hand(s, b)
+    for _ in range(3):
+        assert run_step(s) == {"a": 4}
+        assert b.status == RequestStatus.SWAPPED and not b.block_ids
+    for rid in ("a", "b"):
+        s.abort_request(rid)
+
+
+def test_swapped_requests_come_back_in_arrival_time_order_not_the_order_received():
+    s = scheduler(num_blocks=20, budget=8, num_cpu_blocks=8, preemption_mode="swap")
+    x = arrive(s, "x", list(range(3, 7)), arrival_time=5.0)  # received first, arrived later
+    y = arrive(s, "y", list(range(20, 24)), arrival_time=1.0)
+    run_step(s)
+    swap_out_by_hand(s, y, x)
+    out = s.schedule()
+    assert [r.request_id for r in out.swapped_in] == ["y", "x"]
+    for rid in ("x", "y"):
+        s.abort_request(rid)

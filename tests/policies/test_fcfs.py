@@ -109,3 +109,23 @@ def test_a_watermark_holds_back_prompts_that_would_leave_too_few_free_blocks():
 def test_a_bad_watermark_is_named(watermark):
     with pytest.raises(ValueError, match=r"watermark must be a fraction of the KV blocks in \[0, 1\)"):
         POLICIES.create("fcfs", watermark=watermark)
+
+
+def test_the_watermark_never_turns_away_a_request_preempted_after_it_ran():
+    # vLLM v0 checks the watermark only for a prompt that has not run yet: a request that has grown past what the
+    # watermark admits, then been preempted, is re-admitted, not finished as ignored with its outputs cut.
+    from tests.policies.test_chunked import arrive, run_step, scheduler
+
+    s = scheduler(num_blocks=9, budget=64, policy="fcfs", watermark=0.5)  # 8 usable blocks of 4, 4 kept free
+    a = arrive(s, "a", list(range(3, 15)), max_tokens=30)  # 3 blocks: admitted
+    for _ in range(9):
+        run_step(s)
+    assert a.num_tokens == 21 and s.allocator.blocks_needed(21) == 6  # more than the 4 the watermark admits
+    schedule = s.policy.schedule
+    s.policy.schedule = lambda sch, step: sch.preempt(step, a, "recompute")
+    run_step(s)
+    s.policy.schedule = schedule
+    assert a.status == RequestStatus.WAITING
+    assert run_step(s) == {"a": 1}  # its 20 computed tokens hit the prefix cache
+    assert a.status == RequestStatus.RUNNING and a.num_computed_tokens == 21
+    s.abort_request("a")

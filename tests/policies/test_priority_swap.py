@@ -233,3 +233,22 @@ def test_an_urgent_prompt_makes_room_for_all_its_blocks(options, preempted):
     out = s.schedule()
     assert [r.request_id for r in out.preempted] == preempted
     assert out.num_scheduled_tokens["high"] == 8
+
+
+def test_no_request_is_swapped_out_for_a_prompt_that_would_not_fit_whole_even_then():
+    # reserve_full_prompt: the urgent prompt's 7 blocks do not fit even with every lower-priority request out, so
+    # none is swapped out (a swap-out that admits nobody is wasted), though its first chunk would fit.
+    from framework.common.request import Request
+    from tests.policies.test_chunked import run_step, scheduler
+
+    s = scheduler(num_blocks=9, budget=8, policy="priority_swap", num_cpu_blocks=8)  # 8 usable blocks of 4
+    s.add_request(Request("r0", list(range(3, 18)), GREEDY, arrival_time=0.0, priority=-1))
+    run_step(s), run_step(s)
+    s.add_request(Request("low", list(range(30, 37)), GREEDY, arrival_time=1.0, priority=5))
+    run_step(s), run_step(s)
+    s.add_request(Request("h", list(range(50, 78)), GREEDY, arrival_time=2.0, priority=0))
+    out = s.schedule()
+    assert not out.preempted and not out.swapped_out
+    assert s.requests["low"] in out.scheduled and s.requests["h"].status == RequestStatus.WAITING
+    for rid in ("r0", "low", "h"):
+        s.abort_request(rid)

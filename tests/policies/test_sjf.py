@@ -88,3 +88,14 @@ def test_a_subclass_overriding_waiting_order_gets_its_own_order():
     while e.has_unfinished_requests():
         e.step()
     assert admitted == sorted(lengths, reverse=True)
+
+
+def test_prompts_of_equal_length_go_in_arrival_time_order_not_the_order_received():
+    from tests.policies.test_chunked import arrive, run_step, scheduler
+
+    s = scheduler(num_blocks=20, budget=8, policy="sjf", max_num_seqs=1)
+    arrive(s, "x", list(range(3, 7)), arrival_time=5.0)  # received first, arrived later
+    arrive(s, "y", list(range(20, 24)), arrival_time=1.0)
+    assert run_step(s) == {"y": 4}
+    for rid in ("x", "y"):
+        s.abort_request(rid)

@@ -424,3 +424,100 @@ def test_a_request_whose_last_token_is_in_flight_is_preempted_as_vllm_pops_its_r
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.output_token_ids == [9]
     s.abort_request("a")
     assert s.allocator.num_free_blocks == 2 and s.allocator.num_free_cpu_blocks == 8  # a swapped-out b's too
+
+
+def test_a_prompt_of_exactly_max_model_len_tokens_is_served_and_a_longer_one_is_not():
+    # As vLLM: only a prompt longer than max_model_len is refused.
+    s = make(num_blocks=30)
+    fits, too_long = add(s, "fits", 32), add(s, "long", 33)
+    assert fits.status == RequestStatus.WAITING and fits in s.waiting
+    assert too_long.status == RequestStatus.FINISHED_IGNORED and "longer than max_model_len=32" in too_long.status_message
+    step(s, admit(fits))
+    assert fits.num_output_tokens == 1
+    s.abort_request("fits")
+
+
+def test_a_request_refused_before_its_arrival_time_does_not_finish_before_it_arrives():
+    # Its end-to-end latency would come out negative.
+    s = make()
+    r = Request("r", list(range(3, 43)), SamplingParams(max_tokens=4), arrival_time=5.0)
+    s.add_request(r)
+    assert s.clock.now() < 5.0 and r.status == RequestStatus.FINISHED_IGNORED
+    assert r.finished_time == r.arrival_time
+
+
+def test_a_row_dropped_before_an_idle_step_is_dropped_by_the_next_output_that_runs():
+    # An idle output never reaches the runner: the aborted request's row would stay in its batch.
+    s = make(num_blocks=30)
+    a = add(s, "a", 4)
+    step(s, admit(a))
+    s.abort_request("a")
+    s.policy.plan = lambda sch, st: None
+    idle = s.schedule()
+    assert not idle.runs
+    c = add(s, "c", 4)
+    s.policy.plan = admit(c)
+    out = s.schedule()
+    assert out.runs and out.finished_req_ids == {"a"}
+    s.abort_request("c")
+
+
+def test_the_rows_a_failed_step_was_to_drop_are_dropped_by_the_next_output():
+    s = make(num_blocks=30)
+    a, b = add(s, "a", 4), add(s, "b", 4)
+    a.max_tokens = 1
+    step(s, admit(a, b))  # a finishes by length
+    s.policy.plan = lambda sch, st: sch.schedule_request(st, b, 1)
+    failed = s.schedule()
+    assert failed.finished_req_ids == {"a"}
+    s.step_failed(failed)
+    s.policy.plan = admit(b)
+    assert s.schedule().finished_req_ids == {"a"}
+    s.abort_request("b")
+
+
+def test_a_request_whose_last_token_is_in_flight_has_its_row_dropped_by_the_next_output():
+    # Async scheduling: it leaves the batch at commit, so the step scheduled next must drop its row.
+    s = make(num_blocks=30)
+    a, b = add(s, "a", 4), add(s, "b", 4)
+    a.max_tokens = 1
+    s.policy.plan = admit(a, b)
+    first = s.schedule()
+    s.commit(first)
+    s.policy.plan = lambda sch, st: sch.schedule_request(st, b, 1)
+    second = s.schedule()
+    assert second.scheduled == [b] and second.finished_req_ids == {"a"}
+    s.update_from_committed(first, {"a": 9, "b": 9})
+    s.commit(second)
+    s.update_from_committed(second, {"b": 9})
+    s.abort_request("b")
+
+
+def test_a_failed_swap_in_sends_its_request_back_to_recompute_even_from_a_partial_block():
+    # The swap-in's copy never happened, so the block holding its 2 computed tokens was never written.
+    s = make(num_blocks=20)
+    r = add(s, "r", 2)
+    step(s, admit(r))
+    step(s, lambda sch, st: sch.preempt(st, r, SWAP))
+    assert r.status == RequestStatus.SWAPPED and r.num_computed_tokens == 2
+    s.policy.plan = lambda sch, st: sch.swap_in(st, r) and None  # back in, no tokens this step
+    out = s.schedule()
+    assert out.blocks_to_swap_in and r.status == RequestStatus.RUNNING
+    s.step_failed(out)
+    assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 0 and r in s.waiting
+    s.abort_request("r")
+
+
+def test_a_recompute_chunk_past_the_prompt_counts_as_prefill_not_as_a_decode_token():
+    s = make(num_blocks=30)
+    a = add(s, "a", 4)
+    step(s, admit(a))
+    for _ in range(3):
+        step(s, lambda sch, st: sch.schedule_request(st, a, 1))
+    step(s, lambda sch, st: sch.preempt(st, a, RECOMPUTE))
+    assert a.num_computed_tokens == 0 and a.num_tokens == 8
+    step(s, lambda sch, st: sch.schedule_request(st, a, 4))  # the prompt again
+    out = step(s, lambda sch, st: sch.schedule_request(st, a, 3))  # then its outputs, past the prompt
+    assert out.num_decode_tokens == 0
+    assert step(s, lambda sch, st: sch.schedule_request(st, a, 1)).num_decode_tokens == 1
+    s.abort_request("a")
