@@ -242,10 +242,10 @@ def test_no_request_is_swapped_out_for_a_prompt_that_would_not_fit_whole_even_th
     from tests.policies.test_chunked import run_step, scheduler
 
     s = scheduler(num_blocks=9, budget=8, policy="priority_swap", num_cpu_blocks=8)  # 8 usable blocks of 4
-    s.add_request(Request("r0", list(range(3, 18)), GREEDY, arrival_time=0.0, priority=-1))
-    run_step(s), run_step(s)
-    s.add_request(Request("low", list(range(30, 37)), GREEDY, arrival_time=1.0, priority=5))
-    run_step(s), run_step(s)
+    for rid, prompt, priority in (("r0", range(3, 18), -1), ("low", range(30, 37), 5)):
+        s.add_request(Request(rid, list(prompt), GREEDY, arrival_time=float(len(s.requests)), priority=priority))
+        for _ in range(2):
+            run_step(s)
     s.add_request(Request("h", list(range(50, 78)), GREEDY, arrival_time=2.0, priority=0))
     out = s.schedule()
     assert not out.preempted and not out.swapped_out

@@ -84,6 +84,10 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert summarize(recs, 2.0, SLO(tpot_ms=120))["request_goodput"] == pytest.approx(2 / 2.0)
     assert summarize(recs, 2.0, SLO(e2el_ms=350))["request_goodput"] == pytest.approx(1 / 2.0)
     assert summarize(recs, 4.0, SLO(ttft_ms=1000, tpot_ms=1000, e2el_ms=1000))["request_goodput"] == pytest.approx(0.75)
+    # A latency at the SLO meets it, as in vLLM (latencies exact in binary).
+    at = RequestRecord("t", "length", output_len=2, ttft=0.125, tpot=0.25, e2el=0.5)
+    assert SLO(ttft_ms=125, tpot_ms=250, e2el_ms=500).met(at)
+    assert not SLO(ttft_ms=124.99).met(at) and not SLO(tpot_ms=249.99).met(at) and not SLO(e2el_ms=499.99).met(at)
 
 
 def test_failed_requests_are_counted_but_not_in_latencies():
@@ -93,6 +97,28 @@ def test_failed_requests_are_counted_but_not_in_latencies():
     s = summarize(recs, 2.0)
     assert s["completed"] == 3 and s["failed"] == 1 and s["total_input_tokens"] == 60
     assert s["mean_ttft_ms"] == pytest.approx(700 / 3)
+
+
+def test_a_finished_output_with_tokens_is_completed_whatever_its_message_and_one_without_is_not():
+    # Only a request that never ran (no tokens, a message saying why) is ignored.
+    with_message = RequestRecord.from_output(output("m", 100.0, 100.0, [100.1, 100.2], message="a note"), 100.0)
+    assert with_message.status == "length" and with_message.completed
+    assert not RequestRecord("z", "length", output_len=0).completed
+
+
+def test_the_cached_fraction_is_of_completed_requests_prompts_only():
+    # Its denominator counts completed requests' prompt tokens: a failed request's hits stay out of both.
+    aborted = RequestRecord("w", "abort", prompt_len=50, cached_tokens=40)
+    assert summarize([*records(), aborted], 2.0)["cached_prompt_fraction"] == pytest.approx(4 / 60)
+
+
+def test_step_totals_take_no_steps_as_nothing_and_keep_the_largest_usage():
+    steps = StepTotals()
+    steps.add(0, [], 0, 0, 0, 0)  # a fast-forward that advanced no step
+    assert steps.num_steps == 0
+    steps.add(1, [0.9], 1, 1, 0, 0)
+    steps.add(2, [0.2, 0.3], 2, 0, 0, 0)
+    assert steps.summary()["max_kv_usage"] == 0.9 and steps.summary()["num_steps"] == 3
 
 
 def test_per_priority_breakdown_and_step_statistics():
@@ -123,8 +149,9 @@ def test_pooled_itls_leave_out_the_gaps_between_requests():
 
 def test_empty_statistics_and_bad_slo():
     assert latency_stats("ttft", []) == {k: None for k in latency_stats("ttft", [1.0])}
-    with pytest.raises(ValueError, match="slo.ttft_ms"):
-        SLO(ttft_ms=-1)
+    for bad in (-1, 0):
+        with pytest.raises(ValueError, match="slo.ttft_ms must be a positive number"):
+            SLO(ttft_ms=bad)
 
 
 def test_a_bool_slo_is_refused():

@@ -103,6 +103,50 @@ def test_hash_collision_is_caught_by_token_check(monkeypatch):
     assert alloc.find_prefix(b).num_tokens == 0
 
 
+def test_the_prefix_search_stops_at_the_first_block_that_misses(monkeypatch):
+    # A later block's hash may match (here the hash ignores the parent): a hit past a miss would give
+    # the request another prompt's KV at that position.
+    monkeypatch.setattr(paged, "block_hash", lambda parent, tokens: hash(tokens))
+    alloc = PagedBlockAllocator(num_blocks=8, block_size=2)
+    compute(alloc, req("a", [1, 2, 3, 4, 5]), 5)
+    assert alloc.find_prefix(req("b", [9, 9, 3, 4, 5])).block_ids == []
+    assert alloc.find_prefix(req("c", [1, 2, 3, 4, 5])).num_tokens == 4
+
+
+def test_a_request_holding_blocks_finds_no_prefix():
+    # allocate_slots refuses a prefix to a request holding blocks: a hit would turn into an error.
+    alloc = PagedBlockAllocator(num_blocks=8, block_size=2)
+    a = req("a", [1, 2, 3, 4, 5])
+    compute(alloc, a, 5)
+    alloc.free(a)
+    b = req("b", [1, 2, 3, 4, 5, 6])
+    compute(alloc, b, 1)
+    assert alloc.find_prefix(b).num_tokens == 0
+    compute(alloc, b, 1, alloc.find_prefix(b))
+    alloc.free(b)
+
+
+def test_an_uncached_free_block_is_handed_out_before_the_cached_ones():
+    alloc = PagedBlockAllocator(num_blocks=4, block_size=2)  # 3 usable blocks
+    held = []
+    for tokens in ([1, 2], [3, 4], [5, 6]):
+        r = req(str(tokens), tokens + [0])
+        compute(alloc, r, 2)
+        held.append(r.block_ids[0])
+        alloc.free(r)  # three cached free blocks, least recently used first
+    alloc.uncache([held[2]])  # its KV is no longer what it caches (a failed step)
+    n = req("n", [7, 7, 7])
+    compute(alloc, n, 1)
+    assert n.block_ids == [held[2]] and alloc.stats.evictions == 0
+    assert alloc.find_prefix(req("q", [1, 2, 0])).num_tokens == 2
+    alloc.free(n)
+
+
+def test_a_pool_of_only_the_null_block_is_refused():
+    with pytest.raises(ValueError, match="a KV pool needs at least 2 blocks"):
+        PagedBlockAllocator(num_blocks=1, block_size=16)
+
+
 def test_lru_eviction_prefers_uncached_then_oldest():
     alloc = PagedBlockAllocator(num_blocks=5, block_size=2)
     a = req("a", [1, 2, 3])  # one full (cached) block + one partial
@@ -201,6 +245,7 @@ def test_swap_out_and_in():
     dev = list(r.block_ids)
     mapping = alloc.swap_out(r)
     assert [d for d, _ in mapping] == dev and r.block_ids == [] and len(r.cpu_block_ids) == 3
+    assert alloc.stats.blocks_swapped_out == 3 and alloc.stats.blocks_swapped_in == 0
     r.status = RequestStatus.SWAPPED
     alloc.check_invariants([r])
     assert alloc.num_free_blocks == 5 and alloc.num_free_cpu_blocks == 0
@@ -213,6 +258,7 @@ def test_swap_out_and_in():
     r.status = RequestStatus.RUNNING
     assert [c for c, _ in back] == [c for _, c in mapping]
     assert r.cpu_block_ids == [] and len(r.block_ids) == 3
+    assert alloc.stats.blocks_swapped_out == 3 and alloc.stats.blocks_swapped_in == 3
     alloc.check_invariants([r])
     alloc.free(r)
     alloc.check_invariants([])
@@ -252,6 +298,68 @@ def test_invariant_check_catches_a_shared_prefix_block_with_other_tokens():
         alloc.check_invariants([r, thief])
     alloc.free(thief)
     alloc.free(r)
+
+
+def test_invariant_check_catches_a_held_block_in_the_free_queue():
+    # The counts still add up: a held block sits in the free queue, a free one is missing from it.
+    alloc = PagedBlockAllocator(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    a, b = req("a", [1, 2]), req("b", [3, 4])
+    compute(alloc, a, 2)
+    compute(alloc, b, 2)
+    gone = b.block_ids[0]
+    alloc.free(b)
+    del alloc._free[gone]
+    alloc._free[a.block_ids[0]] = None
+    with pytest.raises(AssertionError, match="disagrees with the free queue"):
+        alloc.check_invariants([a])
+
+
+def test_invariant_check_catches_a_forked_block_written_without_a_copy():
+    alloc = PagedBlockAllocator(num_blocks=8, block_size=4)
+    parent, child = req("p", [1, 2, 3]), req("c", [1, 2, 3])
+    compute(alloc, parent, 3)
+    alloc.fork(parent, child)
+    child.num_computed_tokens = 3
+    alloc.check_invariants([parent, child])
+    child.token_ids.append(9)  # written into the shared partial block with no copy-on-write
+    child.num_computed_tokens = 4
+    with pytest.raises(AssertionError, match="shared by 2 requests that disagree on its contents"):
+        alloc.check_invariants([parent, child])
+
+
+def test_invariant_check_catches_a_cached_hash_the_index_does_not_know():
+    alloc = PagedBlockAllocator(num_blocks=8, block_size=4)
+    r = req("r", [1, 2, 3])
+    compute(alloc, r, 3)
+    alloc._blocks[r.block_ids[0]].hash = 12345
+    with pytest.raises(AssertionError, match="neither indexed nor a copy"):
+        alloc.check_invariants([r])
+
+
+def test_the_base_slot_check_refuses_a_write_into_the_null_block_where_the_write_starts():
+    # What a plugin allocator inherits: the null block first in the written range.
+    from framework.kv.block_allocator import BlockAllocator
+
+    alloc = PagedBlockAllocator(num_blocks=8, block_size=2)
+    r = req("r", [1, 2, 3, 4])
+    r.block_ids = [NULL_BLOCK, 5]
+    with pytest.raises(AssertionError, match="would write into the null block"):
+        BlockAllocator.check_slots(alloc, r, 0, 2)
+    BlockAllocator.check_slots(alloc, r, 2, 4)
+    r.block_ids = []
+
+
+def test_fits_after_counts_a_hit_on_blocks_only_the_released_requests_hold():
+    # Freed with their last holder, those blocks come back to the pool cached, and the hit takes them again.
+    alloc = PagedBlockAllocator(num_blocks=5, block_size=2)  # 4 usable blocks
+    a = req("a", [1, 2, 3, 4, 5])
+    compute(alloc, a, 5)
+    b = req("b", [1, 2, 3, 4] + [9] * 6)  # 5 blocks, 2 of them a's
+    hit = alloc.find_prefix(b)
+    assert hit.num_tokens == 4
+    predicted = alloc.fits_after(b, 6, hit, [a])
+    alloc.free(a)
+    assert predicted == alloc.allocate_slots(b, 6, alloc.find_prefix(b)) is False
 
 
 @pytest.mark.parametrize("released", [["b"], ["a"], ["a", "b"], ["c"], []])
