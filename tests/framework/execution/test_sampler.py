@@ -36,6 +36,15 @@ def test_sampling_follows_the_distribution():
     assert (Sampler(torch.Generator().manual_seed(0))(logits, meta) == 0).all()
 
 
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_sampling_at_a_temperature_follows_the_scaled_distribution(temperature):
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).repeat(40000, 1)
+    meta = SamplingMetadata(temperature=torch.full((40000,), temperature), all_greedy=False)
+    out = Sampler(torch.Generator().manual_seed(0))(logits, meta)
+    freq = torch.bincount(out, minlength=4).double() / 40000
+    assert torch.allclose(freq, (logits[0].double() / temperature).softmax(-1), atol=0.01)
+
+
 def test_top_p_of_one_keeps_every_token():
     """A row with top-p off keeps its whole vocabulary when another row of its batch uses top-p:
     the float32 running sum of a 32k-token softmax reaches 1 before its least likely tokens."""

@@ -29,3 +29,18 @@ class RunCounter:
 
     def on_decode_run(self, run) -> None:
         self.steps += len(run.end_times)
+
+
+def serve_cluster(requests: list[WorkloadRequest], fast_forward: bool, callbacks=(), **config) -> tuple[list, float]:
+    """A simulated ``llama-3-8b`` on an H100 serving ``requests`` through ``Cluster.run`` (as a run does): each
+    request's (id, tokens, TTFT, TPOT, finish reason), sorted, and the clock at the end."""
+    from framework import EngineConfig
+    from framework.harness.cluster import Cluster
+
+    cluster = Cluster.build(EngineConfig(model="llama-3-8b", executor="sim", **config,
+                                         executor_options={"hardware": "h100-sxm", "fast_forward": fast_forward}))
+    for engine in cluster.engines:
+        engine.step_callbacks.extend(callbacks)
+    outputs = cluster.run(requests, {"ignore_eos": True, "temperature": 0.0}).outputs
+    return sorted((o.request_id, len(o.outputs[0].token_ids), o.metrics.ttft, o.metrics.tpot,
+                   o.outputs[0].finish_reason) for _, o in outputs), max(e.clock.now() for e in cluster.engines)

@@ -246,3 +246,21 @@ def test_a_v0_request_of_several_samples_aborted_before_its_first_token_finishes
     finished = {o.request_id: [c.finish_reason for c in o.outputs] for o in outs}
     assert finished == {"b": ["abort", "abort"], "a": ["length"]}
     assert engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
+
+
+def test_a_plain_step_callback_sees_every_step_and_the_run_is_unchanged():
+    from tests.framework.sim.support import serve_cluster
+
+    requests, seen = chat_requests(10, rate=4.0, seed=3), []
+    outs, end = serve_cluster(requests, fast_forward=True, callbacks=[lambda stats, out: seen.append(out)])
+    assert (outs, end) == serve_cluster(requests, fast_forward=False)
+    assert len(seen) > 100
+
+
+def test_a_first_token_computed_in_a_decode_shaped_step_gets_its_time():
+    # 513 prompt tokens in chunks of 512: the last prompt token is a one-token step, which the fast path may take.
+    from tests.framework.sim.support import serve_cluster
+
+    requests = [WorkloadRequest("0", list(range(3, 516)), 20, arrival_time=0.5)]
+    fast = serve_cluster(requests, fast_forward=True, policy="chunked", max_num_batched_tokens=512)
+    assert fast == serve_cluster(requests, fast_forward=False, policy="chunked", max_num_batched_tokens=512)

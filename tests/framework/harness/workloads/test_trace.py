@@ -135,6 +135,19 @@ def test_entry_forms_and_sorting(tmp_path):
     assert load_trace(path, CTX, seed=1)[0] == z and load_trace(path, CTX, seed=2)[0] != z
 
 
+def test_requests_arriving_together_keep_the_files_order(tmp_path):
+    # What a run without a rate saves (every arrival at 0): replayed in another order, fcfs would serve another run.
+    path = write_jsonl(tmp_path / "t.jsonl", [{"request_id": str(i), "arrival_time": 0.0, "prompt_len": 4,
+                                              "output_len": 2} for i in range(12)])
+    assert [r.request_id for r in load_trace(path, CTX)] == [str(i) for i in range(12)]
+
+
+def test_text_without_a_tokenizer_takes_ids_of_the_vocabulary_past_the_special_ones():
+    ids = tokenize(" ".join(f"w{i}" for i in range(3000)), CTX)
+    assert len(ids) == 3000 and min(ids) >= CTX.first_token_id and max(ids) < CTX.vocab_size
+    assert len(set(ids)) > 900  # spread over the vocabulary
+
+
 def test_json_array_form_and_rescaling(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"requests": [{"arrival_time": t, "prompt_len": 4, "output_len": 2} for t in (1, 2, 4)]}))
