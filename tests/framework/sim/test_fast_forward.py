@@ -264,3 +264,28 @@ def test_a_first_token_computed_in_a_decode_shaped_step_gets_its_time():
     requests = [WorkloadRequest("0", list(range(3, 516)), 20, arrival_time=0.5)]
     fast = serve_cluster(requests, fast_forward=True, policy="chunked", max_num_batched_tokens=512)
     assert fast == serve_cluster(requests, fast_forward=False, policy="chunked", max_num_batched_tokens=512)
+
+
+def test_requests_capped_by_max_model_len_in_a_decode_run_stop_where_stepping_stops():
+    # Request 1 asks for one token more than max_model_len leaves it room for.
+    from tests.framework.sim.support import serve_cluster
+
+    requests = [WorkloadRequest("0", list(range(3, 503)), None, arrival_time=0.1),
+                WorkloadRequest("1", list(range(3, 403)), 201, arrival_time=0.1),
+                WorkloadRequest("2", list(range(3, 303)), 400, arrival_time=0.1)]
+    fast = serve_cluster(requests, fast_forward=True, max_model_len=600)
+    assert fast == serve_cluster(requests, fast_forward=False, max_model_len=600)
+    assert [length for _, length, *_ in fast[0]] == [100, 200, 300]
+
+
+def test_an_arrival_exactly_at_a_decode_steps_end_joins_the_next_step_as_when_stepping():
+    from tests.framework.sim.support import serve_cluster
+
+    first = WorkloadRequest("0", list(range(3, 203)), 60, arrival_time=0.0)
+    cluster = Cluster.build(EngineConfig(model="llama-3-8b", executor="sim",
+                                         executor_options={"hardware": "h100-sxm", "fast_forward": False}))
+    ends = []
+    cluster.engines[0].step_callbacks.append(lambda stats, out: ends.append(cluster.engines[0].clock.now()))
+    cluster.run([first], {"ignore_eos": True})
+    requests = [first, WorkloadRequest("1", list(range(500, 600)), 10, arrival_time=ends[20])]
+    assert serve_cluster(requests, fast_forward=True) == serve_cluster(requests, fast_forward=False)

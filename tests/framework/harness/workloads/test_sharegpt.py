@@ -72,6 +72,18 @@ def test_filters_and_errors(sharegpt_file, tmp_path):
         generate(bad, ctx)
 
 
+def test_a_pair_is_kept_only_while_prompt_and_output_fit_max_model_len(tmp_path):
+    def pair(prompt, output):
+        return {"conversations": [{"from": "human", "value": " ".join(["w"] * prompt)},
+                                  {"from": "gpt", "value": " ".join(["w"] * output)}]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps([pair(10, 10), pair(10, 11), pair(12, 10)]))
+    ctx = WorkloadContext(vocab_size=1024, max_model_len=20)
+    assert [(r.prompt_len, r.output_len) for r in generate(path, ctx, num_requests=1)] == [(10, 10)]
+    with pytest.raises(ValueError, match="only 1 usable conversations for num_requests=2"):
+        generate(path, ctx, num_requests=2)
+
+
 @pytest.mark.parametrize("min_len", [0, "abc", 2.5])
 def test_min_len_must_be_a_positive_integer(sharegpt_file, min_len):
     with pytest.raises(ValueError, match="min_len must be a positive integer"):

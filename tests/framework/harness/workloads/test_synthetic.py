@@ -59,6 +59,12 @@ def test_an_infinite_rate_is_all_at_once_as_null_is_priority_classes_included():
     assert inf == null and {r.priority for r in inf} == {0, 1}
 
 
+def test_no_prompt_takes_a_special_token_id_shared_prefixes_included():
+    reqs = generate(num_requests=200, prompt_len=4, shared_prefix={"fraction": 1.0, "num_prefixes": 50, "prefix_len": 64})
+    ids = np.concatenate([r.prompt_token_ids for r in reqs])
+    assert ids.min() == CTX.first_token_id and ids.max() == CTX.vocab_size - 1
+
+
 def test_shared_prefix_fraction_and_length():
     n, prefix_len = 40, 32
     reqs = generate(num_requests=n, prompt_len=[5, 10], seed=3,

@@ -142,6 +142,12 @@ def test_requests_arriving_together_keep_the_files_order(tmp_path):
     assert [r.request_id for r in load_trace(path, CTX)] == [str(i) for i in range(12)]
 
 
+def test_a_prompt_given_by_its_length_takes_no_special_token_id(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt_len": 5000, "output_len": 2}])
+    (request,) = load_trace(path, CTX)
+    assert min(request.prompt_token_ids) == CTX.first_token_id and max(request.prompt_token_ids) < CTX.vocab_size
+
+
 def test_text_without_a_tokenizer_takes_ids_of_the_vocabulary_past_the_special_ones():
     ids = tokenize(" ".join(f"w{i}" for i in range(3000)), CTX)
     assert len(ids) == 3000 and min(ids) >= CTX.first_token_id and max(ids) < CTX.vocab_size

@@ -244,6 +244,17 @@ def test_an_empty_step_costs_only_the_step_overhead():
     assert m.step_time(BatchShape()) == pytest.approx(100e-6)
 
 
+def test_a_short_prefill_behind_a_long_cached_context_reads_its_keys_and_values():
+    # 8 new tokens behind 4,000 cached ones (a prefix hit, or a late chunk): few query-key pairs, so reading the
+    # 4,008 keys and values of every layer binds, at the KV bandwidth (docs/simulator.md).
+    m = model(kv_efficiency=0.6)
+    cold, hit = BatchShape(), BatchShape()
+    cold.add_row(0, 8, True)
+    hit.add_row(4000, 8, True)
+    kv_read = lambda keys: KV_BYTES_PER_TOKEN * keys / (BW * 0.6)
+    assert m.step_time(hit) - m.step_time(cold) == pytest.approx(kv_read(4008) - kv_read(8), rel=0.01)
+
+
 def test_legs_reproduce_step_time_for_every_shape():
     from framework.sim.calibration import predict
 
