@@ -236,6 +236,12 @@ def test_bad_peak_mappings_are_one_line_errors(peaks, message):
         load_hardware({**load_hardware("a100-80gb").to_dict(), "peak_tflops": peaks})
 
 
+@pytest.mark.parametrize("field", ["launch_overhead_us", "pcie_gb_s", "interconnect_gb_s", "runtime_reserved_gib"])
+def test_a_negative_hardware_figure_is_refused(field):
+    with pytest.raises(ValueError, match=f"hardware 'a100-80gb': {field} must be a finite number >= 0, got -1"):
+        load_hardware({**load_hardware("a100-80gb").to_dict(), field: -1})
+
+
 @pytest.mark.parametrize("peaks", [[312, 19.5], None, True])
 def test_a_peak_neither_number_nor_mapping_is_told_both_forms(peaks):
     # A list (or null) was answered "must be a finite number > 0", as if one number were the only form.

@@ -277,6 +277,12 @@ def test_options_are_checked():
         model(matmul_efficiency=0)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must .* divide"):
         model(tp=3)
+    for overhead in ("step_overhead_us", "seq_overhead_us", "token_overhead_us"):
+        with pytest.raises(ValueError, match=f"roofline {overhead} must be >= 0, got -0.5"):
+            model(**{overhead: -0.5})
+    no_link = load_hardware({**A100.to_dict(), "interconnect_gb_s": 0})
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs hardware 'a100-80gb' to give interconnect_gb_s"):
+        model(tp=2, hardware=no_link)
     with pytest.raises(ValueError, match="calibration file .* does not exist"):
         RooflineCostModel(LLAMA3_8B, A100, calibration="/no/such.yaml")
     assert "roofline" in COST_MODELS.list() and set(PARAMS) >= set(IDEAL)
