@@ -153,9 +153,10 @@ def test_streamed_text_never_shows_what_a_stop_string_cuts(llama_ckpt, setup, in
     assert [o.finished() for o in streamed] == [False] * (len(streamed) - 1) + [True]
     for out in streamed[:-1]:
         assert final.text.startswith(out.text)
-        if not include:  # vLLM holds back the last len(stop) - 1 characters
-            whole = reference(tok, prompt, out.token_ids, [])[0]
-            assert out.text == whole[:max(len(whole) - (len(stop) - 1), 0)]
+        # vLLM holds back the last len(stop) - 1 characters, which the stop string may cut; none when it cuts nothing.
+        whole = reference(tok, prompt, out.token_ids, [])[0]
+        held = 0 if include else len(stop) - 1
+        assert out.text == whole[:max(len(whole) - held, 0)]
 
 
 @pytest.mark.parametrize("preparer", ["v0", "v1"])
@@ -230,6 +231,13 @@ def chunk_tokenizer(chunks):
     return PreTrainedTokenizerFast(tokenizer_object=raw), [vocab[w] for w in spell]
 
 
+def test_of_stop_strings_found_at_the_same_place_the_one_listed_first_ends_it():
+    tok, (ab,) = chunk_tokenizer([b"ab"])
+    prompt = [tok.convert_tokens_to_ids("p")]
+    assert IncrementalDetokenizer(tok, prompt, ["ab", "a"]).append(ab) == "ab"
+    assert IncrementalDetokenizer(tok, prompt, ["a", "ab"]).append(ab) == "a"
+
+
 def test_a_stop_string_before_an_incomplete_character_ends_the_sequence_at_its_token():
     # "テ" and the first byte of "キ" in one token: the text is "aテ" plus an incomplete
     # character. The stop string is there now (the reference finds it); waiting for the
@@ -269,14 +277,16 @@ def test_finished_text_ends_as_the_full_decode_does():
             assert req.detokenizer.output_text(True) == reference(tok, prompt, tokens[:k], [])[0]
 
 
-def test_a_character_split_across_the_prompts_end_shows_as_without_stop_strings():
-    # The prompt ends with the first byte of "é", the output starts with its second: decoded
-    # after the prompt's text, the output's first characters were taken by position from a text
-    # that had merged them, so a stop-string request's text lost them, unlike the same request
-    # without stop strings (decode_continuation decodes such an output alone).
-    tok, (first, second, ab, stop) = chunk_tokenizer(["é".encode()[:1], "é".encode()[1:], b"ab", b"zz"])
+@pytest.mark.parametrize("char", ["é", "€"])
+def test_a_character_split_across_the_prompts_end_shows_as_without_stop_strings(char):
+    # The prompt ends with the first byte of the character, the output starts with the rest (one byte a token):
+    # decoded after the prompt's text, the output's first characters were taken by position from a text that had
+    # merged them, so a stop-string request's text lost them, unlike the same request without stop strings
+    # (decode_continuation decodes such an output alone). "€" has 3 bytes: the first output token leaves it open.
+    raw = char.encode()
+    tok, (first, *rest, ab, stop) = chunk_tokenizer([raw[i:i + 1] for i in range(len(raw))] + [b"ab", b"zz"])
     prompt = [tok.convert_tokens_to_ids("p"), first]
-    tokens = [second, ab, stop]
+    tokens = [*rest, ab, stop]
     for k in range(1, len(tokens) + 1):
         detok = IncrementalDetokenizer(tok, prompt, ["zz"])
         found = [detok.append(t, final=i == k - 1) for i, t in enumerate(tokens[:k])]

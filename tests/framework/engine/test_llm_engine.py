@@ -6,6 +6,7 @@ import pytest
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameError
 from framework.common.clock import VirtualClock
 from framework.common.registry import BadOptionsError
+from framework.common.request import Request, RequestStatus
 from framework.engine.output_processor import OutputProcessor
 from framework.testing.parity import hf_greedy
 from tests.conftest import step_through_interrupts
@@ -512,6 +513,23 @@ def test_stop_token_and_eos():
                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))[0]
     assert out.outputs[0].token_ids == tokens[: tokens.index(stop) + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    # An EOS ends it too, with no stop reason (as vLLM), though the token is also a stop token.
+    eos = Request("e", [5, 6], SamplingParams(max_tokens=8, stop_token_ids=[2]), 0.0, eos_token_ids=frozenset({2}))
+    eos.append_output_token(2, 1.0)
+    assert eos.check_stop() == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
+
+
+def test_a_delta_request_aborted_after_streaming_ends_with_an_abort():
+    from framework.common.sampling_params import RequestOutputKind
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128))
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                      output_kind=RequestOutputKind.DELTA))
+    engine.step()
+    engine.step()
+    engine.abort_request("r")
+    (last,) = engine.step()
+    assert last.finished and [(c.token_ids, c.finish_reason) for c in last.outputs] == [([], "abort")]
 
 
 def test_generation_stops_at_max_model_len():

@@ -211,3 +211,56 @@ def test_v0_abort_after_the_fork_frees_every_shared_block():
     assert outs[0].finished and [o.finish_reason for o in outs[0].outputs] == ["abort"] * 4
     assert all(len(o.token_ids) == 2 for o in outs[0].outputs)
     assert engine.allocator.num_used_blocks == 0
+
+
+def sampled_until_different_steps(**params):
+    """An engine with one request of two samples that finish at different steps (stop tokens on every 7th id)."""
+    from framework import LLMEngine
+
+    engine = LLMEngine(model="tiny-llama", max_model_len=128, **params.pop("engine", {}))
+    vocab = engine.model_config.vocab_size
+    engine.add_request("r", [5, 6, 7], SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=3, ignore_eos=True,
+                                                      stop_token_ids=list(range(0, vocab, 7)), **params))
+    return engine
+
+
+def test_a_final_only_request_of_two_samples_gives_one_output_once_both_finished():
+    from framework.common.sampling_params import RequestOutputKind
+
+    engine = sampled_until_different_steps(output_kind=RequestOutputKind.FINAL_ONLY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (final,) = outputs
+    lengths = [len(c.token_ids) for c in final.outputs]
+    assert final.finished and len(set(lengths)) == 2
+
+
+def test_two_samples_metrics_take_every_steps_token_and_the_first_token_of_either():
+    engine = sampled_until_different_steps()
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    lengths = [len(c.token_ids) for c in final.outputs]
+    m = final.metrics
+    assert len(set(lengths)) == 2 and len(m.token_times) == max(lengths)  # one a step, while either sample ran
+    assert m.first_token_time == min(m.token_times)
+
+
+def test_the_first_token_time_of_samples_run_one_after_another_is_the_earliest():
+    from framework import LLMEngine
+
+    engine = LLMEngine(model="tiny-llama", max_model_len=128, max_num_seqs=1)
+    engine.add_request("r", [5, 6, 7], SamplingParams(n=2, max_tokens=5, temperature=0.0, ignore_eos=True))
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    assert final.metrics.first_token_time == min(final.metrics.token_times)
+
+
+def test_a_v0_request_of_several_samples_ignored_on_arrival_is_finished_at_once():
+    from framework import LLMEngine
+
+    engine = LLMEngine(model="tiny-llama", max_model_len=32, preparer="v0")
+    engine.add_request("r", list(range(5, 45)), SamplingParams(n=3, max_tokens=4, temperature=0.0))
+    assert engine.is_finished("r")

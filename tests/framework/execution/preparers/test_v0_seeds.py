@@ -97,3 +97,15 @@ def test_prefix_cache_hit_is_a_computed_block_and_the_chunk_starts_after_it():
     mi = v0.build([meta])
     assert mi.host["positions"].tolist() == [8, 9, 10] and mi.host["slot_mapping"].tolist() == [36, 37, 38]
     assert_equivalent(mi, v1.prepare(out))
+
+
+def test_the_v0_preparer_lets_go_of_every_finished_requests_group():
+    from framework import LLM, SamplingParams
+    from framework.execution.preparers.v0 import SequenceGroupPreparer
+
+    llm = LLM(model="tiny-llama", preparer="v0", max_model_len=64)
+    preparer = llm.engine.executor.runner.preparer
+    assert isinstance(preparer, SequenceGroupPreparer)
+    for _ in range(3):
+        llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(preparer.groups) <= 4  # at most the last batch's, dropped by the next step that runs

@@ -198,3 +198,11 @@ def test_deferred_tokens_feed_the_next_step_from_the_device_and_never_a_reused_r
     prep.record_sampled(mi, np.array([900, 901]))
     assert prep.token_ids[0, :6].tolist() == c.token_ids  # a's token not written into c's row
     assert prep.token_ids[prep.row_of["b"], 4] == 901
+
+
+def test_a_top_p_just_below_one_still_filters():
+    preparer = FlatBatchPreparer(4, 64, 16, 64)
+    meta = preparer.sampling_metadata(np.array([1.0], dtype=np.float32), None, np.array([0.995], dtype=np.float32))
+    assert meta.top_p is not None and meta.top_p.tolist() == pytest.approx([0.995])
+    assert preparer.sampling_metadata(np.array([1.0], dtype=np.float32), None,
+                                      np.array([1.0], dtype=np.float32)).top_p is None
