@@ -45,6 +45,24 @@ def test_sampling_at_a_temperature_follows_the_scaled_distribution(temperature):
     assert torch.allclose(freq, (logits[0].double() / temperature).softmax(-1), atol=0.01)
 
 
+def test_filters_on_tied_probabilities_keep_what_transformers_keeps():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    tied = torch.zeros(1, 4)  # four tokens of 0.25: p=0.5 is reached by two of them
+    assert torch.isfinite(apply_top_p(tied, torch.tensor([0.5]))).sum() == 2
+    assert torch.isfinite(TopPLogitsWarper(0.5)(None, tied.clone())).sum() == 2
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0]])
+    assert torch.isfinite(apply_top_k(logits, torch.tensor([4]))).all()  # top-k of the whole vocabulary
+    assert torch.isfinite(TopKLogitsWarper(4)(None, logits.clone())).all()
+
+
+def test_a_tied_tokens_rank_counts_every_token_as_likely():
+    # As vLLM: the rank is how many tokens have a logprob at least the token's.
+    logits = torch.tensor([[2.0, 2.0, 0.0]]).log_softmax(dim=-1)
+    out = Sampler().sample(logits, logprob_meta([0.0], [1]))
+    assert out.logprobs.ranks.tolist() == [2]
+
+
 def test_top_p_of_one_keeps_every_token():
     """A row with top-p off keeps its whole vocabulary when another row of its batch uses top-p:
     the float32 running sum of a 32k-token softmax reaches 1 before its least likely tokens."""
