@@ -367,3 +367,12 @@ def test_a_simulated_run_composed_by_hydra_checks_and_builds_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("stops, token", [(None, 1023), ([7], 1023), ([1023, 0, 1], 3)])
+def test_a_simulated_request_samples_the_highest_id_unless_it_stops_it(stops, token):
+    # tiny-llama: 1,024 ids, EOS 2. A request whose stop tokens hold that id takes the lowest id neither stops it
+    # nor is an EOS, so it runs to its length as the fast path assumes.
+    llm = LLM(model="tiny-llama", executor="sim", executor_options={"fast_forward": False})
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, stop_token_ids=stops))
+    assert out.outputs[0].token_ids == [token] * 4 and out.outputs[0].finish_reason == "length"

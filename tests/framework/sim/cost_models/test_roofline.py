@@ -268,6 +268,12 @@ def test_legs_reproduce_step_time_for_every_shape():
     for shape in (mixed, decode(9, 3000), decode(1, 10), decode(3, 100), prefill(4000), swaps_only):
         offset, groups = m.legs(shape)
         assert predict(offset, groups, m.fit_vector()) == pytest.approx(m.step_time(shape), rel=1e-12)
+    # Attention slow enough (as a fit may find it) that decode attention binds on compute, not on the KV read.
+    slow = model(attention_efficiency=0.002)
+    assert slow.step_time(decode(9, 3000)) > 1.2 * model().step_time(decode(9, 3000))
+    for shape in (mixed, decode(9, 3000)):
+        offset, groups = slow.legs(shape)
+        assert predict(offset, groups, slow.fit_vector()) == pytest.approx(slow.step_time(shape), rel=1e-12)
 
 
 def test_options_are_checked():
