@@ -255,6 +255,13 @@ def test_a_short_prefill_behind_a_long_cached_context_reads_its_keys_and_values(
     assert m.step_time(hit) - m.step_time(cold) == pytest.approx(kv_read(4008) - kv_read(8), rel=0.01)
 
 
+def test_a_prompt_chunk_that_samples_nothing_reads_no_lm_head():
+    chunk = prefill(2048)
+    last = model().step_time(chunk)
+    chunk.num_sampled = 0  # a chunk before the prompt's end
+    assert last - model().step_time(chunk) == pytest.approx((2 * HEAD_PARAMS + 2 * (4096 + 128256)) / BW, rel=1e-6)
+
+
 def test_legs_reproduce_step_time_for_every_shape():
     from framework.sim.calibration import predict
 
