@@ -175,6 +175,7 @@ def test_a_flag_that_is_not_a_bool_is_refused(policy, option, value):
         scheduler(policy=policy, **{option: value})
 
 
+# -- swapped requests coming back ----------------------------------------------------------------------------------
 def swap_out_by_hand(s, *requests):
     """One step in which the policy swaps ``requests`` out (as a shortage of blocks would), then runs nothing."""
     schedule = s.policy.schedule
@@ -191,7 +192,7 @@ def test_nothing_is_swapped_in_when_the_running_requests_take_the_whole_budget()
     s = scheduler(num_blocks=20, budget=4, num_cpu_blocks=8, max_num_seqs=4, preemption_mode="swap")
     b = arrive(s, "b", list(range(3, 7)))
     run_step(s)
-    a = arrive(s, "a", list(range(10, 34)))
+    arrive(s, "a", list(range(10, 34)))
     run_step(s)
     swap_out_by_hand(s, b)
     for _ in range(3):
