@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework import EXECUTORS, LLM, PREPARERS, SamplingParams
+from framework import EXECUTORS, LLM, PREPARERS, LLMEngine, SamplingParams
 from framework.execution.executors.model import ModelExecutor
 from framework.testing.registries import forget_registrations
 
@@ -215,9 +215,7 @@ def test_v0_abort_after_the_fork_frees_every_shared_block():
 
 def sampled_until_different_steps(**params):
     """An engine with one request of two samples that finish at different steps (stop tokens on every 7th id)."""
-    from framework import LLMEngine
-
-    engine = LLMEngine(model="tiny-llama", max_model_len=128, **params.pop("engine", {}))
+    engine = LLMEngine(model="tiny-llama", max_model_len=128)
     vocab = engine.model_config.vocab_size
     engine.add_request("r", [5, 6, 7], SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=3, ignore_eos=True,
                                                       stop_token_ids=list(range(0, vocab, 7)), **params))
@@ -248,8 +246,6 @@ def test_two_samples_metrics_take_every_steps_token_and_the_first_token_of_eithe
 
 
 def test_the_first_token_time_of_samples_run_one_after_another_is_the_earliest():
-    from framework import LLMEngine
-
     engine = LLMEngine(model="tiny-llama", max_model_len=128, max_num_seqs=1)
     engine.add_request("r", [5, 6, 7], SamplingParams(n=2, max_tokens=5, temperature=0.0, ignore_eos=True))
     final = None
@@ -259,8 +255,6 @@ def test_the_first_token_time_of_samples_run_one_after_another_is_the_earliest()
 
 
 def test_a_v0_request_of_several_samples_ignored_on_arrival_is_finished_at_once():
-    from framework import LLMEngine
-
     engine = LLMEngine(model="tiny-llama", max_model_len=32, preparer="v0")
     engine.add_request("r", list(range(5, 45)), SamplingParams(n=3, max_tokens=4, temperature=0.0))
     assert engine.is_finished("r")

@@ -4,7 +4,8 @@ import pytest
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams
 from framework.sim.cost_model import BatchShape
-from tests.framework.sim.support import chat_requests
+from framework.harness.workload import WorkloadRequest
+from tests.framework.sim.support import RunCounter, chat_requests, serve_cluster
 
 
 def run(async_scheduling, requests, **options):
@@ -81,9 +82,6 @@ def test_async_scheduling_in_the_simulator_is_asked_for_and_needs_the_v1_prepare
 
 def test_a_step_launched_on_an_idle_device_still_takes_its_device_time():
     # A request arriving a second after start: its prefill cannot have run on the device while it sat idle.
-    from framework.harness.workload import WorkloadRequest
-    from tests.framework.sim.support import serve_cluster
-
     late = [WorkloadRequest("0", list(range(3, 2003)), 8, arrival_time=1.0)]
     (sync,), _ = serve_cluster(late, fast_forward=False, async_scheduling=False)
     (overlapped,), _ = serve_cluster(late, fast_forward=False, async_scheduling=True)
@@ -94,8 +92,6 @@ def test_a_step_launched_on_an_idle_device_still_takes_its_device_time():
 
 def test_an_async_run_is_the_same_with_the_fast_path_on_or_off():
     # The fast path knows only synchronous timing, so it must step aside under async scheduling.
-    from tests.framework.sim.support import RunCounter, serve_cluster
-
     requests = chat_requests(20, rate=4.0, seed=3)
     fast = serve_cluster(requests, fast_forward=True, callbacks=[RunCounter()], async_scheduling=True)
     assert fast == serve_cluster(requests, fast_forward=False, async_scheduling=True)

@@ -12,7 +12,7 @@ from framework.common.request import Request, RequestStatus
 from framework.harness.workload import WorkloadRequest
 from framework.testing.registries import forget_registrations
 from policies.fcfs import FCFSPolicy
-from tests.framework.sim.support import RunCounter, chat_requests
+from tests.framework.sim.support import RunCounter, chat_requests, serve_cluster
 
 
 
@@ -249,8 +249,6 @@ def test_a_v0_request_of_several_samples_aborted_before_its_first_token_finishes
 
 
 def test_a_plain_step_callback_sees_every_step_and_the_run_is_unchanged():
-    from tests.framework.sim.support import serve_cluster
-
     requests, seen = chat_requests(10, rate=4.0, seed=3), []
     outs, end = serve_cluster(requests, fast_forward=True, callbacks=[lambda stats, out: seen.append(out)])
     assert (outs, end) == serve_cluster(requests, fast_forward=False)
@@ -259,8 +257,6 @@ def test_a_plain_step_callback_sees_every_step_and_the_run_is_unchanged():
 
 def test_a_first_token_computed_in_a_decode_shaped_step_gets_its_time():
     # 513 prompt tokens in chunks of 512: the last prompt token is a one-token step, which the fast path may take.
-    from tests.framework.sim.support import serve_cluster
-
     requests = [WorkloadRequest("0", list(range(3, 516)), 20, arrival_time=0.5)]
     fast = serve_cluster(requests, fast_forward=True, policy="chunked", max_num_batched_tokens=512)
     assert fast == serve_cluster(requests, fast_forward=False, policy="chunked", max_num_batched_tokens=512)
@@ -268,8 +264,6 @@ def test_a_first_token_computed_in_a_decode_shaped_step_gets_its_time():
 
 def test_requests_capped_by_max_model_len_in_a_decode_run_stop_where_stepping_stops():
     # Request 1 asks for one token more than max_model_len leaves it room for.
-    from tests.framework.sim.support import serve_cluster
-
     requests = [WorkloadRequest("0", list(range(3, 503)), None, arrival_time=0.1),
                 WorkloadRequest("1", list(range(3, 403)), 201, arrival_time=0.1),
                 WorkloadRequest("2", list(range(3, 303)), 400, arrival_time=0.1)]
@@ -279,8 +273,6 @@ def test_requests_capped_by_max_model_len_in_a_decode_run_stop_where_stepping_st
 
 
 def test_an_arrival_exactly_at_a_decode_steps_end_joins_the_next_step_as_when_stepping():
-    from tests.framework.sim.support import serve_cluster
-
     first = WorkloadRequest("0", list(range(3, 203)), 60, arrival_time=0.0)
     cluster = Cluster.build(EngineConfig(model="llama-3-8b", executor="sim",
                                          executor_options={"hardware": "h100-sxm", "fast_forward": False}))
