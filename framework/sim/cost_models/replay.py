@@ -15,7 +15,8 @@ from models.config import ModelConfig
 @COST_MODELS.register("replay")
 class ReplayCostModel(CostModel):
     """Options: ``durations`` (seconds, in step order) or ``file`` (one duration per line, or a CSV with a
-    ``duration`` column such as a run's ``steps.csv``; of a cluster run's, the rows of replica ``replica``).
+    ``duration`` column such as a run's ``steps.csv``, in its ``step`` order; of a cluster run's, the rows of replica
+    ``replica``).
     Not a function of the shape (``deterministic = False``); a step past the recorded ones is a RuntimeError."""
 
     deterministic = False
@@ -73,6 +74,8 @@ def read_durations(file: str | Path, replica: int | None = None) -> list[float]:
     if replica is not None:
         if replica not in replicas:
             raise ValueError(f"{path} holds no steps of replica {replica} (replicas: {replicas or 'none'})")
-        # A replica's rows come in its step order, interleaved in chunks with the others'.
-        rows = sorted((r for r in rows if int(r["replica"]) == replica), key=lambda r: int(r["step"]))
+        rows = [r for r in rows if int(r["replica"]) == replica]
+    if rows and rows[0].get("step") not in (None, ""):
+        # In step order, whatever order the file's rows are in (a cluster run's interleave the replicas').
+        rows.sort(key=lambda r: int(r["step"]))
     return _durations([r["duration"] for r in rows], str(path))

@@ -216,6 +216,29 @@ def test_prefix_aware_routing_sees_the_cache_of_replicas_of_another_block_size(b
     assert routed == {"r1": 0, "r2": 1, "r3": 1}
 
 
+class UsageRecorder(Router):
+    """Everything to replica 0, noting each replica's KV usage as the router sees it."""
+
+    def __init__(self):
+        self.seen = []
+
+    def route(self, request, replicas):
+        self.seen.append([r.kv_usage for r in replicas])
+        return 0
+
+
+def test_a_router_sees_the_kv_usage_of_each_replica_as_of_the_arrival_time():
+    seen = []
+    for arrival in (0.05, 2.0):
+        router = UsageRecorder()
+        Cluster.build(CONFIG, num_replicas=2, router=router).run([req(0.0, "r1", n=1000, out=500),
+                                                                  req(arrival, "r2", out=2)])
+        (before_0, before_1), (busy, idle) = router.seen
+        assert before_0 == before_1 == idle == 0.0
+        seen.append(busy)
+    assert 0.0 < seen[0] < seen[1]  # r1's prompt, then the blocks of the tokens it decoded by then
+
+
 class ArgminRouter(Router):
     """Fewest outstanding requests by numpy, as a researcher's router would: an np.int64 index."""
 

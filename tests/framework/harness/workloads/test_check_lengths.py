@@ -128,6 +128,12 @@ def test_a_trace_length_beyond_max_model_len_is_refused_naming_its_line(tmp_path
         w.check_lengths(1024)
 
 
+def test_trace_lengths_that_just_fit_max_model_len_are_taken(tmp_path):
+    w, _ = trace(tmp_path, [{"prompt_len": 1023, "output_len": 1}, {"prompt_len": 1, "output_len": 1023},
+                            {"prompt_token_ids": [5] * 1000, "output_len": 24}])
+    assert w.check_lengths(1024) == 1023
+
+
 def test_a_trace_prompt_given_as_ids_is_sent_as_given_and_the_longest_prompt_is_known(tmp_path):
     long_ids = [7] * 2000  # data, not a length to draw: sent, and the engine refuses it
     w, _ = trace(tmp_path, [{"prompt_len": 300, "output_len": 4}, {"prompt_token_ids": [5] * 40, "output_len": 4},

@@ -32,6 +32,12 @@ def test_normal_and_lognormal_match_the_requested_mean_and_std():
     assert clipped.min() == 4 and clipped.max() == 12
 
 
+@pytest.mark.parametrize("dist", ["normal", "lognormal"])
+def test_normal_and_lognormal_lengths_are_rounded_to_the_nearest(dist):
+    assert set(sample({"dist": dist, "mean": 10.6, "std": 0}, 100)) == {11}
+    assert set(sample({"dist": dist, "mean": 10.4, "std": 0}, 100)) == {10}
+
+
 def test_zipf_is_a_bounded_power_law():
     z = sample({"dist": "zipf", "a": 1.5, "min": 10, "max": 400})
     assert z.min() == 10 and z.max() <= 400

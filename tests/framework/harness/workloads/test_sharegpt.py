@@ -93,3 +93,21 @@ def test_min_len_must_be_a_positive_integer(sharegpt_file, min_len):
 def test_the_shipped_sample_loads():
     reqs = generate("conf/workload/samples/sharegpt.json", WorkloadContext(vocab_size=1024), num_requests=16)
     assert len(reqs) == 16
+
+
+def words(n):
+    return " ".join(["w"] * n)
+
+
+def test_min_len_and_max_prompt_len_skip_pairs_at_their_bounds(tmp_path):
+    def pair(prompt, output):
+        return {"conversations": [{"from": "human", "value": words(prompt)}, {"from": "gpt", "value": words(output)}]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps([pair(3, 8), pair(8, 3), pair(4, 4), pair(9, 8), pair(8, 8)]))
+    ctx = WorkloadContext(vocab_size=1024)
+    kept = generate(path, ctx, num_requests=2, min_len=4, max_prompt_len=8)
+    assert sorted((r.prompt_len, r.output_len) for r in kept) == [(4, 4), (8, 8)]
+    with pytest.raises(ValueError, match="only 2 usable conversations"):
+        generate(path, ctx, num_requests=3, min_len=4, max_prompt_len=8)
+    # A fixed output length leaves the completions' own lengths unchecked.
+    assert len(generate(path, ctx, num_requests=3, min_len=4, max_prompt_len=8, output_len=5)) == 3

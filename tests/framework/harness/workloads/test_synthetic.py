@@ -65,6 +65,12 @@ def test_no_prompt_takes_a_special_token_id_shared_prefixes_included():
     assert ids.min() == CTX.first_token_id and ids.max() == CTX.vocab_size - 1
 
 
+def test_random_prompts_draw_every_id_from_the_first_regular_one_to_the_last():
+    ctx = WorkloadContext(vocab_size=8)
+    reqs = create_workload({"name": "synthetic", "num_requests": 50, "prompt_len": 20})[0].generate(ctx)
+    assert set(np.concatenate([r.prompt_token_ids for r in reqs]).tolist()) == set(range(ctx.first_token_id, 8))
+
+
 def test_shared_prefix_fraction_and_length():
     n, prefix_len = 40, 32
     reqs = generate(num_requests=n, prompt_len=[5, 10], seed=3,
@@ -77,6 +83,11 @@ def test_shared_prefix_fraction_and_length():
     for r, h in zip(reqs, heads):
         own = r.prompt_len - (prefix_len if h in shared else 0)
         assert 5 <= own <= 10  # the prefix comes on top of the request's own prompt_len
+
+
+def test_a_shared_prefix_fraction_of_zero_gives_no_request_a_prefix():
+    reqs = generate(num_requests=20, prompt_len=5, shared_prefix={"fraction": 0.0, "num_prefixes": 2, "prefix_len": 8})
+    assert {r.prompt_len for r in reqs} == {5}
 
 
 def test_priority_classes_have_their_own_rates():
@@ -107,6 +118,7 @@ def test_explicit_class_rates_and_all_at_once_mix():
 @pytest.mark.parametrize("options, match", [
     ({"num_requests": 0}, "num_requests"),
     ({"rate": -1}, "rate"),
+    ({"rate": 0}, "rate must be a positive number"),
     ({"burstiness": 0}, "burstiness"),
     ({"shared_prefix": {"fraction": 2, "num_prefixes": 1, "prefix_len": 4}}, "fraction"),
     ({"shared_prefix": {"fraction": 0.5, "prefix_len": 4, "length": 3}}, "unknown key"),

@@ -24,14 +24,18 @@ def test_reads_a_plain_list_or_a_steps_csv(tmp_path):
     plain.write_text("0.1\n0.2\n\n")
     assert replay(file=str(plain)).durations == [0.1, 0.2]
     steps = tmp_path / "steps.csv"
-    steps.write_text("step,start_time,duration\n1,0.0,0.3\n2,0.3,0.4\n")
-    assert replay(file=str(steps)).durations == [0.3, 0.4]
+    steps.write_text("step,start_time,duration\n2,0.3,0.4\n1,0.0,0.3\n")
+    assert replay(file=str(steps)).durations == [0.3, 0.4]  # in step order
 
 
 def test_reads_one_replica_of_a_cluster_runs_steps_csv(tmp_path):
     steps = tmp_path / "steps.csv"
     steps.write_text("replica,step,duration\n0,1,0.1\n0,2,0.2\n1,1,0.5\n1,2,0.6\n0,3,0.3\n1,3,0.7\n")
     assert replay(file=str(steps), replica=0).durations == [0.1, 0.2, 0.3]
+    # Rows sorted otherwise (by time, say) are replayed in their step order.
+    shuffled = tmp_path / "shuffled.csv"
+    shuffled.write_text("replica,step,duration\n0,10,1.0\n0,9,0.9\n0,2,0.2\n")
+    assert replay(file=str(shuffled), replica=0).durations == [0.2, 0.9, 1.0]
     assert replay(file=str(steps), replica=1).durations == [0.5, 0.6, 0.7]
     with pytest.raises(ValueError, match=r"replicas \[0, 1\]: pick one with replica=N"):
         replay(file=str(steps))

@@ -93,6 +93,8 @@ def test_the_dtype_picks_its_own_peak_among_16_bit_dtypes():
     fp16 = RooflineCostModel(LLAMA3_8B, hw, 2, 1, 16, dtype="fp16", **IDEAL)
     bf16 = RooflineCostModel(LLAMA3_8B, hw, 2, 1, 16, dtype="bfloat16", **IDEAL)
     assert fp16.dtype == "float16"
+    # Without a dtype, 2-byte weights on a float16 device are float16, as dtype=auto means there.
+    assert RooflineCostModel(LLAMA3_8B, load_hardware({**hw.to_dict(), "dtype": "float16"}), 2, 1, 16).dtype == "float16"
     slower = fp16.step_time(prefill(q)) - bf16.step_time(prefill(q))
     assert slower == pytest.approx(2 * q * LINEAR_PARAMS / 300e12 + 4 * 32 * 4096 * (q * (q + 1) // 2) / 300e12,
                                    rel=1e-9)
