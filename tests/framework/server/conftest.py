@@ -33,3 +33,13 @@ def client(server, chat_ckpt):
 
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
         yield c
+
+
+@pytest.fixture
+def engine(chat_ckpt):
+    """An engine of its own (no server), as the server builds it."""
+    from framework.common.config import EngineConfig
+    from framework.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(chat_ckpt), backend="naive", max_model_len=256,
+                                  max_num_batched_tokens=256))

@@ -52,6 +52,11 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"bad_words": ["w5"]}, "bad_words", "not supported"),
     ({"allowed_token_ids": [5]}, "allowed_token_ids", "not supported"),
     ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens", "not supported"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    ({"echo": True}, "echo", "not supported"),
+    ({"suffix": "w9"}, "suffix", "not supported"),
+    ({"best_of": 3}, "best_of", "not supported"),
 ])
 def test_bad_completion_requests_are_400s(server, chat_ckpt, body, param, match):
     assert_error(post(server, "/v1/completions", {"model": str(chat_ckpt), "prompt": "w5 w6", **body}), 400, param,
@@ -75,6 +80,39 @@ def test_a_chat_error_names_the_field_the_client_sent(server, chat_ckpt, body, p
     assert_error(post(server, "/v1/chat/completions",
                       {"model": str(chat_ckpt), "messages": [{"role": "user", "content": "w5"}], **body}),
                  400, param, match)
+
+
+@pytest.mark.parametrize("body, param, match", [
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ({"continue_final_message": True}, "continue_final_message", "cannot both be true"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
+     "only text content parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages", "only text content parts"),
+    ({"messages": [{"content": "w5"}]}, "messages", r"^messages\.0\.role: "),
+])
+def test_bad_chat_requests_are_400s(server, chat_ckpt, body, param, match):
+    assert_error(post(server, "/v1/chat/completions",
+                      {"model": str(chat_ckpt), "messages": [{"role": "user", "content": "w5"}], **body}),
+                 400, param, match)
+
+
+def test_the_largest_n_and_a_best_of_equal_to_n_are_accepted(client, chat_ckpt):
+    out = client.completions.create(model=str(chat_ckpt), prompt="w5 w6", n=128, max_tokens=1,
+                                    extra_body={"best_of": 128})
+    assert len(out.choices) == 128
+
+
+def test_a_prompt_may_take_all_the_context_but_one_token(server, client, chat_ckpt):
+    def prompt(num_tokens: int) -> list[int]:
+        return [5] * num_tokens
+
+    assert_error(post(server, "/v1/completions", {"model": str(chat_ckpt), "prompt": prompt(256)}), 400, "prompt",
+                 "maximum context length is 256")
+    # A max_tokens past the room left is cut to it.
+    out = client.completions.create(model=str(chat_ckpt), prompt=prompt(250), max_tokens=100,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
 
 
 def test_vllm_fields_that_ask_for_nothing_are_accepted(client, chat_ckpt):
@@ -169,3 +207,17 @@ def test_a_chat_error_about_logprobs_names_top_logprobs_only_where_the_client_se
     for top, param in ((None, "logprobs"), (3, "top_logprobs")):
         body = ChatCompletionRequest(messages=[{"role": "user", "content": "w5"}], logprobs=True, top_logprobs=top)
         assert APIError.from_value_error(refused, fields=body.fields).param == param
+
+
+def test_a_batch_with_a_prompt_the_engine_fails_to_add_fails_whole(server, chat_ckpt, monkeypatch):
+    engine = server.server.engine
+    add = engine.add_request
+
+    def failing(request_id, *args, **kwargs):
+        monkeypatch.setattr(engine, "add_request", add)  # only the first prompt's
+        raise OverflowError("as a bug below would")
+
+    monkeypatch.setattr(engine, "add_request", failing)
+    response = post(server, "/v1/completions", {"model": str(chat_ckpt), "prompt": ["w5 w6", "w7 w8"], "max_tokens": 2})
+    assert response.status_code == 500 and "OverflowError" in response.json()["error"]["message"]
+    assert server.server.loop.num_in_flight() == 0

@@ -12,7 +12,7 @@ import threading
 import httpx
 
 from framework.server.server import LabServer
-from tests.framework.server.support import ENGINE, ROOT, free_port, start_subprocess, wait_healthy
+from tests.framework.server.support import ENGINE, ROOT, ThreadServer, free_port, start_subprocess, wait_healthy
 from tests.hydra_support import compose_config, read_csv
 
 MAX_TOKENS = 240
@@ -94,3 +94,14 @@ def test_a_key_hydra_cannot_override_is_one_line_naming_the_valid_keys(tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["error: server: unknown key prot (did you mean port?); valid: api_key, "
                                                 "host, port, served_model_name"]
+
+
+def test_shutdown_aborts_the_streams_in_flight_and_writes_the_files(chat_ckpt, tmp_path):
+    running = ThreadServer(chat_ckpt, tmp_path, "warmup=0")
+    got, started = [], threading.Event()
+    reader = threading.Thread(target=stream_some, args=(running.url, str(chat_ckpt), got, started), daemon=True)
+    reader.start()
+    assert started.wait(60)
+    running.stop()
+    reader.join(30)
+    check_stopped_run(tmp_path, got)
