@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 
 import numpy as np
 import pytest
 import torch
 
+import backends.flash_attn as module
+from backends.flash_attn import missing_requirements
 from framework import BACKENDS
 from framework.common.registry import UnavailableError
 from framework.testing.attention import GQA, check_result, mixed_specs, random_batch, run_named, seed_of
@@ -40,8 +43,6 @@ def test_an_installed_package_that_cannot_be_imported_is_a_one_line_error(monkey
     """A CUDA machine whose flash-attn wheel was built for another torch: its import fails with an
     ImportError (an undefined symbol), which must come out as UnavailableError like every other
     missing piece, not as a traceback."""
-    import backends.flash_attn as module
-
     monkeypatch.setattr(module, "missing_requirements", lambda *args: [])
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # importing it raises ImportError
     with pytest.raises(UnavailableError, match="flash-attn package is installed but cannot be imported"):
@@ -72,3 +73,22 @@ def test_matches_float64_reference(dtype, num_heads, num_kv_heads, decode_only):
     before = batch.kv_cache.clone()
     result = run_named("flash_attn", batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda")
     check_result(result, batch, before, dtype)
+
+
+def test_a_flash_attn_without_the_functions_is_a_one_line_error(monkeypatch):
+    """An installed flash-attn of another major version: its import fails on a missing name."""
+    monkeypatch.setattr(module, "missing_requirements", lambda *args: [])
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    with pytest.raises(UnavailableError, match="flash-attn package is installed but cannot be imported"):
+        create(device="cpu")
+
+
+def test_one_missing_requirement_is_enough_to_refuse(monkeypatch):
+    monkeypatch.setattr(module, "missing_requirements", lambda *args: ["the one problem"])
+    with pytest.raises(UnavailableError, match=r"^attention backend 'flash_attn' cannot run here: the one problem$"):
+        create(device="cpu")
+
+
+def test_a_cpu_device_on_a_machine_with_cuda_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "device cpu is not a CUDA device" in missing_requirements(256, torch.bfloat16, torch.device("cpu"), 64)

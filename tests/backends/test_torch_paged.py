@@ -304,3 +304,34 @@ def test_the_declared_workspace_covers_what_a_step_holds(monkeypatch, decode_ker
         held += backend._workspace.nbytes
     assert held <= backend.workspace_bytes(max_num_seqs, max_model_len, tokens)
     assert held > 0 or decode_kernel == "cpp", "the C++ kernel reads K/V in place"
+
+
+@pytest.mark.parametrize("specs", [[(32, 7)], [(40, 20)], [(16, 16)]], ids=["chunk", "chunk-across-blocks", "block-hit"])
+def test_a_lone_prefill_after_cached_context_sees_that_context(specs):
+    """A chunked prefill or a prefix-cache hit alone in its step: its queries sit after the context."""
+    batch = random_batch(specs, 4, 2, 16, 16, torch.float32, seed=1)
+    before = batch.kv_cache.clone()
+    check_result(run_named("torch_paged", batch, 4, 2, 16, 16, torch.float32, "cpu", prefill_kernel="sdpa"), batch,
+                 before, torch.float32)
+
+
+def test_the_sdpa_path_used_under_inference_mode_still_runs_outside_it():
+    backend = make("sdpa")
+    for seed, mode in enumerate([torch.inference_mode, torch.no_grad]):
+        batch = random_batch([(20, 1), (0, 5), (40, 7)], 4, 2, 16, 16, torch.float32, seed=seed)
+        before = batch.kv_cache.clone()
+        with mode():
+            out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(batch.meta))
+        check_result(out, batch, before, torch.float32)
+
+
+def test_the_declared_workspace_covers_short_prefills_on_long_contexts_with_many_kv_heads():
+    max_num_seqs, max_model_len = 6, 80
+    specs = [(max_model_len - 2, 2)] * 4
+    batch = random_batch(specs, 8, 8, 128, 16, torch.float32, seed=2)
+    backend = make("cpp", num_heads=8, num_kv_heads=8, head_dim=128, prefill_kernel="sdpa")
+    meta = backend.build_metadata(batch.meta)
+    before = batch.kv_cache.clone()
+    check_result(backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta), batch, before, torch.float32)
+    held = backend._workspace.nbytes + sum(g.mask.nbytes for g in meta.groups if g.mask is not None)
+    assert held <= backend.workspace_bytes(max_num_seqs, max_model_len, sum(n for _, n in specs))

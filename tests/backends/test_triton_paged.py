@@ -7,6 +7,7 @@ the ``gpu`` cases compile the same kernels for a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -391,3 +392,16 @@ def test_on_the_second_gpu(name):
     batch = mixed_batch("second-gpu", 8, 2, 128, 16, torch.bfloat16, "cuda:1", num_reqs=6, max_len=6)
     before = batch.kv_cache.clone()
     check_result(run_named(name, batch, 8, 2, 128, 16, torch.bfloat16, "cuda:1"), batch, before, torch.bfloat16)
+
+
+def test_host_arrays_longer_than_the_step_are_read_up_to_num_reqs():
+    """A persistent batch's host buffers hold stale entries past the step's requests."""
+    batch = random_batch([(20, 1), (0, 5), (16, 7)], 4, 2, 16, 16, torch.float32, seed=4)
+    meta = batch.meta
+    stale = dataclasses.replace(meta, query_start_loc_cpu=np.concatenate([meta.query_start_loc_cpu, [40, 90]]),
+                                seq_lens_cpu=np.concatenate([meta.seq_lens_cpu, [70, 300]]))
+    backend = BACKENDS.create("triton", num_heads=4, num_kv_heads=2, head_dim=16, scale=batch.scale, block_size=16,
+                              dtype=torch.float32, device="cpu")
+    before = batch.kv_cache.clone()
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, backend.build_metadata(stale))
+    check_result(out, batch, before, torch.float32)

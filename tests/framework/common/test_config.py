@@ -57,3 +57,30 @@ def test_numpy_seeds_build_and_sample_as_the_same_int_seeds():
     assert tokens(seed=np.int64(3), model_seed=np.uint32(4)) == tokens(seed=3, model_seed=4)
     config = EngineConfig(seed=np.int64(3), model_seed=np.int32(4))
     assert type(config.seed) is int and type(config.model_seed) is int
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 3}, "block_size must be a power of two"), ({"block_size": 0}, "block_size must be a power of two"),
+    ({"max_num_seqs": None}, "max_num_seqs must be a positive integer, got None"),
+    ({"max_num_batched_tokens": 256.5}, "max_num_batched_tokens must be a positive integer or null, got 256.5"),
+    ({"max_model_len": 1}, "max_model_len must be an integer >= 2"),
+    ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override must be an integer >= 2"),
+    ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization must be in \(0, 1\]"),
+    ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb must be a number > 0"),
+    ({"device": "cuda:"}, "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    ({"seed": 2**63}, r"seed must be an integer in \[0, 2\*\*63\)"),
+    ({"check_invariants": "no"}, "check_invariants must be true or false"),
+    ({"async_scheduling": "on"}, "async_scheduling must be auto, true or false"),
+])
+def test_a_setting_just_outside_its_valid_values_is_refused_naming_it(kwargs, message):
+    with pytest.raises(ValueError, match=rf"^{message}"):
+        EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"block_size": 1}, {"max_model_len": 2}, {"num_gpu_blocks_override": 2}, {"gpu_memory_utilization": 1.0},
+    {"swap_space": 0}, {"max_logprobs": 0}, {"device": "cuda:1"}, {"seed": 2**63 - 1},
+])
+def test_the_ends_of_each_valid_range_are_taken(kwargs):
+    config = EngineConfig(**kwargs)
+    assert all(getattr(config, key) == value for key, value in kwargs.items())

@@ -5,9 +5,10 @@ import textwrap
 import pytest
 
 from framework import ALLOCATORS, BACKENDS, POLICIES, PREPARERS, Registry, SchedulerPolicy, UnknownNameError
-from framework.common.registry import BadOptionsError, UnavailableError
+from framework.common.registry import BadOptionsError, UnavailableError, split_spec
 from framework.scheduling.output import Step
 from framework.scheduling.scheduler import Scheduler
+from policies.chunked import ChunkedPolicy
 
 
 def test_builtins_are_listed():
@@ -172,8 +173,6 @@ def test_a_bad_option_is_answered_with_the_options_the_part_takes():
 def test_a_policy_passing_kwargs_to_its_base_is_answered_with_every_option_it_takes():
     """The usual way to add an option (``def __init__(self, alpha=1.0, **kw): super().__init__(**kw)``) passes a
     typo on to the base, whose TypeError names no part: it is answered with every option along the MRO."""
-    from policies.chunked import ChunkedPolicy
-
     reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
 
     @reg.register("alpha")
@@ -340,3 +339,131 @@ def _plugin_package(tmp_path, monkeypatch, package: str, source: str, dists: dic
         (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, package, raising=False)
+
+
+def test_register_without_a_name_takes_the_class_name_attribute():
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+
+    @reg.register()
+    class Named(SchedulerPolicy):
+        name = "named"
+
+        def schedule(self, scheduler, step):
+            pass
+
+    assert reg.list() == ["named"] and reg.get("named") is Named
+    with pytest.raises(ValueError, match="give it a name"):
+        reg.register()(type("Nameless", (Named,), {"name": None}))
+
+
+def test_a_class_registered_under_a_second_name_keeps_its_own():
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+
+    @reg.register("first")
+    class Mine(SchedulerPolicy):
+        def schedule(self, scheduler, step):
+            pass
+
+    reg.register("alias")(Mine)
+    assert reg.get("alias") is reg.get("first") is Mine and Mine.name == "first"
+
+
+def test_registering_a_redefined_class_again_replaces_it():
+    """As a notebook cell run twice does: the same module and qualified name are the same class."""
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+    defined = []
+    for _ in range(2):
+        @reg.register("cell")
+        class Cell(SchedulerPolicy):
+            def schedule(self, scheduler, step):
+                pass
+        defined.append(Cell)
+    assert defined[0] is not defined[1] and reg.get("cell") is defined[1]
+
+
+def test_a_lazily_registered_name_is_listed_before_its_module_is_imported():
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+    reg.register_lazy("later", "no_such_module_imported_by_listing")
+    assert reg.list() == ["later"] and "later" in reg
+    assert "no_such_module_imported_by_listing" not in sys.modules
+
+
+def test_a_lazy_module_that_does_not_register_its_name_is_an_import_error_naming_both():
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+    reg.register_lazy("later", "json")
+    with pytest.raises(ImportError, match=r"^importing json did not register the widget 'later'$"):
+        reg.get("later")
+
+
+def test_a_constructors_own_unexpected_keyword_error_passes_through():
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+
+    def helper(size):
+        return size
+
+    @reg.register("knob")
+    class Knob(SchedulerPolicy):
+        def __init__(self, size: int = 1) -> None:
+            helper(colour=size)
+
+        def schedule(self, scheduler, step):
+            pass
+
+    with pytest.raises(TypeError, match=r"helper\(\) got an unexpected keyword argument 'colour'") as err:
+        reg.create("knob", size=2)
+    assert not isinstance(err.value, BadOptionsError)
+
+
+def test_an_option_redeclared_by_a_subclass_is_listed_once():
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.no-widgets")
+
+    @reg.register("again")
+    class Again(ChunkedPolicy):
+        def __init__(self, preemption_mode: str = "recompute", **kw):
+            super().__init__(preemption_mode=preemption_mode, **kw)
+
+    with pytest.raises(BadOptionsError) as err:
+        reg.create("again", bogus=1)
+    listed = str(err.value).split("its options: ")[1].split(", ")
+    assert "preemption_mode" in listed and len(listed) == len(set(listed))
+
+
+def test_a_node_naming_a_class_by_target_is_refused():
+    for node in ({"_target_": "my_pkg.Policy"}, {"name": None, "_target_": "my_pkg.Policy"}):
+        with pytest.raises(ValueError, match=r"^policy: _target_='my_pkg.Policy' does not pick a policy here"):
+            split_spec(node, "fcfs", "policy")
+    assert split_spec({"name": "fcfs", "_target_": "x"}, None, "policy") == ("fcfs", {"_target_": "x"})
+
+
+def test_one_plugin_found_twice_on_the_path_is_no_rival(tmp_path, monkeypatch):
+    _plugin_package(tmp_path, monkeypatch, "twin_widget_pkg",
+                    "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
+                    "    def schedule(self, scheduler, step):\n        pass\n",
+                    {"twin-widget": "twin = twin_widget_pkg:Widget\n", "twin-widget-copy": "twin = twin_widget_pkg:Widget\n"},
+                    "tests.twin-widgets")
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.twin-widgets")
+    assert reg.list() == ["twin"] and "twin" in reg
+    assert reg.get("twin").__name__ == "Widget"
+
+
+def test_a_plugin_whose_import_fails_on_a_missing_name_is_unavailable(tmp_path, monkeypatch):
+    _plugin_package(tmp_path, monkeypatch, "stale_widget_pkg", "from json import no_such_name\n",
+                    {"stale-widget": "stale = stale_widget_pkg:Widget\n"}, "tests.stale-widgets")
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.stale-widgets")
+    with pytest.raises(UnavailableError, match=r"widget plugin 'stale' \(stale_widget_pkg:Widget\) cannot be imported: "
+                                               r".*no_such_name"):
+        reg.get("stale")
+
+
+def test_a_plugin_that_fails_to_load_cannot_take_a_registered_name(tmp_path, monkeypatch):
+    _plugin_package(tmp_path, monkeypatch, "broken_widget_pkg", "raise RuntimeError('broken')\n",
+                    {"broken-widget": "taken = broken_widget_pkg:Widget\n"}, "tests.broken-widgets")
+    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.broken-widgets")
+
+    @reg.register("taken")
+    class Taken(SchedulerPolicy):
+        def schedule(self, scheduler, step):
+            pass
+
+    with pytest.raises(ValueError, match=r"plugin taken = broken_widget_pkg:Widget declares the name"):
+        reg.get("taken")

@@ -1,5 +1,7 @@
 import re
 
+import numpy as np
+
 import pytest
 
 from framework.common.sampling_params import RequestOutputKind, SamplingParams
@@ -59,3 +61,38 @@ def test_an_int_past_floats_range_is_a_value_error_naming_the_option(option):
 def test_values_that_float32_keeps_valid_are_taken(option, value):
     # A tiny temperature rounds to 0 (greedy) and a tiny min-p or penalty to 0 (off): still in range.
     assert getattr(SamplingParams(**{option: value}), option) == value
+
+
+@pytest.mark.parametrize("option, value", [
+    ("top_k", -1), ("min_p", 0.0), ("min_p", 1.0), ("presence_penalty", -2.0), ("presence_penalty", 2.0),
+    ("frequency_penalty", -2.0), ("frequency_penalty", 2.0), ("seed", -2**63), ("seed", 2**63 - 1),
+    ("logprobs", 0), ("prompt_logprobs", 0),
+])
+def test_the_ends_of_each_valid_range_are_taken(option, value):
+    SamplingParams(**{option: value})
+
+
+@pytest.mark.parametrize("option, value", [
+    ("top_k", -2), ("seed", 2**63), ("stop_token_ids", ""), ("detokenize", "no"), ("detokenize", None),
+    ("ignore_eos", 1),
+])
+def test_values_just_outside_the_valid_ones_are_one_line_errors_naming_the_option(option, value):
+    with pytest.raises(ValueError, match=rf"^SamplingParams.{option} must be [^\n]*, got {re.escape(repr(value))}$"):
+        SamplingParams(**{option: value})
+
+
+def test_top_k_minus_one_is_the_same_as_zero():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+
+
+def test_numpy_logprob_counts_become_ints():
+    params = SamplingParams(logprobs=np.int64(3), prompt_logprobs=np.int32(2))
+    assert (params.logprobs, params.prompt_logprobs) == (3, 2)
+    assert type(params.logprobs) is int and type(params.prompt_logprobs) is int
+
+
+@pytest.mark.parametrize("penalty, value", [("presence_penalty", 0.5), ("frequency_penalty", -0.5),
+                                            ("repetition_penalty", 1.2)])
+def test_any_one_penalty_on_makes_the_request_penalized(penalty, value):
+    assert SamplingParams(**{penalty: value}).penalized
+    assert not SamplingParams().penalized

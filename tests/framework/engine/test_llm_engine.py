@@ -2,6 +2,7 @@ import errno
 
 import numpy as np
 import pytest
+import torch
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameError
 from framework.common.clock import VirtualClock
@@ -1108,3 +1109,28 @@ def test_step_stats_count_a_prompts_last_one_token_chunk_and_a_one_token_prompt_
     # 1: one's prompt and nine's first 7 tokens; 2: nine's last 2 prompt tokens and one's first decode.
     assert rows[:2] == [(8, 0), (2, 1)]
     assert sum(p for p, _ in rows) == 10 and sum(d for _, d in rows) == 2 * 3 - 2
+
+
+def test_generate_refuses_more_sampling_params_than_prompts():
+    llm = small_llm()
+    with pytest.raises(ValueError, match="3 SamplingParams for 2 prompts"):
+        llm.generate([[5], [6]], [GREEDY, GREEDY, GREEDY])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_of_no_prompts_returns_no_outputs():
+    assert small_llm().generate([], GREEDY) == []
+
+
+@pytest.mark.parametrize("make", [np.array, torch.tensor])
+def test_a_0d_array_prompt_is_a_one_line_value_error(make):
+    llm = small_llm()
+    with pytest.raises(ValueError, match="1-D integer array|must be integers"):
+        llm.generate(make(5), GREEDY)
+
+
+def test_generate_logs_why_a_prompt_was_not_run(caplog):
+    llm = small_llm(max_model_len=64, max_num_batched_tokens=64)
+    with caplog.at_level("WARNING", logger="framework.engine.llm"):
+        (out,) = llm.generate([list(range(3, 3 + 80))], GREEDY)
+    assert out.status_message and out.status_message in caplog.text

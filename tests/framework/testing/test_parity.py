@@ -5,7 +5,7 @@ import pytest
 
 from backends.naive import NaiveBackend
 from framework import BACKENDS
-from framework.testing.parity import check_greedy_parity
+from framework.testing.parity import check_greedy_parity, hf_greedy
 
 
 class _LeakyPrefill(NaiveBackend):
@@ -39,3 +39,18 @@ def test_a_workload_that_never_preempts_is_refused(llama_ckpt):
         check_greedy_parity(path, model, num_gpu_blocks_override=400)
     with pytest.raises(AssertionError, match="no step batched several requests"):
         check_greedy_parity(path, model, max_num_seqs=1)
+
+
+def test_hf_greedy_runs_its_tokens_past_eos_and_leaves_the_models_eos_as_it_was(llama_ckpt):
+    _, model = llama_ckpt
+    eos = model.generation_config.eos_token_id
+    prompt = [5, 6, 7]
+    first = hf_greedy(model, prompt, 1)
+    try:
+        model.generation_config.eos_token_id = first[0]
+        assert len(hf_greedy(model, prompt, 4)) == 4
+        assert hf_greedy(model, prompt, 4, stop_at_eos=True) == first
+    finally:
+        model.generation_config.eos_token_id = eos
+    hf_greedy(model, prompt, 2)
+    assert model.generation_config.eos_token_id == eos
