@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from framework import LLM
 from models import iter_checkpoint, resolve_model
+from models.loader import MAX_NON_FINITE_WARNINGS
 from framework.testing.parity import make_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +97,10 @@ INDEX_DAMAGE = {
     "weight_map empty": (lambda i: {**i, "weight_map": {}}, "weight_map is empty"),
     "a file that is a number": (lambda i: {"weight_map": {**i["weight_map"], "lm_head.weight": 3}},
                                 "weight_map maps 'lm_head.weight' to 3, not a file name"),
+    "an empty file name": (lambda i: {"weight_map": {**i["weight_map"], "lm_head.weight": ""}},
+                           "weight_map maps 'lm_head.weight' to '', not a file name"),
     "not an object": (lambda i: [i], "index.json lacks weight_map"),
+    "a number": (lambda i: 3, "index.json lacks weight_map"),
 }
 
 
@@ -152,6 +156,14 @@ def test_a_hugging_face_cache_snapshot_loads(saved, tmp_path):
         shutil.copy(file, blob)
         (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
     LLM(model=str(snapshot), max_model_len=64)
+
+
+def test_a_cache_snapshots_link_out_of_the_hub_cache_blobs_is_refused(saved, tmp_path):
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "0123abc"
+    path = copy(saved, "sharded", snapshot)
+    name, moved = move_a_shard_out(path, tmp_path / "elsewhere")
+    (path / name).symlink_to(moved)
+    refused(path, f"weight_map entry '{name}' .* outside the checkpoint folder .*through a symlink, to {moved}")
 
 
 def test_a_tensor_in_two_shards_is_refused(saved, tmp_path):
@@ -257,6 +269,27 @@ def test_many_non_finite_tensors_are_warned_of_a_few_then_counted(saved, tmp_pat
         assert len(list(iter_checkpoint(path))) == len(state)
     lines = [r.getMessage() for r in caplog.records if r.name == "models.loader"]
     assert len(lines) == 6 and lines[-1] == f"{len(state) - 5} more checkpoint tensors hold NaN or inf values"
+
+
+def test_exactly_as_many_non_finite_tensors_as_are_warned_of_get_no_count_line(saved, tmp_path, caplog):
+    path = copy(saved, "single", tmp_path / "ckpt")
+    state = state_of(saved)
+    for name in sorted(state)[:MAX_NON_FINITE_WARNINGS]:
+        state[name] = torch.full_like(state[name], float("nan"))
+    save_file(state, str(path / "model.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="models.loader"):
+        assert len(list(iter_checkpoint(path))) == len(state)
+    lines = [r.getMessage() for r in caplog.records if r.name == "models.loader"]
+    assert len(lines) == MAX_NON_FINITE_WARNINGS and not any("more checkpoint tensors" in line for line in lines)
+
+
+def test_float8_tensors_are_read_without_a_finiteness_check(saved, tmp_path):
+    path = copy(saved, "single", tmp_path / "ckpt")
+    state = state_of(saved)
+    state["extra.scale"] = torch.ones(4).to(torch.float8_e4m3fn)
+    save_file(state, str(path / "model.safetensors"))
+    read = dict(iter_checkpoint(path))
+    assert read.keys() == state.keys() and read["extra.scale"].dtype == torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize("content, message", [

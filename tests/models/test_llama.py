@@ -6,9 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from framework import LLM, SamplingParams
+from framework import BACKENDS, LLM, EngineConfig, LLMEngine, SamplingParams
 from framework.testing.parity import hf_greedy, make_hf_checkpoint
+from models import ModelConfig
+from models.llama import LlamaForCausalLM
+from models.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 33, 2, 7, 120, 64], [300, 4, 17]]
@@ -157,3 +161,72 @@ def test_padded_linear_layers_keep_every_input_shape_and_its_rows():
         out = padded(x)
         assert out.shape == plain(x).shape, shape
         torch.testing.assert_close(out, plain(x), rtol=1e-6, atol=1e-6)  # a product's rows may block differently
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torchs_rms_norm_equals_transformers_in_each_dtype(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = RMSNorm(64, 1e-5, None).to(dtype), LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(64, generator=gen))
+        theirs.weight.copy_(ours.weight)
+    x, residual = (torch.randn(5, 64, generator=gen).to(dtype) for _ in range(2))
+    assert torch.equal(ours(x), theirs(x))
+    normed, summed = ours(x, residual)
+    assert torch.equal(summed, x + residual) and torch.equal(normed, theirs(x + residual))
+
+
+def resaved(path, hf, change):
+    """``path``'s checkpoint saved again as ``change`` leaves its state dict (one model.safetensors)."""
+    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    change(state)
+    save_file(state, str(path / "model.safetensors"))
+
+
+def test_a_tied_checkpoint_that_also_stores_its_lm_head_loads(tmp_path):
+    hf = make_hf_checkpoint(tmp_path, "llama", seed=7, tie_word_embeddings=True)
+    resaved(tmp_path, hf, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()}))
+    assert_greedy_matches(tmp_path, hf)
+
+
+def test_rotary_tables_saved_in_old_checkpoints_are_skipped(tmp_path):
+    hf = make_hf_checkpoint(tmp_path, "llama", seed=7)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32)
+    tables = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq.clone()
+              for i in range(hf.config.num_hidden_layers)}
+    resaved(tmp_path, hf, lambda s: s.update(tables))
+    assert_greedy_matches(tmp_path, hf)
+
+
+def test_a_transposed_weight_is_named_with_both_shapes(tmp_path):
+    hf = make_hf_checkpoint(tmp_path, "llama", seed=7)
+    name = "model.layers.1.mlp.down_proj.weight"
+    resaved(tmp_path, hf, lambda s: s.update({name: s[name].t().contiguous()}))
+    with pytest.raises(ValueError, match=r"checkpoint tensor layers.1.mlp.down_proj.weight has shape \(256, 128\), "
+                                         r"expected \(128, 256\)"):
+        LLM(model=str(tmp_path), max_model_len=64)
+
+
+def test_a_presets_random_weights_have_unit_norms_and_random_matrices():
+    model = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64, num_gpu_blocks_override=8)).executor.model
+    params = dict(model.named_parameters())
+    norms = [name for name in params if name.endswith("norm.weight")]
+    assert "norm.weight" in norms and len(norms) == 2 * len(model.layers) + 1
+    assert all(torch.all(params[name] == 1) for name in norms)
+    assert all(params[name].std() > 0 for name in params if name not in norms)
+
+
+def test_logits_are_float32_in_a_half_precision_model():
+    cfg = ModelConfig.from_hf(PRESETS["tiny-llama"])
+    backend = BACKENDS.create("naive", num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                              head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5, block_size=8, dtype=torch.bfloat16,
+                              device="cpu")
+    model = LlamaForCausalLM.empty_on(torch.device("cpu"), cfg, backend, 64, torch.bfloat16)
+    model.init_random(0, cfg.initializer_range)
+    hidden = torch.randn(3, cfg.hidden_size).bfloat16()
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and torch.equal(logits, model.lm_head(hidden).float())

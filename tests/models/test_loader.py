@@ -2,10 +2,12 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from framework import LLM, SamplingParams
-from models import ModelConfig, resolve_model
+from models import ModelConfig, iter_checkpoint, resolve_model
+from models.loader import ModelSource, load_tokenizer
 from framework.testing.parity import hf_greedy, make_hf_checkpoint
 
 
@@ -120,8 +122,9 @@ def test_config_parses_old_and_new_rope_formats():
     # 0 asks for the default (common in real YaRN configs): a number >= 0, not a positive one.
     {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0,
                          "mscale_all_dim": 0, "beta_fast": 0, "beta_slow": 0}},
+    {"rope_parameters": {"rope_theta": 5e5, "rope_type": "default", "partial_rotary_factor": 1.0}},
 ], ids=["scaling-beside-parameters", "scaling-with-top-level-theta", "null-scaling", "yarn-without-factor",
-        "yarn-zeros"])
+        "yarn-zeros", "default-with-more-keys"])
 def test_rope_settings_read_as_transformers_reads_them(rope):
     """A transformers-5 config (rope_parameters) given a legacy rope_scaling, as guides for transformers 4 say:
     transformers takes the rope_scaling whole, and so must the engine, or its outputs differ."""
@@ -147,6 +150,7 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
     ({k: v for k, v in SHAPE.items() if k != "hidden_size"}, "model config lacks hidden_size"),  # was KeyError
     ({**SHAPE, "hidden_size": "8"}, "hidden_size must be a positive integer, got '8'"),       # was TypeError
     ({**SHAPE, "num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
+    ({**SHAPE, "num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
     ({**SHAPE, "head_dim": 2.5}, "head_dim must be a positive integer or null, got 2.5"),
     ({**SHAPE, "num_key_value_heads": 3}, "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),  # was taken
     ([1, 2], "must be a mapping of Hugging Face config keys, got list"),                      # was AttributeError
@@ -167,6 +171,8 @@ SHAPE = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size
                                                                           "number, got '2'"),
     ({**SHAPE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": True, "high_freq_factor": 4}},
      "rope scaling's low_freq_factor must be a positive number, got True"),
+    ({**SHAPE, "rope_scaling": {"rope_type": "yarn", "factor": 0}}, "rope scaling's factor must be a positive number, "
+                                                                     "got 0"),
     ({**SHAPE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": -1}},
      "rope scaling's mscale_all_dim must be a number >= 0, got -1"),
     # A string is no switch: bool("false") is True, a tied LM head in place of the checkpoint's own.
@@ -222,6 +228,12 @@ def test_sliding_window_reads_as_transformers(arch, extra):
     layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
     expected = hf.sliding_window if "sliding_attention" in layer_types else None
     assert ModelConfig.from_hf(d).sliding_window == expected
+
+
+@pytest.mark.parametrize("window, context", [(64, 64), (256, 256), (1024, 256)])
+def test_the_served_context_is_capped_by_a_shorter_sliding_window(window, context):
+    cfg = ModelConfig.from_hf({**SHAPE, "model_type": "mistral", "max_position_embeddings": 256, "sliding_window": window})
+    assert cfg.max_context()[0] == context
 
 
 def test_qwen2_window_that_no_layer_uses_leaves_max_model_len_alone(tmp_path):
@@ -307,6 +319,45 @@ def test_pytorch_model_bin_is_read_before_other_safetensors_and_bin_shards(tmp_p
     assert _greedy(path, prompt).token_ids == hf_greedy(hf, prompt, 6)
 
 
+def bin_folder(tmp_path):
+    """A folder with a checkpoint's config.json and no weights yet, and that checkpoint's state dict."""
+    hf = make_hf_checkpoint(tmp_path / "src", "llama", seed=3)
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    return path, {k: v.contiguous() for k, v in hf.state_dict().items()}
+
+
+def assert_reads(path, state):
+    read = dict(iter_checkpoint(path))
+    assert read.keys() == state.keys() and all(torch.equal(read[k], state[k]) for k in state)
+
+
+def test_bin_shards_without_an_index_load_beside_training_args_bin(tmp_path):
+    """A Trainer's output folder: the model's .bin shards and training_args.bin, a pickled object, not weights."""
+    path, state = bin_folder(tmp_path)
+    keys = sorted(state)
+    torch.save({k: state[k] for k in keys[::2]}, path / "pytorch_model-00001-of-00002.bin")
+    torch.save({k: state[k] for k in keys[1::2]}, path / "pytorch_model-00002-of-00002.bin")
+    (path / "training_args.bin").write_bytes(b"\x80\x04K\x01.")
+    assert_reads(path, state)
+
+
+def test_a_bin_in_the_legacy_pickle_format_loads(tmp_path):
+    path, state = bin_folder(tmp_path)
+    torch.save(state, path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert_reads(path, state)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", None])
+def test_the_tokenizer_loads_from_any_of_its_files(tmp_path, monkeypatch, name):
+    if name is not None:
+        (tmp_path / name).write_text("{}")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: ("tokenizer of", path))
+    source = ModelSource(str(tmp_path), ModelConfig.from_hf(SHAPE), tmp_path)
+    assert load_tokenizer(source) == (None if name is None else ("tokenizer of", str(tmp_path)))
+
+
 def test_an_index_naming_a_missing_shard_is_refused_with_the_index_named(tmp_path):
     hf = make_hf_checkpoint(tmp_path / "src", "llama", seed=3)
     path = tmp_path / "bin"
@@ -336,3 +387,8 @@ def test_a_generation_config_without_eos_stops_on_none_as_transformers_does(tmp_
                                  pad_token_id=0)[0, len(prompt):].tolist()
     out = _greedy(tmp_path, prompt, 8, ignore_eos=False)
     assert out.token_ids == expected == greedy and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("eos, ids", [(0, [0]), ([0, 2], [0, 2]), (None, [])])
+def test_token_id_zero_is_an_eos_token_like_any_other(eos, ids):
+    assert ModelConfig.from_hf({**SHAPE, "eos_token_id": eos}).eos_token_ids == ids

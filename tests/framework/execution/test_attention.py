@@ -36,3 +36,9 @@ def test_the_limits_are_readable_before_building():
     assert Limited.unsupported(64, 64, torch.float16) == []
     assert len(Limited.unsupported(65, 48, torch.bfloat16)) == 3
     assert NaiveBackend.unsupported(512, 3, torch.float32) == []
+
+
+def test_query_heads_must_split_evenly_over_the_kv_heads():
+    with pytest.raises(ValueError, match="num_heads=3 is not a multiple of num_kv_heads=2"):
+        NaiveBackend(num_heads=3, num_kv_heads=2, head_dim=16, scale=1.0, block_size=16, dtype=torch.float32,
+                     device="cpu")

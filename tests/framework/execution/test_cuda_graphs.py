@@ -6,7 +6,7 @@ import torch
 
 from framework import BACKENDS, LLM, SamplingParams
 from framework.execution.cuda_graphs import PaddedDecode, capture_sizes, is_graph_decode
-from framework.testing.parity import parity_prompts
+from framework.testing.parity import hf_greedy, parity_prompts
 
 MAX_TOKENS = 12
 
@@ -85,6 +85,21 @@ def test_padded_decode_steps_take_a_packed_steps_token_rows_in_one_copy(llama_ck
     assert packed == eager
     assert seen == [True] * (MAX_TOKENS - 1) and sum(pads) == 4
     assert torch.allclose(packed_cache[:, :, 1:], eager_cache[:, :, 1:], atol=1e-5)
+
+
+def test_padded_decode_steps_copy_an_unpacked_steps_inputs_into_the_first_rows(llama_ckpt, monkeypatch):
+    fill, unpacked = PaddedDecode.fill, []
+
+    def recorded(self, inputs, size):
+        fill(self, inputs, size)
+        meta, n = inputs.attn_metadata, inputs.attn_metadata.num_reqs
+        unpacked.append(inputs.token_rows is None)
+        assert torch.equal(self.token_rows[:, :n], torch.stack([inputs.input_ids, inputs.positions, meta.slot_mapping,
+                                                                meta.seq_lens, meta.num_computed_tokens]))
+
+    monkeypatch.setattr(PaddedDecode, "fill", recorded)
+    generate(llama_ckpt[0], padded=True)
+    assert unpacked and all(unpacked)
 
 
 @pytest.mark.parametrize("frozen_metadata", [False, True])
@@ -287,3 +302,18 @@ def test_on_a_gpu_a_decode_step_runs_no_synchronising_operation(llama_ckpt, asyn
     assert syncs == [], [str(w.message) for w in syncs]
     engine.abort_request([str(i) for i in range(3)])
     engine.step()
+
+
+def test_a_lone_request_decodes_padded_from_its_own_blocks(llama_ckpt):
+    """Its first decode step finds the persistent block table untouched, and it ends in the last, partial block of a
+    max_model_len that is no whole number of blocks: the padded steps read its own blocks, its tokens are
+    transformers'."""
+    path, hf_model = llama_ckpt
+    llm = LLM(model=str(path), backend="triton", block_size=8, max_model_len=60, num_gpu_blocks_override=16,
+              max_num_seqs=4)
+    runner = llm.engine.executor.runner
+    runner.decode = PaddedDecode(runner.model, runner.backend, runner.kv_cache, capture_sizes(4), 60, 8)
+    prompt = list(range(3, 49))  # 46 + 12 tokens: 8 blocks, the last of max_model_len's 7.5
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                     ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)

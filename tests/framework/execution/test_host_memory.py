@@ -95,6 +95,14 @@ def test_user_tuning_is_read_from_the_environment(monkeypatch, env):
     assert host_memory.keep_freed_memory() is False
 
 
+def test_once_kept_later_calls_say_so_whatever_the_environment_says_now(monkeypatch):
+    for name in (*host_memory.MALLOC_ENV, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    assert host_memory.keep_freed_memory() is True  # as every CPU engine in this process does
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert host_memory.keep_freed_memory() is True
+
+
 def test_a_cpu_model_engine_keeps_freed_memory(monkeypatch):
     from framework import LLMEngine
 

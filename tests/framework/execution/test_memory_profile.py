@@ -17,19 +17,21 @@ from framework.execution.sampler import Sampler
     (1024, 256, 4096, DummyStep("prefill", 256, 4, 4092)),
     (8192, 4, 1024, DummyStep("prefill", 4, 1024, 0)),   # a chunk never exceeds a sequence
     (16, 64, 512, DummyStep("prefill", 16, 1, 511)),
+    (100, 8, 1024, DummyStep("prefill", 8, 13, 1011)),  # 8 x 13 covers every token of the budget
 ])
 def test_dummy_steps_fill_the_budget_at_the_longest_context(budget, seqs, max_len, prefill):
     assert dummy_steps(budget, seqs, max_len) == [prefill, DummyStep("decode", seqs, 1, max_len - 1)]
 
 
+@pytest.mark.parametrize("max_len", [64, 60])
 @pytest.mark.parametrize("backend", ["naive", "torch_paged", "triton"])
-def test_dummy_steps_run_in_the_null_block_only(backend):
-    engine = LLMEngine(EngineConfig(backend=backend, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+def test_dummy_steps_run_in_the_null_block_only(backend, max_len):
+    engine = LLMEngine(EngineConfig(backend=backend, max_model_len=max_len, max_num_seqs=4, max_num_batched_tokens=64,
                                     num_gpu_blocks_override=8, block_size=16))
     executor, cfg = engine.executor, engine.executor.source.config
     cache = torch.randn(2, cfg.num_hidden_layers, 3, 16, cfg.num_key_value_heads, cfg.head_dim)
     before = cache.clone()
-    for step in dummy_steps(64, 4, 64):
+    for step in dummy_steps(64, 4, max_len):
         tokens = run_dummy_step(step, executor.model, executor.backend, Sampler(torch.Generator().manual_seed(0)),
                                 cache, cfg.vocab_size)
         assert tokens.shape == (step.num_reqs,) and 0 <= int(tokens.min()) and int(tokens.max()) < cfg.vocab_size

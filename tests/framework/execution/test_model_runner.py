@@ -36,6 +36,13 @@ def test_device_block_freed_by_a_swap_out_can_take_a_swap_in_in_the_same_step():
     assert block(r.kv_cache, 3) == (102, -102)
 
 
+def test_the_swap_space_may_hold_more_blocks_than_the_device():
+    r = runner(num_blocks=3, num_cpu_blocks=8)
+    assert r.cpu_cache.shape[2] == 8
+    r.apply_block_ops(SchedulerOutput(blocks_to_swap_out=[(2, 7)]))
+    assert block(r.cpu_cache, 7) == (2, -2)
+
+
 def test_copies_read_their_sources_before_the_swaps_write_and_leave_other_blocks_alone():
     # Device block 4 is a copy's source and a swap-in's destination: freed during the step and
     # reused, so the copy takes what it held before the step.
