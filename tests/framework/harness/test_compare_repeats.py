@@ -208,3 +208,59 @@ def test_a_repeat_identical_to_another_of_its_seed_counts_once(tmp_path):
     md = table(tmp_path)
     assert "1 configuration(s) had repeats identical to another of the same seed" in md and "2 in all" in md
     assert "not completed left out" not in md
+
+
+def test_configurations_that_ran_once_are_left_out_of_the_differences(tmp_path):
+    for repeat in range(3):
+        fake_run(tmp_path / f"a{repeat}", "a", repeat, 100.0 + repeat, 10.0)
+        fake_run(tmp_path / f"b{repeat}", "b", repeat, 200.0 + repeat, 10.0)
+    fake_run(tmp_path / "c0", "c", 0, 300.0, 10.0)
+    md = table(tmp_path).splitlines()
+    compared = [line.split("|")[2].strip() for line in md if line.startswith("| 4 | policy=")]
+    assert compared == ["policy=a / policy=b"]
+
+
+def test_repeats_that_measured_nothing_are_not_called_identical(tmp_path):
+    for repeat in range(2):
+        fake_run(tmp_path / f"a{repeat}", "a", repeat, 100.0 + repeat, 10.0)
+    for repeat in range(2):
+        path = tmp_path / f"b{repeat}"
+        path.mkdir()
+        (path / "config.yaml").write_text(yaml.safe_dump({"policy": {"name": "b"}, "workload": {"rate": 4},
+                                                          "repeat": repeat}))
+        (path / "summary.json").write_text(json.dumps({"status": "failed", "error": "RuntimeError: boom",
+                                                       "policy": "b", "rate": 4}))
+    assert "gave identical results" not in table(tmp_path)
+
+
+def test_timing_noise_of_simulated_and_real_runs_together_is_not_called_deterministic(tmp_path):
+    fake_run(tmp_path / "0", "a", 0, 100.0, 10.0, hardware="a100-80gb")
+    fake_run(tmp_path / "1", "b", 0, 90.0, 10.0)
+    md = table(tmp_path)
+    assert "None: simulated runs are deterministic" not in md and "Not measured" in md
+
+
+def test_the_caption_counts_the_repeats_used_and_those_left_out(tmp_path, capsys):
+    for repeat in range(3):
+        fake_run(tmp_path / f"a{repeat}", "a", repeat, 100.0 + repeat, 10.0)
+    fake_run(tmp_path / "b0", "b", 0, 90.0, 10.0)
+    fake_run(tmp_path / "b1", "b", 1, 90.0, 10.0)
+    fake_run(tmp_path / "c0", "c", 0, 80.0, 10.0)
+    fake_run(tmp_path / "c1", "c", 1, 1.0, 10.0, status="failed")
+    assert main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    assert "mean and 95% CI over 1-3 repeats (1 not completed left out)" in capsys.readouterr().out
+
+
+def test_a_run_without_an_x_value_comes_after_those_with_one(tmp_path):
+    fake_run(tmp_path / "0", "a", 0, 100.0, 10.0, rate=None)
+    fake_run(tmp_path / "1", "a", 0, 100.0, 10.0, rate=8)
+    fake_run(tmp_path / "2", "a", 0, 100.0, 10.0, rate=2)
+    assert [row["x"] for row in comparison_rows([tmp_path])] == [2, 8, None]
+
+
+def test_the_caption_says_a_failed_repeat_was_left_out_of_a_single_run(tmp_path, capsys):
+    fake_run(tmp_path / "a0", "a", 0, 100.0, 10.0)
+    fake_run(tmp_path / "a1", "a", 1, 1.0, 10.0, status="failed")
+    fake_run(tmp_path / "b0", "b", 0, 90.0, 10.0)
+    assert main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    assert "mean and 95% CI over 1 repeat (1 not completed left out)" in capsys.readouterr().out

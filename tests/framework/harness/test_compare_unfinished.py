@@ -100,3 +100,13 @@ def test_a_killed_real_runs_timing_noise_comes_from_its_steps(tmp_path):
     assert row["status"] == UNFINISHED
     assert finished["step_time_noise_cv"] is not None
     assert row["step_time_noise_cv"] == pytest.approx(finished["step_time_noise_cv"])
+
+
+def test_a_killed_run_whose_steps_were_not_yet_written_spans_its_requests(killed_run):
+    run, finished = killed_run
+    header = (run / "steps.csv").read_text().splitlines()[0]
+    (run / "steps.csv").write_text(header + "\n")  # the step rows still buffered when the kill came
+    [row] = comparison_rows([run])
+    assert row["completed"] == finished["completed"]
+    assert row["duration_s"] == pytest.approx(finished["duration_s"], rel=1e-3)
+    assert row["request_throughput"] == pytest.approx(finished["request_throughput"], rel=1e-3)

@@ -236,6 +236,26 @@ class WallTimeExecutor(Executor):
                                if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens})
 
 
+def test_a_simulated_runs_steps_time_no_noise_of_the_machine(tmp_path):
+    header = "num_scheduled_reqs,num_prefill_tokens,num_decode_tokens,duration\n"
+    (tmp_path / "steps.csv").write_text(header + "".join(f"4,0,4,{0.01 + 0.001 * (i % 3)}\n" for i in range(12)))
+    real = experiment.timing_noise(tmp_path / "steps.csv", simulated=False)
+    assert real["step_time_noise_cv"] > 0 and real["step_time_noise_steps"] == 12
+    assert experiment.timing_noise(tmp_path / "steps.csv", simulated=True) == {
+        "step_time_noise_cv": None, "step_time_noise_steps": 0, "step_time_noise_shapes": 0}
+
+
+def test_save_workload_false_writes_no_workload_file(tmp_path):
+    summary = run_experiment(config("save_workload=false", "plots=false"), tmp_path)
+    assert summary["status"] == "completed" and (tmp_path / "requests.csv").is_file()
+    assert not (tmp_path / "workload.jsonl").exists()
+
+
+def test_a_run_without_prefix_caching_has_no_hit_rate(tmp_path):
+    summary = run_experiment(config("engine.enable_prefix_caching=false", "plots=false"), tmp_path)
+    assert summary["completed"] == 6 and summary["prefix_cache_hit_rate"] is None
+
+
 def test_a_registered_executor_runs_on_its_own_clock(tmp_path, monkeypatch):
     """clock=auto is the executor's own clock, as LLMEngine picks it: a wall-time executor that is
     not named "model" ran on a virtual clock that nothing advanced, every latency 0."""
@@ -920,6 +940,11 @@ def test_warm_up_requests_fit_the_token_budget_and_a_refused_one_is_a_warning(ca
                                            r"request of max_model_len=128; raise num_gpu_blocks_override \(now 4\)"),
     (["logger=wandb", "logger.mode=bogus"], "logger.mode must be one of"),
     (["repeat=-1"], "repeat must be an integer >= 0"),
+    (["clock=sundial"], "clock must be auto, wall or virtual, got 'sundial'"),
+    (["executor=sim", "clock=wall"], "executor=sim runs on simulated time: use clock=auto or clock=virtual"),
+    (["executor=sim", "+cluster=round_robin", "cluster.router=nope"], "unknown router 'nope'; registered routers: "),
+    (["executor=sim", "+cluster=round_robin", "+cluster.replicas=4"],
+     r"cluster: unknown key\(s\) replicas; valid: num_replicas, router, router_options"),
 ])
 def test_what_would_fail_every_job_is_refused_by_the_check_before_a_run(overrides, message, monkeypatch):
     """A sweep's pre-check runs check_experiment on each job: a simulated device, cost model and KV cache, a KV cache

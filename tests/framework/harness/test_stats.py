@@ -36,3 +36,9 @@ def test_overlap():
     assert overlap((1.0, 2.0), (2.0, 3.0)) is True  # touching
     assert overlap((1.0, 2.0), (2.1, 3.0)) is False
     assert overlap((None, None), (1.0, 2.0)) is None
+
+
+def test_overlap_does_not_depend_on_the_order_of_the_intervals():
+    assert overlap((2.1, 3.0), (1.0, 2.0)) is False
+    assert overlap((5.0, 6.0), (1.0, 2.0)) is False and overlap((1.0, 2.0), (5.0, 6.0)) is False
+    assert overlap((1.0, 2.0), (None, None)) is None and overlap((1.0, 2.0), (1.5, None)) is None

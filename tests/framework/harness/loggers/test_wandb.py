@@ -278,3 +278,9 @@ def test_names_hydra_reads_as_numbers_reach_wandb_as_strings(tmp_path, monkeypat
     offline, = (run_dir / "wandb").glob("offline-run-*")
     run, = [r.run for r in complete_records(next(offline.glob("run-*.wandb"))) if r.WhichOneof("record_type") == "run"]
     assert run.run_group == "2024" and list(run.tags) == ["7", "v2"]
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan")])
+def test_an_init_timeout_of_no_seconds_is_a_configuration_error(timeout):
+    with pytest.raises(ValueError, match="logger.init_timeout must be a number of seconds > 0"):
+        WandbLogger(init_timeout=timeout)
