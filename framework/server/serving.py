@@ -45,19 +45,23 @@ class Serving:
         return ids
 
     def max_tokens(self, num_prompt_tokens: int, requested: int | None, field: str = "max_tokens") -> int:
-        """The output budget: ``requested`` (None: the generation config's ``max_new_tokens``, else all that is
-        left), at most what ``max_model_len`` leaves after the prompt (as vLLM); APIError (400) for a prompt that
-        leaves no room for one token, or a ``requested`` (the request's ``field``) below 1."""
+        """The output budget: ``requested`` (the request's ``field``), or when None the generation config's
+        ``max_new_tokens`` capped at what ``max_model_len`` leaves after the prompt, else all of that. APIError (400),
+        as vLLM's, for a prompt that leaves no room for one token, or a ``requested`` below 1 or beyond the room."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                            f"{num_prompt_tokens}, which leaves no room for output: send at most "
                            f"{self.max_model_len - 1} prompt tokens", param="prompt")
-        if requested is not None and (isinstance(requested, bool) or requested < 1):
-            raise APIError(f"{field} must be an integer >= 1, got {requested!r}", param=field)
         if requested is None:
-            requested = self.sampling_defaults.get("max_tokens", room)
-        return min(requested, room)
+            return min(self.sampling_defaults.get("max_tokens", room), room)
+        if isinstance(requested, bool) or requested < 1:
+            raise APIError(f"{field} must be an integer >= 1, got {requested!r}", param=field)
+        if requested > room:
+            raise APIError(f"{field} is too large: {requested}. This model's maximum context length is "
+                           f"{self.max_model_len} tokens and the prompt has {num_prompt_tokens}, which leaves "
+                           f"{room}: send {field} <= {room}", param=field)
+        return requested
 
     def check_params(self, params: SamplingParams, fields: dict[str, str]) -> None:
         """APIError (400) for options the engine refuses, naming the request field (``fields``: option -> field)."""

@@ -103,16 +103,24 @@ def test_the_largest_n_and_a_best_of_equal_to_n_are_accepted(client, chat_ckpt):
     assert len(out.choices) == 128
 
 
-def test_a_prompt_may_take_all_the_context_but_one_token(server, client, chat_ckpt):
+def test_a_prompt_and_its_max_tokens_must_fit_the_context(server, client, chat_ckpt):
     def prompt(num_tokens: int) -> list[int]:
         return [5] * num_tokens
 
     assert_error(post(server, "/v1/completions", {"model": str(chat_ckpt), "prompt": prompt(256)}), 400, "prompt",
                  "maximum context length is 256")
-    # A max_tokens past the room left is cut to it.
-    out = client.completions.create(model=str(chat_ckpt), prompt=prompt(250), max_tokens=100,
+    # As vLLM's: a max_tokens beyond the room the prompt leaves is refused, not cut to it.
+    assert_error(post(server, "/v1/completions", {"model": str(chat_ckpt), "prompt": prompt(250), "max_tokens": 7}),
+                 400, "max_tokens", r"^max_tokens is too large: 7\. This model's maximum context length is 256 tokens "
+                                    r"and the prompt has 250, which leaves 6")
+    out = client.completions.create(model=str(chat_ckpt), prompt=prompt(250), max_tokens=6,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
+    out = client.completions.create(model=str(chat_ckpt), prompt=prompt(255), max_tokens=1)
+    assert out.usage.completion_tokens == 1
+    chat = {"model": str(chat_ckpt), "messages": [{"role": "user", "content": " ".join(["w5"] * 200)}]}
+    assert_error(post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 100}), 400,
+                 "max_completion_tokens", "max_completion_tokens is too large: 100")
 
 
 def test_vllm_fields_that_ask_for_nothing_are_accepted(client, chat_ckpt):
