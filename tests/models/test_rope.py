@@ -45,10 +45,9 @@ def test_unknown_rope_type_names_supported_ones():
 @pytest.mark.parametrize("top_level_original", [None, 512])
 @pytest.mark.parametrize("scaling_original", [None, 256])
 def test_rope_without_original_length_reads_as_transformers(scaling, top_level_original, scaling_original):
-    """A transformers 4.x config.json may give yarn or llama3 scaling no
-    original_max_position_embeddings (or give it at the top level): transformers then takes the
-    top-level one (also over the scaling's own), else max_position_embeddings; the engine used to fail with a
-    KeyError."""
+    """A transformers 4.x config.json may give yarn or llama3 scaling no original_max_position_embeddings (or give
+    it at the top level): transformers then takes the top-level one (also over the scaling's own), else
+    max_position_embeddings, and so does the engine."""
     from models.config import ModelConfig
 
     d = dict(model_type="llama", vocab_size=10, hidden_size=256, intermediate_size=16, num_hidden_layers=1,
