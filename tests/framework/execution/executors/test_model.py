@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from framework import LLM, EngineConfig, LLMEngine, SamplingParams
+from framework.execution.executors import model as model_executor
+from models.llama import LlamaForCausalLM
 
 
 @pytest.fixture
@@ -246,3 +248,57 @@ def test_on_a_gpu_tuned_decode_matmuls_sample_what_torchs_do(llama_ckpt):
             elif tokens[0] != ref[0]:
                 first = ref_logprobs[0]
                 assert tokens[0] in first and first[ref[0]].logprob - first[tokens[0]].logprob < 0.05
+
+
+def test_a_kv_cache_too_small_for_one_request_is_refused_before_the_weights_load(monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the weights loaded")
+
+    monkeypatch.setattr(LlamaForCausalLM, "init_random", load)
+    with pytest.raises(ValueError, match=r"holds 0 blocks .*; raise cpu_kv_cache_gb"):
+        LLMEngine(EngineConfig(max_model_len=64, cpu_kv_cache_gb=1e-6))
+
+
+def test_amx_auto_leaves_a_model_multiplying_in_float32_to_torch_even_on_a_cpu_with_tiles(monkeypatch):
+    asked = []
+    monkeypatch.setattr(model_executor, "cpu_has_amx_bf16", lambda: True)
+    monkeypatch.setattr(model_executor, "amx_linear", lambda: asked.append(1))
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", max_model_len=64, num_gpu_blocks_override=8,
+                                    executor_options={"float32_matmul": True}))
+    assert engine.executor.amx_linears == 0 and not asked
+
+
+def test_the_engine_seed_draws_the_samples_of_requests_without_their_own():
+    def sample(seed):
+        llm = LLM(max_model_len=64, num_gpu_blocks_override=8, seed=seed)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8, temperature=1.0))
+        return out[0].outputs[0].token_ids
+
+    assert sample(1) == sample(1) != sample(2)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_profiled_step_counts_the_decode_peak_again_where_cuda_graphs_keep_its_pool(monkeypatch, graphs):
+    engine = LLMEngine(EngineConfig(max_model_len=64, num_gpu_blocks_override=8))
+    peaks = {"prefill": 5 << 20, "decode": 3 << 20}
+    monkeypatch.setattr(model_executor, "peak_bytes", lambda run, device: peaks[run.args[0].name])
+    monkeypatch.setattr(engine.executor, "cuda_graphs", graphs)
+    assert engine.executor.profile_step_bytes() == peaks["prefill"] + (peaks["decode"] if graphs else 0)
+
+
+def test_a_presets_random_weights_follow_the_model_seed():
+    def weights(model_seed):
+        engine = LLMEngine(EngineConfig(max_model_len=64, num_gpu_blocks_override=8, model_seed=model_seed))
+        return engine.executor.model.embed_tokens.weight
+
+    assert torch.equal(weights(4), weights(4)) and not torch.equal(weights(4), weights(5))
+
+
+def test_on_cuda_graphs_true_with_a_backend_that_cannot_capture_is_refused_and_auto_runs_eagerly(monkeypatch):
+    engine = LLMEngine(EngineConfig(backend="torch_paged", max_model_len=64, num_gpu_blocks_override=8))
+    executor = engine.executor
+    monkeypatch.setattr(executor, "_device", torch.device("cuda"))
+    with pytest.raises(ValueError, match="attention backend 'torch_paged' cannot capture decode steps; use "
+                                         "backend=.*triton"):
+        executor._use_cuda_graphs(True)
+    assert executor._use_cuda_graphs("auto") is False
