@@ -1,7 +1,9 @@
 """The driver every run uses: requests entering at their arrival times, events in time order,
 idle replicas waiting for arrivals (a virtual clock jumps, a wall clock sleeps), replicas that
 never interfere, routing that sees the cluster as of each arrival, and interrupts."""
+import dataclasses
 import gc
+import signal
 import time
 import weakref
 
@@ -93,6 +95,18 @@ def test_an_interrupt_stops_aborts_the_rest_and_frees_every_block():
     assert engine.step_callbacks[-1] is stop_at_step_4  # the callbacks are back after the clean-up step
 
 
+def test_an_interrupt_lists_the_unfinished_requests_in_numeric_order():
+    engine = timed_model_engine(VirtualClock())
+
+    def stop_at_step_2(stats, out):
+        if stats.step == 2:
+            raise KeyboardInterrupt
+
+    engine.step_callbacks.append(stop_at_step_2)
+    result = Cluster([engine]).run([req(0.0, f"r{k}", 8, 20) for k in (8, 9, 10, 11)])
+    assert result.interrupted and result.unfinished == ["r8", "r9", "r10", "r11"]
+
+
 def test_a_failure_while_serving_propagates_and_frees_every_block():
     """A bug in a policy, a workload or a callback fails the run, but its requests in flight give
     their KV blocks back first (they used to stay allocated, and the engine unfinished)."""
@@ -133,6 +147,14 @@ def test_text_prompts_and_shared_sampling_options_reach_the_engine():
     assert out.prompt == "five six seven" and out.prompt_token_ids == [5, 6, 7] and len(out.outputs[0].token_ids) == 3
 
 
+def test_a_wall_clock_run_keeps_the_cycle_collector_on_while_serving():
+    assert gc.isenabled()
+    collecting = []
+    Cluster([timed_model_engine(WallClock())]).run([req(0.0, "r1", 8, 2)],
+                                                   on_output=lambda i, o: collecting.append(gc.isenabled()))
+    assert collecting == [True]
+
+
 def test_a_lone_request_waits_for_nothing_and_takes_the_cost_models_times():
     cluster = Cluster.build(CONFIG)
     (_, out), = cluster.run([req(10.0, "r1", n=100, out=2)]).outputs
@@ -148,6 +170,14 @@ def test_arrival_times_count_from_start():
     assert out.metrics.arrival_time == out.metrics.first_scheduled_time == 3.5
 
 
+def test_a_second_run_counts_arrivals_from_the_latest_replicas_clock():
+    cluster = Cluster.build(CONFIG, num_replicas=2)
+    first = cluster.run([req(0.0, "r1", out=20)])
+    assert first.end_time > first.start_time
+    (_, out), = cluster.run([req(0.0, "r2")]).outputs
+    assert out.metrics.arrival_time == first.end_time
+
+
 def test_an_arrival_at_a_step_boundary_joins_that_step():
     first = req(0.0, "r1", out=3)
     (_, a), = Cluster.build(CONFIG).run([first]).outputs
@@ -156,6 +186,15 @@ def test_an_arrival_at_a_step_boundary_joins_that_step():
     assert outs["r2"].metrics.first_scheduled_time == boundary
     late = by_id(Cluster.build(CONFIG).run([first, req(boundary + 1e-9, "r2")]))
     assert late["r2"].metrics.first_scheduled_time > boundary + 1e-9
+
+
+def test_an_arrival_at_a_decode_step_boundary_of_a_busy_replica_joins_that_step():
+    (_, third_step), = Cluster.build(CONFIG).run([req(0.0, "r1", out=3)]).outputs
+    t = third_step.metrics.finished_time  # the end of r1's third step, as it would run alone
+    result = Cluster.build(CONFIG, num_replicas=2, router="round_robin").run(
+        [req(0.0, "r1", out=50), req(0.0001, "r2", out=50), req(t, "r3", out=2)])
+    r3 = by_id(result)["r3"].metrics
+    assert r3.arrival_time == r3.first_scheduled_time == t
 
 
 def test_replicas_behind_round_robin_serve_exactly_what_alone_they_would():
@@ -183,6 +222,27 @@ def test_least_outstanding_counts_requests_unfinished_at_the_arrival_time():
     assert routed == {"r1": 0, "r2": 1, "r3": 1, "r4": 0}
 
 
+def test_a_request_finishing_as_another_arrives_is_no_longer_outstanding_for_it():
+    requests = [req(0.0, "r1", out=200), req(0.001, "r2", out=2), req(0.5, "r3", out=4)]
+    finished = {o.request_id: o.metrics.finished_time
+                for _, o in Cluster.build(CONFIG, num_replicas=2, router="least_outstanding").run(requests).outputs}
+    assert finished["r3"] < finished["r1"]
+    routed = {}
+    Cluster.build(CONFIG, num_replicas=2, router="least_outstanding").run(
+        [*requests, req(finished["r3"], "r4", out=2)], on_output=lambda i, o: routed.__setitem__(o.request_id, i))
+    # At r4's arrival replica 0 still serves r1, and replica 1 has just finished r3: it is idle.
+    assert routed == {"r1": 0, "r2": 1, "r3": 1, "r4": 1}
+
+
+def test_a_request_ignored_on_arrival_is_not_outstanding_for_later_arrivals():
+    config = dataclasses.replace(CONFIG, max_model_len=512)
+    routed = {}
+    Cluster.build(config, num_replicas=2, router="least_outstanding").run(
+        [req(0.0, "r1", out=100), req(0.1, "r2", n=600), req(0.2, "r3", out=2)],
+        on_output=lambda i, o: routed.__setitem__(o.request_id, i))
+    assert routed == {"r1": 0, "r2": 1, "r3": 1}  # r2, too long for any replica, left replica 1 idle
+
+
 def test_prefix_aware_routing_follows_the_cache_until_load_says_otherwise():
     shared = list(range(100, 400))
 
@@ -204,8 +264,6 @@ def test_prefix_aware_routing_follows_the_cache_until_load_says_otherwise():
 def test_prefix_aware_routing_sees_the_cache_of_replicas_of_another_block_size(block_sizes):
     """The routed request's block hashes, cached by the replica asked first, were reused by a replica
     of another block size: that one's cache never matched, and the request went elsewhere."""
-    import dataclasses
-
     shared = list(range(100, 400))
     engines = [LLMEngine(dataclasses.replace(CONFIG, block_size=b)) for b in block_sizes]
     routed = {}
@@ -214,6 +272,18 @@ def test_prefix_aware_routing_sees_the_cache_of_replicas_of_another_block_size(b
         [req(0.0, "r1", out=300, tokens=list(range(1000, 1300)) + [1]), req(0.5, "r2", out=300, tokens=shared + [2]),
          req(1.0, "r3", out=2, tokens=shared + [3])], on_output=lambda i, o: routed.__setitem__(o.request_id, i))
     assert routed == {"r1": 0, "r2": 1, "r3": 1}
+
+
+def test_prefix_aware_routing_sees_the_cache_of_each_of_three_block_sizes():
+    shared = list(range(100, 400))
+    engines = [LLMEngine(dataclasses.replace(CONFIG, block_size=b)) for b in (16, 32, 64)]
+    routed = {}
+    Cluster(engines, "prefix_aware").run(
+        [req(0.0, "r1", out=300, tokens=list(range(1000, 1300)) + [1]),
+         req(0.2, "r2", out=300, tokens=list(range(2000, 2300)) + [1]),
+         req(0.5, "r3", out=300, tokens=shared + [2]),
+         req(1.0, "r4", out=2, tokens=shared + [3])], on_output=lambda i, o: routed.__setitem__(o.request_id, i))
+    assert routed == {"r1": 0, "r2": 1, "r3": 2, "r4": 2}
 
 
 class UsageRecorder(Router):
@@ -249,6 +319,36 @@ class ArgminRouter(Router):
 class TrueRouter(Router):
     def route(self, request, replicas):
         return True
+
+
+class PastTheEndRouter(Router):
+    def route(self, request, replicas):
+        return len(replicas)
+
+
+def test_a_router_picking_no_replica_of_the_cluster_is_refused():
+    cluster = Cluster.build(CONFIG, num_replicas=2, router=PastTheEndRouter())
+    with pytest.raises(ValueError, match="picked replica 2 of 2"):
+        cluster.run([req(0.0, "r1")])
+    for e in cluster.engines:
+        assert not e.has_unfinished_requests()
+
+
+class MaxTokensRecorder(Router):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def route(self, request, replicas):
+        self.seen.append(request.max_tokens)
+        return 0
+
+
+def test_a_router_sees_an_unbounded_requests_length_limit_as_the_longest_any_replica_takes():
+    router = MaxTokensRecorder()
+    engines = [LLMEngine(dataclasses.replace(CONFIG, max_model_len=length)) for length in (1024, 4096)]
+    Cluster(engines, router).run([WorkloadRequest("r1", [7] * 100, None, 0.0, 0)])
+    assert router.seen == [4096 - 100]
 
 
 def test_a_router_may_answer_with_a_numpy_integer():
@@ -291,6 +391,12 @@ def test_bad_setups_are_refused(monkeypatch):
         Cluster.build(CONFIG, num_replicas=2, router=ROUTERS.create("prefix_aware"), router_options={"max_imbalance": 0})
     with pytest.raises(ValueError, match="arrival order"):
         Cluster.build(CONFIG).run([req(1.0, "r1"), req(0.5, "r2")])
+
+
+def test_one_replica_of_an_executor_in_wall_time_is_built():
+    cluster = Cluster.build(EngineConfig(model="tiny-llama", max_model_len=128), num_replicas=1)
+    (_, out), = cluster.run([req(0.0, "r1", 8, 2)]).outputs
+    assert len(out.outputs[0].token_ids) == 2
 
 
 def test_an_id_in_use_on_any_replica_is_refused_as_on_one():
@@ -392,6 +498,20 @@ def test_a_simulated_run_leaves_the_collector_on(tmp_path):
     assert gc.isenabled()
 
 
+def test_a_cluster_keeps_nothing_of_a_finished_runs_output_callback():
+    class Sink:
+        def __call__(self, i, out):
+            pass
+
+    cluster = Cluster.build(CONFIG, num_replicas=2)
+    sink = Sink()
+    gone = weakref.ref(sink)
+    cluster.run([req(0.0, "r1"), req(0.0, "r2")], on_output=sink)
+    del sink
+    gc.collect()
+    assert gone() is None and cluster.replicas
+
+
 def test_a_second_run_starts_with_nothing_outstanding():
     """Finishes after a run's last arrival were never counted, so a cluster run again (``start``
     defaults to the replicas' now) routed as if the earlier requests were still outstanding."""
@@ -403,13 +523,19 @@ def test_a_second_run_starts_with_nothing_outstanding():
     assert i == 0  # replica 0 caches the prefix and is as idle as replica 1 (load sent it to 1)
 
 
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handler, also where pytest was started in the background with SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("target, method", [("allocator", "free"), ("scheduler", "update_from_output"),
                                             ("engine", "add_request"), ("allocator", "allocate_slots")])
-def test_a_ctrl_c_inside_a_step_stops_the_run_between_events_with_every_block_free(target, method):
+def test_a_ctrl_c_inside_a_step_stops_the_run_between_events_with_every_block_free(target, method, python_ctrl_c):
     # Raised where it landed, a Ctrl-C inside allocator.free (after the request was marked finished) or just after
     # add_request (before the run counted the request sent) left a replica holding blocks and requests.
-    import signal
-
     cluster = Cluster.build(EngineConfig(model="llama-3-8b", executor="sim", max_num_seqs=64,
                                          max_num_batched_tokens=4096, num_gpu_blocks_override=600,
                                          max_model_len=2048), num_replicas=3, router="least_outstanding")

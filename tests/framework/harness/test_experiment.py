@@ -444,24 +444,6 @@ def test_cli_keeps_hydras_traceback_for_a_users_own_hydra_full_error(tmp_path):
     assert done.returncode == 1 and "Traceback" in done.stderr and "ConfigCompositionException" in done.stderr
 
 
-def test_cli_in_a_process_leaves_its_environment_as_it_was(monkeypatch, capsys):
-    # It holds back Hydra's reports through HYDRA_FULL_ERROR while composing; a later command's subprocesses
-    # would take that for the user's own setting.
-    from framework.harness import run
-
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sys, "argv", ["framework.run", "engine.bogus=1", "executor=sim"])
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            run.cli()
-    finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-    assert exit_info.value.code == 2 and "error: engine: unknown key bogus" in capsys.readouterr().err
-    assert "HYDRA_FULL_ERROR" not in os.environ
-
-
 def test_cli_gives_a_run_folder_it_cannot_make_the_configuration_error_status():
     # It fails after composing and before the job, in one line as every configuration error.
     done = cli("hydra.run.dir=/proc/servelab", "executor=sim", cwd=ROOT)
