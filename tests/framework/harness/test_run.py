@@ -50,6 +50,7 @@ def test_a_submitit_job_stops_on_its_preemption_signal_by_either_spelling(monkey
 def test_a_sweep_whose_jobs_ran_elsewhere_failing_is_no_configuration_error(monkeypatch, flag):
     monkeypatch.setattr(sys, "argv", ["framework.run", flag, "engine.seed=1,2"])
     monkeypatch.setattr(run, "_jobs_started", 0)
+    monkeypatch.setattr(run.CompareCallback, "multirun_started", False)  # as in a process of its own
     assert not run._hydra_config_error(SystemExit(1))
     monkeypatch.setattr(sys, "argv", ["framework.run", "engine.seed=1"])
     assert run._hydra_config_error(SystemExit(1))
