@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from framework import BACKENDS, LLM, EngineConfig, LLMEngine, SamplingParams
 from framework.testing.parity import hf_greedy, make_hf_checkpoint
 from models import ModelConfig
-from models.llama import LlamaForCausalLM
+from models.llama import LlamaForCausalLM, RMSNorm
 from models.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,10 +166,6 @@ def test_padded_linear_layers_keep_every_input_shape_and_its_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_torchs_rms_norm_equals_transformers_in_each_dtype(dtype):
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    from models.llama import RMSNorm
-
     gen = torch.Generator().manual_seed(0)
     ours, theirs = RMSNorm(64, 1e-5, None).to(dtype), LlamaRMSNorm(64, eps=1e-5).to(dtype)
     with torch.no_grad():

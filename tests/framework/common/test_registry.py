@@ -85,13 +85,13 @@ def test_a_built_in_name_is_refused_even_before_the_built_ins_are_imported():
 def test_a_plugin_declaring_a_taken_name_is_refused_not_ignored(tmp_path, monkeypatch):
     """A plugin entry point named like a registered class was silently ignored (the registered
     class served its name), and of two plugins declaring one name the last found won."""
-    _plugin_package(tmp_path, monkeypatch, "rival_widget_pkg",
-                    "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
-                    "    def schedule(self, scheduler, step):\n        pass\n\n\nclass Gadget(Widget):\n    pass\n",
-                    {"rival-widget-a": "builtin = rival_widget_pkg:Widget\ntwice = rival_widget_pkg:Widget\n"
-                                       "own = rival_widget_pkg:Gadget\n",
-                     "rival-widget-b": "twice = rival_widget_pkg:Gadget\n"}, "tests.rival-widgets")
-    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.rival-widgets")
+    reg = _plugin_package(tmp_path, monkeypatch, "rival_widget_pkg",
+                          "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
+                          "    def schedule(self, scheduler, step):\n        pass\n\n\n"
+                          "class Gadget(Widget):\n    pass\n",
+                          {"rival-widget-a": "builtin = rival_widget_pkg:Widget\ntwice = rival_widget_pkg:Widget\n"
+                                             "own = rival_widget_pkg:Gadget\n",
+                           "rival-widget-b": "twice = rival_widget_pkg:Gadget\n"}, "tests.rival-widgets")
 
     @reg.register("builtin")
     class BuiltIn(SchedulerPolicy):
@@ -114,9 +114,9 @@ def test_a_plugin_declaring_a_taken_name_is_refused_not_ignored(tmp_path, monkey
 def test_a_plugin_naming_something_other_than_a_class_of_the_kind_says_which_plugin(tmp_path, monkeypatch):
     """An entry point naming the module (``srpt = my_policies.srpt``, the ``:Class`` forgotten)
     failed with register's TypeError and a traceback, naming no entry point."""
-    _plugin_package(tmp_path, monkeypatch, "odd_widget_pkg", "class NotAWidget:\n    pass\n",
-                    {"odd-widget": "module = odd_widget_pkg\nother = odd_widget_pkg:NotAWidget\n"}, "tests.odd-widgets")
-    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.odd-widgets")
+    reg = _plugin_package(tmp_path, monkeypatch, "odd_widget_pkg", "class NotAWidget:\n    pass\n",
+                          {"odd-widget": "module = odd_widget_pkg\nother = odd_widget_pkg:NotAWidget\n"},
+                          "tests.odd-widgets")
     with pytest.raises(ValueError, match=r"widget plugin 'module' \(odd_widget_pkg\) is <module 'odd_widget_pkg'.*, "
                                          r"not a subclass of SchedulerPolicy: its entry point must name the class"):
         reg.get("module")
@@ -299,10 +299,9 @@ def test_refresh_plugins_loads_a_package_installed_editable_in_this_interpreter(
 def test_a_plugin_whose_module_is_missing_is_an_unavailable_part_not_a_traceback(tmp_path, monkeypatch):
     """An entry point naming a module not installed here (a package uninstalled, a typo) is an unavailable part,
     which the command line reports in one line; a defect inside the plugin keeps its traceback."""
-    _plugin_package(tmp_path, monkeypatch, "faulty_widget_pkg", "raise ZeroDivisionError('in the plugin')\n",
-                    {"gone-widget": "gone = no_such_widget_pkg:Widget\nfaulty = faulty_widget_pkg:Widget\n"},
-                    "tests.gone-widgets")
-    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.gone-widgets")
+    reg = _plugin_package(tmp_path, monkeypatch, "faulty_widget_pkg", "raise ZeroDivisionError('in the plugin')\n",
+                          {"gone-widget": "gone = no_such_widget_pkg:Widget\nfaulty = faulty_widget_pkg:Widget\n"},
+                          "tests.gone-widgets")
     with pytest.raises(UnavailableError, match=r"widget plugin 'gone' \(no_such_widget_pkg:Widget\) cannot be "
                                                r"imported: No module named 'no_such_widget_pkg'; install its package"):
         reg.get("gone")
@@ -314,10 +313,10 @@ def test_a_plugin_whose_module_is_missing_is_an_unavailable_part_not_a_traceback
 def test_a_plugin_naming_a_missing_or_abstract_class_is_one_line_naming_it(tmp_path, monkeypatch):
     """A typo in the class name (the module fine) and a class missing a method of the interface are one-line
     errors naming the plugin, before any run."""
-    _plugin_package(tmp_path, monkeypatch, "half_widget_pkg",
-                    "from framework import SchedulerPolicy\n\n\nclass Half(SchedulerPolicy):\n    pass\n",
-                    {"half-widget": "typo = half_widget_pkg:Hlaf\nhalf = half_widget_pkg:Half\n"}, "tests.half-widgets")
-    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.half-widgets")
+    reg = _plugin_package(tmp_path, monkeypatch, "half_widget_pkg",
+                          "from framework import SchedulerPolicy\n\n\nclass Half(SchedulerPolicy):\n    pass\n",
+                          {"half-widget": "typo = half_widget_pkg:Hlaf\nhalf = half_widget_pkg:Half\n"},
+                          "tests.half-widgets")
     with pytest.raises(UnavailableError, match=r"^widget plugin 'typo' \(half_widget_pkg:Hlaf\): half_widget_pkg "
                                                r"has no Hlaf$"):
         reg.get("typo")
@@ -326,9 +325,9 @@ def test_a_plugin_naming_a_missing_or_abstract_class_is_one_line_naming_it(tmp_p
         reg.get("half")
 
 
-def _plugin_package(tmp_path, monkeypatch, package: str, source: str, dists: dict[str, str], group: str) -> None:
+def _plugin_package(tmp_path, monkeypatch, package: str, source: str, dists: dict[str, str], group: str) -> Registry:
     """Put ``package`` (its ``__init__`` is ``source``) on the path, with a distribution per ``dists`` item
-    (name: its entry points' lines in ``group``), as installed plugins are."""
+    (name: its entry points' lines in ``group``), as installed plugins are; returns a widget registry of ``group``."""
     pkg = tmp_path / package
     pkg.mkdir()
     (pkg / "__init__.py").write_text(source)
@@ -339,6 +338,7 @@ def _plugin_package(tmp_path, monkeypatch, package: str, source: str, dists: dic
         (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, package, raising=False)
+    return Registry("widget", SchedulerPolicy, entry_point_group=group)
 
 
 def test_register_without_a_name_takes_the_class_name_attribute():
@@ -436,29 +436,27 @@ def test_a_node_naming_a_class_by_target_is_refused():
 
 
 def test_one_plugin_found_twice_on_the_path_is_no_rival(tmp_path, monkeypatch):
-    _plugin_package(tmp_path, monkeypatch, "twin_widget_pkg",
-                    "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
-                    "    def schedule(self, scheduler, step):\n        pass\n",
-                    {"twin-widget": "twin = twin_widget_pkg:Widget\n", "twin-widget-copy": "twin = twin_widget_pkg:Widget\n"},
-                    "tests.twin-widgets")
-    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.twin-widgets")
+    reg = _plugin_package(tmp_path, monkeypatch, "twin_widget_pkg",
+                          "from framework import SchedulerPolicy\n\n\nclass Widget(SchedulerPolicy):\n"
+                          "    def schedule(self, scheduler, step):\n        pass\n",
+                          {"twin-widget": "twin = twin_widget_pkg:Widget\n",
+                           "twin-widget-copy": "twin = twin_widget_pkg:Widget\n"},
+                          "tests.twin-widgets")
     assert reg.list() == ["twin"] and "twin" in reg
     assert reg.get("twin").__name__ == "Widget"
 
 
 def test_a_plugin_whose_import_fails_on_a_missing_name_is_unavailable(tmp_path, monkeypatch):
-    _plugin_package(tmp_path, monkeypatch, "stale_widget_pkg", "from json import no_such_name\n",
-                    {"stale-widget": "stale = stale_widget_pkg:Widget\n"}, "tests.stale-widgets")
-    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.stale-widgets")
+    reg = _plugin_package(tmp_path, monkeypatch, "stale_widget_pkg", "from json import no_such_name\n",
+                          {"stale-widget": "stale = stale_widget_pkg:Widget\n"}, "tests.stale-widgets")
     with pytest.raises(UnavailableError, match=r"widget plugin 'stale' \(stale_widget_pkg:Widget\) cannot be imported: "
                                                r".*no_such_name"):
         reg.get("stale")
 
 
 def test_a_plugin_that_fails_to_load_cannot_take_a_registered_name(tmp_path, monkeypatch):
-    _plugin_package(tmp_path, monkeypatch, "broken_widget_pkg", "raise RuntimeError('broken')\n",
-                    {"broken-widget": "taken = broken_widget_pkg:Widget\n"}, "tests.broken-widgets")
-    reg = Registry("widget", SchedulerPolicy, entry_point_group="tests.broken-widgets")
+    reg = _plugin_package(tmp_path, monkeypatch, "broken_widget_pkg", "raise RuntimeError('broken')\n",
+                          {"broken-widget": "taken = broken_widget_pkg:Widget\n"}, "tests.broken-widgets")
 
     @reg.register("taken")
     class Taken(SchedulerPolicy):

@@ -1,7 +1,6 @@
 import re
 
 import numpy as np
-
 import pytest
 
 from framework.common.sampling_params import RequestOutputKind, SamplingParams

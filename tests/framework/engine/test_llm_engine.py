@@ -8,6 +8,7 @@ from framework import LLM, EngineConfig, LLMEngine, SamplingParams, UnknownNameE
 from framework.common.clock import VirtualClock
 from framework.common.registry import BadOptionsError
 from framework.common.request import Request, RequestStatus
+from framework.common.sampling_params import RequestOutputKind
 from framework.engine.output_processor import OutputProcessor
 from framework.testing.parity import hf_greedy
 from tests.conftest import step_through_interrupts
@@ -521,8 +522,6 @@ def test_stop_token_and_eos():
 
 
 def test_a_delta_request_aborted_after_streaming_ends_with_an_abort():
-    from framework.common.sampling_params import RequestOutputKind
-
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128))
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                                       output_kind=RequestOutputKind.DELTA))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from framework import EXECUTORS, LLM, PREPARERS, LLMEngine, SamplingParams
+from framework.common.sampling_params import RequestOutputKind
 from framework.execution.executors.model import ModelExecutor
 from framework.testing.registries import forget_registrations
 
@@ -223,8 +224,6 @@ def sampled_until_different_steps(**params):
 
 
 def test_a_final_only_request_of_two_samples_gives_one_output_once_both_finished():
-    from framework.common.sampling_params import RequestOutputKind
-
     engine = sampled_until_different_steps(output_kind=RequestOutputKind.FINAL_ONLY)
     outputs = []
     while engine.has_unfinished_requests():

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from framework.execution.input_preparer import Penalties, SamplingMetadata
 from framework.execution.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
@@ -46,8 +47,6 @@ def test_sampling_at_a_temperature_follows_the_scaled_distribution(temperature):
 
 
 def test_filters_on_tied_probabilities_keep_what_transformers_keeps():
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-
     tied = torch.zeros(1, 4)  # four tokens of 0.25: p=0.5 is reached by two of them
     assert torch.isfinite(apply_top_p(tied, torch.tensor([0.5]))).sum() == 2
     assert torch.isfinite(TopPLogitsWarper(0.5)(None, tied.clone())).sum() == 2

@@ -77,14 +77,20 @@ def test_a_wall_clock_waits_for_arrivals():
     assert b.first_scheduled_time >= b.arrival_time
 
 
-def test_an_interrupt_stops_aborts_the_rest_and_frees_every_block():
+def interrupted_at_step(step: int):
+    """A model engine on a virtual clock whose step ``step`` ends in a Ctrl-C, and that step callback."""
     engine = timed_model_engine(VirtualClock())
 
-    def stop_at_step_4(stats, out):
-        if stats.step == 4:
+    def stop(stats, out):
+        if stats.step == step:
             raise KeyboardInterrupt
 
-    engine.step_callbacks.append(stop_at_step_4)
+    engine.step_callbacks.append(stop)
+    return engine, stop
+
+
+def test_an_interrupt_stops_aborts_the_rest_and_frees_every_block():
+    engine, stop_at_step_4 = interrupted_at_step(4)
     finished = []
     result = Cluster([engine]).run([req(0.0, "r1", 8, 1), req(0.0, "r2", 8, 20), req(0.05, "r3", 8, 20),
                                     req(100.0, "r9", 8)], on_output=lambda i, o: finished.append(o.request_id))
@@ -96,13 +102,7 @@ def test_an_interrupt_stops_aborts_the_rest_and_frees_every_block():
 
 
 def test_an_interrupt_lists_the_unfinished_requests_in_numeric_order():
-    engine = timed_model_engine(VirtualClock())
-
-    def stop_at_step_2(stats, out):
-        if stats.step == 2:
-            raise KeyboardInterrupt
-
-    engine.step_callbacks.append(stop_at_step_2)
+    engine, _ = interrupted_at_step(2)
     result = Cluster([engine]).run([req(0.0, f"r{k}", 8, 20) for k in (8, 9, 10, 11)])
     assert result.interrupted and result.unfinished == ["r8", "r9", "r10", "r11"]
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from framework.common.config import EngineConfig
+from framework.engine.llm_engine import LLMEngine
 from tests.framework.server.support import API_KEY, ThreadServer, chat_checkpoint
 
 
@@ -38,8 +40,5 @@ def client(server, chat_ckpt):
 @pytest.fixture
 def engine(chat_ckpt):
     """An engine of its own (no server), as the server builds it."""
-    from framework.common.config import EngineConfig
-    from framework.engine.llm_engine import LLMEngine
-
     return LLMEngine(EngineConfig(model=str(chat_ckpt), backend="naive", max_model_len=256,
                                   max_num_batched_tokens=256))

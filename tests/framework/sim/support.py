@@ -5,6 +5,8 @@ from pathlib import Path
 
 import yaml
 
+from framework import EngineConfig
+from framework.harness.cluster import Cluster
 from framework.harness.workload import WorkloadContext, WorkloadRequest, create_workload
 
 CHAT = yaml.safe_load((Path(__file__).resolve().parents[3] / "conf" / "workload" / "chat.yaml").read_text())
@@ -34,9 +36,6 @@ class RunCounter:
 def serve_cluster(requests: list[WorkloadRequest], fast_forward: bool, callbacks=(), **config) -> tuple[list, float]:
     """A simulated ``llama-3-8b`` on an H100 serving ``requests`` through ``Cluster.run`` (as a run does): each
     request's (id, tokens, TTFT, TPOT, finish reason), sorted, and the clock at the end."""
-    from framework import EngineConfig
-    from framework.harness.cluster import Cluster
-
     cluster = Cluster.build(EngineConfig(model="llama-3-8b", executor="sim", **config,
                                          executor_options={"hardware": "h100-sxm", "fast_forward": fast_forward}))
     for engine in cluster.engines:

@@ -2,6 +2,8 @@
 laid out prefills first, with the SequenceGroupMetadata v0's scheduler would have built."""
 import numpy as np
 
+from framework import LLM, SamplingParams
+from framework.execution.preparers.v0 import SequenceGroupPreparer
 from tests.framework.execution.preparers.support import (assert_equivalent, make_req, preparer_pair, schedule, seed_000_requests,
                                                seed_000_step_2)
 
@@ -100,9 +102,6 @@ def test_prefix_cache_hit_is_a_computed_block_and_the_chunk_starts_after_it():
 
 
 def test_the_v0_preparer_lets_go_of_every_finished_requests_group():
-    from framework import LLM, SamplingParams
-    from framework.execution.preparers.v0 import SequenceGroupPreparer
-
     llm = LLM(model="tiny-llama", preparer="v0", max_model_len=64)
     preparer = llm.engine.executor.runner.preparer
     assert isinstance(preparer, SequenceGroupPreparer)

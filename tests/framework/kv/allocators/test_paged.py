@@ -134,7 +134,7 @@ def test_an_uncached_free_block_is_handed_out_before_the_cached_ones():
         compute(alloc, r, 2)
         held.append(r.block_ids[0])
         alloc.free(r)  # three cached free blocks, least recently used first
-    alloc.uncache([held[2]])  # as a failed step does: the block no longer holds what its hash says
+    alloc.uncache([held[2]])  # as a failed step does: the block's contents and its hash disagree
     n = req("n", [7, 7, 7])
     compute(alloc, n, 1)
     assert n.block_ids == [held[2]] and alloc.stats.evictions == 0
