@@ -74,6 +74,17 @@ def test_a_stop_string_cuts_the_greedy_output_where_the_reference_finds_it(setup
         assert out.token_ids == greedy[:1]
 
 
+@pytest.mark.parametrize("stop", [None, "zz"], ids=["plain", "stop-string"])
+def test_a_prompt_ending_in_special_tokens_still_gives_the_outputs_leading_space(setup, stop):
+    # A chat-style prompt ending in "</s><s>": decoded alone after those tokens, which decoding skips,
+    # the output would lose the space the full decode puts between the prompt's last word and it.
+    llm, tok, prompt, _, _ = setup
+    ended = prompt + [tok.eos_token_id, tok.bos_token_id]
+    out = llm.generate(ended, greedy_params(stop=stop))[0].outputs[0]
+    text = reference(tok, ended, out.token_ids, [])[0]
+    assert text.startswith(" ") and out.text == text
+
+
 def test_of_several_stop_strings_the_earliest_in_the_text_ends_it(setup):
     llm, tok, prompt, greedy, text = setup
     late, early = word_span(text, 4, 5), word_span(text, 1, 2)

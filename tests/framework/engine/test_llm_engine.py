@@ -532,6 +532,20 @@ def test_a_delta_request_aborted_after_streaming_ends_with_an_abort():
     assert last.finished and [(c.token_ids, c.finish_reason) for c in last.outputs] == [([], "abort")]
 
 
+def test_a_delta_request_finished_by_a_final_only_step_gets_its_whole_output_and_its_id_streams_afresh():
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_model_len=128))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("r", [5, 6, 7], params)
+    streamed = [t for _ in range(2) for o in engine.step() for t in o.outputs[0].token_ids]
+    final = [o for _ in range(5) for o in engine.step(final_only=True)]
+    (whole,) = final
+    assert len(streamed) == 2 and whole.finished
+    assert whole.outputs[0].token_ids[:2] == streamed and len(whole.outputs[0].token_ids) == 5
+    engine.add_request("r", [5, 6, 7], params)
+    again = [t for _ in range(5) for o in engine.step() for t in o.outputs[0].token_ids]
+    assert again == whole.outputs[0].token_ids and not engine.has_unfinished_requests()
+
+
 def test_generation_stops_at_max_model_len():
     llm = small_llm(max_model_len=32, max_num_batched_tokens=32)
     out = llm.generate({"prompt_token_ids": list(range(3, 3 + 28))},

@@ -183,3 +183,15 @@ def test_simulated_executor_refuses_prompt_logprobs():
                                          r"\(SamplingParams.prompt_logprobs=0\)"):
         engine.add_request("a", [5, 6], SamplingParams(prompt_logprobs=0))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_request_aborted_mid_prompt_ends_without_a_partial_list(llama_ckpt):
+    path, _ = llama_ckpt
+    engine = LLMEngine(model=str(path), backend="naive", policy="chunked", max_model_len=64,
+                       max_num_batched_tokens=16, max_num_seqs=4, check_invariants=True)
+    engine.add_request("r", list(range(5, 45)), SamplingParams(max_tokens=4, prompt_logprobs=1))
+    assert engine.step() == []
+    assert engine.scheduler.requests["r"].prompt_logprobs, "the first chunk's logprobs were computed"
+    engine.abort_request("r")
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].finish_reason == "abort" and out.prompt_logprobs is None

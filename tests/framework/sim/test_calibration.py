@@ -44,6 +44,23 @@ def test_fit_of_a_max_of_linear_model_recovers_its_parameters():
     assert theta == pytest.approx([3.0, 2.0, 0.5], rel=1e-6)
 
 
+def test_more_alternations_never_fit_worse_even_when_the_leg_choices_cycle():
+    # Random max-of-linear problems where the model cannot fit the times exactly, so the
+    # alternation between leg choices and solves may wander off its best iterate.
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        rows = [(0.0, [[(int(i), float(rng.uniform(0.1, 2))) for i in rng.choice(3, 2, replace=False)]
+                       for _ in range(rng.integers(1, 3))]) for _ in range(rng.integers(2, 5))]
+        times = rng.uniform(0.5, 3, len(rows))
+        start = list(rng.uniform(0.1, 2, 3))
+
+        def error(theta):
+            return sum((predict(o, g, theta) / t - 1) ** 2 for (o, g), t in zip(rows, times))
+
+        first = fit_max_linear(rows, times, start, [0.0] * 3, max_iter=1)
+        assert error(fit_max_linear(rows, times, start, [0.0] * 3)) <= error(first) * (1 + 1e-12)
+
+
 TRUTH = dict(matmul_efficiency=0.3, memory_efficiency=0.9, attention_efficiency=0.05, kv_efficiency=0.4,
              step_overhead_us=800.0, seq_overhead_us=30.0, token_overhead_us=2.0)
 
