@@ -19,16 +19,24 @@ CASES = {
     "yarn-mscale-without-all-dim": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
                                     "mscale": 1.0},
     "yarn-untruncated": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "truncate": False},
+    # A base this low puts the slow correction dimension past the last one.
+    "yarn-low-theta": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10.0},
 }
+
+
+def scaling_and_theta(case):
+    """``CASES[case]``'s scaling without its base, and the base (50000 unless it gives one)."""
+    scaling = dict(CASES[case])
+    return scaling, scaling.pop("rope_theta", 50000.0)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_scaled_rope_matches_transformers(case):
-    scaling = CASES[case]
+    scaling, theta = scaling_and_theta(case)
     cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=2048,
-                                   rope_parameters={"rope_theta": 50000.0, **scaling})
+                                   rope_parameters={"rope_theta": theta, **scaling})
     ref_freq, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
-    freq, scale = rope_inv_freq(64, 50000.0, scaling, 2048)
+    freq, scale = rope_inv_freq(64, theta, scaling, 2048)
     torch.testing.assert_close(freq, ref_freq, rtol=0, atol=0)
     assert math.isclose(scale, ref_scale)
 
@@ -82,10 +90,10 @@ def test_half_precision_tables_are_the_float32_tables_rounded(dtype):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cos_and_sin_tables_equal_transformers_rotary_embedding(case):
-    scaling = CASES[case]
+    scaling, theta = scaling_and_theta(case)
     cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=2048,
-                                   rope_parameters={"rope_theta": 50000.0, **scaling})
+                                   rope_parameters={"rope_theta": theta, **scaling})
     cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 512, 64), torch.arange(512)[None])
-    ours = RotaryEmbedding(64, 512, 50000.0, scaling, 2048, torch.float32)
+    ours = RotaryEmbedding(64, 512, theta, scaling, 2048, torch.float32)
     torch.testing.assert_close(ours.cos, cos[0, :, :32], rtol=0, atol=0)
     torch.testing.assert_close(ours.sin, sin[0, :, :32], rtol=0, atol=0)
