@@ -29,6 +29,17 @@ def test_blocks_held_outside_any_request_are_a_leak():
     engine.allocator.free(stray)  # or this test's own engine would fail the suite's check too
 
 
+def test_a_single_block_held_is_a_leak():
+    engine = shadow_engine("chunked", num_blocks=20)
+    stray = Request("stray", [3, 4], SamplingParams(max_tokens=1), arrival_time=0.0)
+    assert engine.allocator.allocate_slots(stray, 2)
+    try:
+        with pytest.raises(AssertionError, match="KV blocks leaked: 1 of 19 still held"):
+            assert_no_kv_leaks(engine)
+    finally:
+        engine.allocator.free(stray)
+
+
 def test_leaving_the_block_restores_engine_construction_and_checks_every_engine_built():
     init = LLMEngine.__init__
     with pytest.raises(AssertionError, match="KV blocks leaked"):

@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 
 from backends.naive import NaiveBackend
-from framework import BACKENDS
-from framework.testing.parity import check_greedy_parity, hf_greedy
+from framework import BACKENDS, SamplingParams
+from framework.common.request import Request
+from framework.testing import parity
+from framework.testing.parity import MAX_TOKENS, check_greedy_parity, hf_greedy, run_parity_workload
 
 
 class _LeakyPrefill(NaiveBackend):
@@ -54,3 +56,32 @@ def test_hf_greedy_runs_its_tokens_past_eos_and_leaves_the_models_eos_as_it_was(
         model.generation_config.eos_token_id = eos
     hf_greedy(model, prompt, 2)
     assert model.generation_config.eos_token_id == eos
+
+
+@pytest.fixture
+def served(llama_ckpt, monkeypatch):
+    """The parity workload served once; ``check_greedy_parity`` is then handed that run, as altered by the test."""
+    llm, prompts, outs, stats = run_parity_workload(llama_ckpt[0])
+    monkeypatch.setattr(parity, "run_parity_workload", lambda path, **options: (llm, prompts, outs, stats))
+    return llm, outs
+
+
+def test_an_output_longer_than_transformers_is_named_at_its_first_extra_token(llama_ckpt, served):
+    path, model = llama_ckpt
+    _, outs = served
+    outs[3].outputs[0].token_ids = [*outs[3].outputs[0].token_ids, 5]
+    first_extra = rf"prompt 3 \(\d+ tokens\): first difference at output token {MAX_TOKENS}:"
+    with pytest.raises(AssertionError, match=first_extra):
+        check_greedy_parity(path, model)
+
+
+def test_a_kv_block_left_held_fails_parity(llama_ckpt, served):
+    path, model = llama_ckpt
+    allocator = served[0].engine.allocator
+    stray = Request("stray", [3, 4], SamplingParams(max_tokens=1), arrival_time=0.0)
+    assert allocator.allocate_slots(stray, 2)
+    try:
+        with pytest.raises(AssertionError, match="KV blocks leaked"):
+            check_greedy_parity(path, model)
+    finally:
+        allocator.free(stray)
