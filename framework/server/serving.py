@@ -38,6 +38,10 @@ class Serving:
 
     def token_ids(self, prompt: str | list[int]) -> list[int]:
         """A text or token-id prompt's ids; APIError (400) naming what is wrong with it."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            # The engine's message names the Python API's prompt_token_ids, a field /v1/completions does not have.
+            raise APIError(f"model {self.model_name!r} has no tokenizer, so a text prompt cannot be encoded; send "
+                           "\"prompt\" as a list of token ids", param="prompt")
         try:
             ids, _ = self.engine.tokenize(prompt)
         except ValueError as exc:

@@ -4,11 +4,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
+from framework import EngineConfig, LLMEngine
 from framework.common.outputs import Logprob
 from framework.server.completions import _logprobs
-from framework.server.engine_loop import EngineDeadError
+from framework.server.engine_loop import EngineDeadError, EngineLoop
 from framework.server.errors import APIError
-from framework.server.serving import sse_events
+from framework.server.serving import Serving, sse_events
 
 
 def events(*items, last=None) -> list:
@@ -45,3 +48,12 @@ def test_an_impossible_token_is_sent_with_vllms_finite_logprob():
     got, _ = _logprobs([entry], [5], None, 0)
     json.dumps(got, allow_nan=False)
     assert got["token_logprobs"] == [-9999.0] and got["top_logprobs"] == [{"w5": -9999.0, "w6": -0.5}]
+
+
+def test_a_text_prompt_to_a_model_without_a_tokenizer_is_told_to_send_token_ids():
+    serving = Serving(EngineLoop(LLMEngine(EngineConfig(model="tiny-llama", max_model_len=64))), "tiny-llama")
+    with pytest.raises(APIError, match=r'no tokenizer, so a text prompt cannot be encoded; send "prompt" as a list '
+                                       r'of token ids') as refused:
+        serving.token_ids("Hello")
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+    assert serving.token_ids([5, 6, 7]) == [5, 6, 7]
