@@ -41,6 +41,17 @@ def restore_hydra_reports() -> bool:
     return was
 
 
+#: The groups conf/config.yaml leaves out (or sets to null): setting one's key without choosing it first is a
+#: mistake worth its own hint rather than a list of the root's keys.
+_UNSELECTED_GROUPS = {
+    "policy": "add +policy=NAME first (FCFS applies when none is given: +policy=fcfs policy.KEY=VALUE)",
+    "executor": "add executor=model (the real forward pass, the default) or executor=sim first",
+    "cost_model": "cost models time simulated steps: add executor=sim first",
+    "hardware": "add +hardware=NAME and executor=sim first",
+    "cluster": "add +cluster=NAME and executor=sim first",
+}
+
+
 def hydra_error_line(exc: BaseException) -> str:
     """Hydra's composition error ``exc`` in one line: an unknown key with its node's keys and the nearest of them, a
     missing group option with the group's options, else Hydra's lines and their cause's first; no search path."""
@@ -57,6 +68,8 @@ def hydra_error_line(exc: BaseException) -> str:
             # A part without a config file (a plugin's, or one registered in code) holds its name alone.
             plus = f"; options of a part without a config file are added: +{node}.{key}=VALUE" \
                 if valid == ["name"] and node else ""
+            if not node and key in _UNSELECTED_GROUPS:  # an option of a group the defaults leave out
+                return f"config: no {key} is selected, so {key}.* cannot be set: {_UNSELECTED_GROUPS[key]}"
             return (f"{node or 'config'}: unknown key {key}{f' (did you mean {near[0]}?)' if near else ''}; "
                     f"valid: {', '.join(valid)}{plus}")
     parts: list[str] = []
@@ -71,7 +84,13 @@ def hydra_error_line(exc: BaseException) -> str:
             parts.append(line.strip().rstrip("."))
     if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
         parts.append(str(cause).strip().splitlines()[0])  # what Hydra prints under its own message
-    return "; ".join(parts).removeprefix("In 'config': ")
+    line = "; ".join(parts).removeprefix("In 'config': ")
+    if "Could not find 'hydra/launcher/ray'" in line:  # --help lists it; its plugin comes with the cluster extra
+        line += "; the ray launcher comes with the cluster extra: pip install '.[cluster]'"
+    if "Could not find 'model/" in line:  # model= picks a config file; presets and checkpoints go in model.name
+        line += ("; a preset (tiny-mistral, small-llama, llama-3-8b, ...) or a checkpoint directory goes in "
+                 "model.name=NAME")
+    return line
 
 
 def legacy_overrides(argv: list[str]) -> list[str]:

@@ -366,6 +366,11 @@ def test_cli_prints_configuration_errors_cleanly(tmp_path):
     (["engine.bogus=1"], r"(?m)^error: engine: unknown key bogus; valid: block_size, .*swap_space$"),
     (["engine.max_num_seq=8"], r"(?m)^error: engine: unknown key max_num_seq \(did you mean max_num_seqs\?\); valid: "),
     (["backend.bogus=1"], r"(?m)^error: backend: unknown key bogus; valid: decode_kernel, name, prefill_kernel$"),
+    # A key of a group the defaults leave out says which option to add, not the root's keys.
+    (["policy.preemption_mode=swap"], r"(?m)^error: config: no policy is selected, so policy\.\* cannot be set: add "
+                                      r"\+policy=NAME first"),
+    (["cluster.num_replicas=8"], r"(?m)^error: config: no cluster is selected, .*\+cluster=NAME"),
+    (["model=llama-3-8b"], r"(?m)^error: Could not find 'model/llama-3-8b'; .*goes in model\.name=NAME$"),
     # A node with no keys (null by default) keeps Hydra's advice; a wrapped error keeps its cause.
     (["workload.shared_prefix.fraction=0.5"], r"(?m)^error: Could not override 'workload.shared_prefix.fraction'; To "
                                               r"append to your config use \+workload.shared_prefix.fraction=0.5; "),
