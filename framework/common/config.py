@@ -1,6 +1,9 @@
 """Engine configuration: one dataclass, keyword names as in vLLM's ``LLM(...)``."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import math
 import numbers
 import os
@@ -8,13 +11,38 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 
 #: The engine's pluggable parts, each an ``EngineConfig`` field naming a registered implementation.
 PART_NAMES = ("policy", "backend", "allocator", "preparer", "executor")
 
+_Cls = TypeVar("_Cls", bound=type)
 
+
+def names_valid_keywords(cls: _Cls) -> _Cls:
+    """``cls`` (a dataclass) whose constructor answers an unknown keyword argument with a TypeError naming the
+    nearest field and every field, in one line, as the command line's unknown keys are answered."""
+    init = cls.__init__
+    valid = [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except TypeError:
+            unknown = [name for name in kwargs if name not in valid]
+            if not unknown:
+                raise
+            near = difflib.get_close_matches(unknown[0], valid, n=1)
+            raise TypeError(f"{cls.__name__} has no option {unknown[0]!r}"
+                            f"{f' (did you mean {near[0]}?)' if near else ''}; options: {', '.join(valid)}") from None
+
+    cls.__init__ = __init__
+    return cls
+
+
+@names_valid_keywords
 @dataclass
 class EngineConfig:
     """Everything that shapes one engine instance.

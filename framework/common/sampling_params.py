@@ -7,7 +7,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from framework.common.config import is_finite_number, is_int
+from framework.common.config import is_finite_number, is_int, names_valid_keywords
 
 
 #: float32's smallest normal and largest finite magnitudes: a number between them keeps its value's sign.
@@ -35,6 +35,7 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@names_valid_keywords
 @dataclass
 class SamplingParams:
     """How to sample one request's continuation.

@@ -84,3 +84,13 @@ def test_a_setting_just_outside_its_valid_values_is_refused_naming_it(kwargs, me
 def test_the_ends_of_each_valid_range_are_taken(kwargs):
     config = EngineConfig(**kwargs)
     assert all(getattr(config, key) == value for key, value in kwargs.items())
+
+
+def test_an_unknown_engine_option_is_answered_with_the_nearest_and_every_option():
+    with pytest.raises(TypeError) as refused:
+        EngineConfig(model="tiny-llama", max_num_seq=4)
+    message = str(refused.value)
+    assert message.startswith("EngineConfig has no option 'max_num_seq' (did you mean max_num_seqs?); options: model, ")
+    assert "\n" not in message and "async_scheduling" in message
+    with pytest.raises(TypeError, match=r"^EngineConfig has no option 'zzz'; options: "):
+        EngineConfig(zzz=1)

@@ -95,3 +95,11 @@ def test_numpy_logprob_counts_become_ints():
 def test_any_one_penalty_on_makes_the_request_penalized(penalty, value):
     assert SamplingParams(**{penalty: value}).penalized
     assert not SamplingParams().penalized
+
+
+def test_an_unknown_sampling_option_is_answered_with_the_nearest_and_every_option():
+    with pytest.raises(TypeError, match=r"^SamplingParams has no option 'max_token' \(did you mean max_tokens\?\); "
+                                        r"options: n, max_tokens, .*prompt_logprobs$"):
+        SamplingParams(max_token=3)
+    with pytest.raises(ValueError, match="max_tokens"):  # a known option's bad value keeps its own error
+        SamplingParams(max_tokens=0)
