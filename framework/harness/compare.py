@@ -623,7 +623,8 @@ def _pooled_latencies(runs: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", help="run directories, multirun trees, or folders holding them")
-    parser.add_argument("--out", help="where to write the table and plots")
+    parser.add_argument("--out", help="where to write the table and plots (default: the one folder given, "
+                        "else ./comparison)")
     parser.add_argument("--x", default="workload.rate", help="config key on the x axis (default: workload.rate)")
     parser.add_argument("--label", help="comma-separated config keys that name a configuration")
     args = parser.parse_args(argv)

@@ -6,13 +6,13 @@ from pathlib import Path
 from typing import Any
 
 
-def simulated_note(summary: dict[str, Any]) -> str | None:
-    """The line saying a simulated run's times are simulated; None for a real run. A simulated executor names
-    its device (``hardware``) in the summary, a real one does not."""
+def simulated_note(summary: dict[str, Any], progress: bool = True) -> str | None:
+    """The line saying a simulated run's times are simulated (and, with a ``progress`` bar, that its rate was not);
+    None for a real run. A simulated executor names its device (``hardware``) in the summary, a real one does not."""
     if summary.get("hardware") is None:
         return None
-    return (f"simulated run ({summary['hardware']}): its durations, latencies and throughputs are simulated "
-            f"seconds; the progress bar's req/s was wall-clock")
+    bar = "; the progress bar's req/s was wall-clock" if progress else ""
+    return f"simulated run ({summary['hardware']}): its durations, latencies and throughputs are simulated seconds{bar}"
 
 
 def wandb_sync_line(run_dir: Path) -> str | None:
@@ -21,7 +21,7 @@ def wandb_sync_line(run_dir: Path) -> str | None:
     return f"upload to W&B with: wandb sync {runs[-1]}" if runs else None
 
 
-def finished_lines(run_dir: Path, summary: dict[str, Any]) -> list[str]:
-    """The lines printed after a run's summary table."""
-    lines = [note for note in (simulated_note(summary), wandb_sync_line(run_dir)) if note]
+def finished_lines(run_dir: Path, summary: dict[str, Any], progress: bool = True) -> list[str]:
+    """The lines printed after a run's summary table (``progress``: whether a progress bar was shown)."""
+    lines = [note for note in (simulated_note(summary, progress), wandb_sync_line(run_dir)) if note]
     return [*lines, f"results: {run_dir}"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from framework.common.registry import split_spec
 from framework.common.request import Request
 from framework.scheduling.output import SchedulerOutput
 from models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
 
 
 @EXECUTORS.register("sim")
@@ -112,6 +115,9 @@ class SimExecutor(Executor):
     def initialize(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
+        logger.info("KV cache (simulated, %s, per device): %d blocks x %d tokens (%.1f MiB), swap space %d blocks",
+                    self.hardware.name, num_blocks, self.config.block_size, num_blocks * self.bytes_per_block / 2**20,
+                    num_cpu_blocks)
 
     # -- steps -----------------------------------------------------------------------------------
     def token_for(self, request: Request) -> int:

@@ -18,6 +18,11 @@ def test_a_simulated_offline_wandb_run_says_its_times_are_simulated_and_how_to_u
     assert lines[1:] == [f"upload to W&B with: wandb sync {offline}", f"results: {tmp_path}"]
 
 
+def test_a_simulated_run_without_a_progress_bar_says_nothing_of_one(tmp_path):
+    (line, _) = finished_lines(tmp_path, {"status": "completed", "hardware": "h100-sxm"}, progress=False)
+    assert line == "simulated run (h100-sxm): its durations, latencies and throughputs are simulated seconds"
+
+
 def test_the_wandb_sync_line_names_the_newest_offline_run(tmp_path):
     runs = [tmp_path / "wandb" / f"offline-run-2026112{i}_120000-{name}" for i, name in ((7, "old"), (9, "new"))]
     for age, run in zip((200, 100), runs):

@@ -40,6 +40,15 @@ def test_kv_blocks_are_what_vllm_leaves_after_weights_and_activations():
     assert h200.allocator.num_blocks > 1.9 * engine.allocator.num_blocks  # 140 GiB, same weights
 
 
+def test_a_simulated_engine_logs_its_kv_cache_as_the_model_executor_does(caplog):
+    with caplog.at_level("INFO", logger="framework.sim.executor"):
+        engine = sim_engine(executor_options={"hardware": "h200", "tensor_parallel_size": 2})
+    block_mib = 16 * 32 * 2 * 4 * 128 * 2 / 2**20  # 16 tokens x 32 layers x K and V x 4 of 8 KV heads x 128 x bf16
+    assert (f"KV cache (simulated, h200, per device): {engine.allocator.num_blocks} blocks x 16 tokens "
+            f"({engine.allocator.num_blocks * block_mib:.1f} MiB), swap space {engine.allocator.num_cpu_blocks} "
+            f"blocks") in caplog.messages
+
+
 def test_under_tensor_parallelism_the_sampling_device_holds_the_whole_vocabularys_logits():
     # Llama-3-8B at TP 2 on A100s: each device holds half the GEMM activations, but the logits
     # are gathered onto the device that samples: 256 rows x 128256 float32, not half of them.
