@@ -18,14 +18,17 @@ def fixed_workload(n=16, seed=0):
             for i in range(n)]
 
 
-def test_the_walkthrough_code_runs(monkeypatch):
+def test_the_walkthrough_code_runs(monkeypatch, tmp_path):
     forget_registrations(monkeypatch, POLICIES)  # its registrations stay here
+    monkeypatch.chdir(tmp_path)  # the notebook's run writes into runs/
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 7
+    assert len(blocks) == 8
     namespace = {}
     for code in blocks:
         exec(compile(code, str(DOC), "exec"), namespace)  # defines, registers, generates
     assert len(namespace["outs"][0].outputs[0].token_ids) == 8
+    summary = namespace["summary"]
+    assert (summary["policy"], summary["completed"]) == ("srpt", 8) and (tmp_path / "runs/srpt/steps.csv").exists()
     namespace["test_srpt_keeps_every_invariant"]()  # the property test the doc proposes
     setup = dict(num_blocks=20, num_cpu_blocks=6, max_num_seqs=4, max_num_batched_tokens=16, threshold=0,
                  prefix_caching=True)
