@@ -161,7 +161,8 @@ def _held_job(cfg: DictConfig, hc: HydraConf, run_dir: Path) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print("\n".join(finished_lines(run_dir, summary, bool(cfg.progress))))  # where the files are; simulated times; wandb sync
+    # Where the files are; whether the times are simulated; the wandb sync line.
+    print("\n".join(finished_lines(run_dir, summary, bool(cfg.progress))))
     if summary.get("interrupted"):
         _job_interrupted = True
         print(f"interrupted: what was measured is in {run_dir}", file=sys.stderr)

@@ -20,7 +20,8 @@ CASES = {
                                     "mscale": 1.0},
     "yarn-untruncated": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "truncate": False},
     # A base this low puts the slow correction dimension past the last one.
-    "yarn-low-theta": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10.0},
+    "yarn-low-theta": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                       "rope_theta": 10.0},
 }
 
 

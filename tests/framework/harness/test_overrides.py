@@ -40,6 +40,6 @@ def test_the_ray_launcher_missing_says_which_extra_brings_it():
     missing = MissingConfigException("In 'hydra/config': Could not find 'hydra/launcher/ray'\n\nAvailable options in "
                                      "'hydra/launcher':\n\tbasic\n\tjoblib\nConfig search path:\n\tprovider=hydra",
                                      missing_cfg_file="hydra/launcher/ray")
-    assert hydra_error_line(missing) == ("In 'hydra/config': Could not find 'hydra/launcher/ray'; Available options in "
-                                         "'hydra/launcher': basic, joblib; the ray launcher comes with the cluster extra: "
-                                         "pip install '.[cluster]'")
+    assert hydra_error_line(missing) == (
+        "In 'hydra/config': Could not find 'hydra/launcher/ray'; Available options in 'hydra/launcher': basic, joblib; "
+        "the ray launcher comes with the cluster extra: pip install '.[cluster]'")

@@ -270,7 +270,8 @@ def test_a_runs_latency_cdfs_draw_a_line_per_priority(drawn, tmp_path):
         assert [line.get_label() for line in ax.get_lines()] == ["priority 0", "priority 1"]
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["priority 0", "priority 1"]
     low, high = drawn[0].axes[0].get_lines()
-    assert list(low.get_xdata()) == pytest.approx([10.0, 30.0]) and list(high.get_xdata()) == pytest.approx([20.0, 40.0])
+    assert list(low.get_xdata()) == pytest.approx([10.0, 30.0])
+    assert list(high.get_xdata()) == pytest.approx([20.0, 40.0])
 
 
 def test_a_clusters_timeline_sums_its_replicas_queues_per_time_bin(drawn, tmp_path):
