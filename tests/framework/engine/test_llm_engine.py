@@ -318,6 +318,18 @@ def test_a_numpy_seed_samples_as_the_same_int_seed(n):
     assert numpy_seeded == int_seeded
 
 
+@pytest.mark.parametrize("seed", [-1, np.int64(-1)])
+def test_a_seed_of_minus_one_samples_unseeded_as_vllm(seed):
+    assert SamplingParams(seed=seed).seed is None
+    outputs = []
+    for given in (None, seed):  # each from a fresh engine of the same engine seed
+        params = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=given, ignore_eos=True)
+        outputs.append([c.token_ids for c in small_llm().generate([[4, 5, 6]], params)[0].outputs])
+    seeded = [c.token_ids for c in small_llm().generate([[4, 5, 6]], SamplingParams(
+        n=2, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))[0].outputs]
+    assert outputs[0] == outputs[1] != seeded
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda llm: llm.generate([[4, 5], [6, 7]], GREEDY, priority=[0, "high"]), "priority must be a finite number"),
     (lambda llm: llm.generate([[4, 5], [6, 7]], GREEDY, priority=[0, float("nan")]), "priority"),
