@@ -83,7 +83,7 @@ def check_outcomes(run, arrivals, engine):
         if a.request_id in run.aborted:
             assert reason == "abort" and tokens == expected[:len(tokens)]
         elif out.status_message:  # ignored: it could never run
-            too_long = len(a.prompt) > MAX_MODEL_LEN or (not engine.policy.chunks_prefills and len(a.prompt) > budget)
+            too_long = len(a.prompt) >= MAX_MODEL_LEN or (not engine.policy.chunks_prefills and len(a.prompt) > budget)
             assert too_long and reason == "length" and tokens == []
         else:
             assert tokens == expected

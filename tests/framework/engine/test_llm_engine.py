@@ -24,13 +24,16 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 # -- bad input ----------------------------------------------------------------------------------
-def test_prompt_longer_than_max_model_len_is_ignored_with_reason():
+@pytest.mark.parametrize("prompt_len", [80, 64])
+def test_a_prompt_leaving_no_room_for_output_is_ignored_with_reason(prompt_len):
     llm = small_llm(max_model_len=64, max_num_batched_tokens=64)
-    outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + 80))}, {"prompt_token_ids": [5, 6, 7]}], GREEDY)
+    outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + prompt_len))}, {"prompt_token_ids": [5, 6, 7]},
+                         {"prompt_token_ids": list(range(3, 3 + 63))}], GREEDY)
     assert outs[0].finished and outs[0].outputs[0].token_ids == []
     assert outs[0].outputs[0].finish_reason == "length"
     assert "max_model_len=64" in outs[0].status_message
     assert len(outs[1].outputs[0].token_ids) == 6
+    assert len(outs[2].outputs[0].token_ids) == 1  # up to max_model_len
 
 
 def test_fcfs_with_a_token_budget_below_max_model_len_is_refused_when_built():
@@ -631,10 +634,10 @@ def test_parallel_sampling_n():
     bottom = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
                           SamplingParams(max_tokens=8, temperature=1.5, seed=-2**63, ignore_eos=True))[0]
     assert bottom.outputs[0].token_ids == top.outputs[1].token_ids
-    # Negative seeds are seeds, as vLLM's (a client may send -1): reproducible, and not seed 1's.
-    minus_one, again, one = (llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(
-        max_tokens=8, temperature=1.5, seed=seed, ignore_eos=True))[0].outputs[0].token_ids for seed in (-1, -1, 1))
-    assert minus_one == again != one
+    # Negative seeds but -1 (unseeded) are seeds, as vLLM's: reproducible, and not seed 2's.
+    minus_two, again, two = (llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(
+        max_tokens=8, temperature=1.5, seed=seed, ignore_eos=True))[0].outputs[0].token_ids for seed in (-2, -2, 2))
+    assert minus_two == again != two
 
 
 def test_generate_accepts_a_list_of_sampling_params_and_checks_its_length():

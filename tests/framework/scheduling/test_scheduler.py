@@ -426,11 +426,13 @@ def test_a_request_whose_last_token_is_in_flight_is_preempted_as_vllm_pops_its_r
     assert s.allocator.num_free_blocks == 2 and s.allocator.num_free_cpu_blocks == 8  # a swapped-out b's too
 
 
-def test_a_prompt_of_exactly_max_model_len_tokens_is_served_and_a_longer_one_is_not():
-    # As vLLM: only a prompt longer than max_model_len is refused.
+def test_a_prompt_needs_room_for_one_output_token_within_max_model_len():
+    # As vLLM 0.32: a prompt of max_model_len tokens is refused (one token more would pass it), a longer one too.
     s = make(num_blocks=30)
-    fits, too_long = add(s, "fits", 32), add(s, "long", 33)
+    fits, full, too_long = add(s, "fits", 31), add(s, "full", 32), add(s, "long", 33)
     assert fits.status == RequestStatus.WAITING and fits in s.waiting
+    assert full.status == RequestStatus.FINISHED_IGNORED
+    assert full.status_message == "prompt of 32 tokens leaves no room for an output token within max_model_len=32"
     assert too_long.status == RequestStatus.FINISHED_IGNORED and "longer than max_model_len=32" in too_long.status_message
     step(s, admit(fits))
     assert fits.num_output_tokens == 1
