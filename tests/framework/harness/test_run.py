@@ -7,13 +7,16 @@ import pytest
 from hydra.errors import HydraException
 
 from framework.harness import run
+from tests.hydra_support import root_log_handlers_restored
 
 
 @pytest.fixture(autouse=True)
 def signal_handlers_restored():
-    """``run.cli`` installs its own SIGINT and SIGTERM handlers: each test leaves the process's as they were."""
+    """``run.cli`` installs its own SIGINT and SIGTERM handlers and Hydra's root log handlers: each test leaves the
+    process's as they were."""
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    yield
+    with root_log_handlers_restored():
+        yield
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
 

@@ -8,6 +8,7 @@ import pytest
 
 from framework.server import command
 from framework.server.command import EXIT_CONFIG_ERROR, cli
+from tests.hydra_support import root_log_handlers_restored
 
 
 @pytest.mark.parametrize("flag", ["-m", "--multirun"])
@@ -21,12 +22,12 @@ def test_a_multirun_is_refused_in_one_line(flag, monkeypatch, capsys):
 
 
 def run_cli(monkeypatch, tmp_path, *overrides):
-    """``cli()`` in this process: its exit status; the SIGTERM handler it installs is given back."""
+    """``cli()`` in this process: its exit status; the SIGTERM handler and root log handlers it installs are gone."""
     monkeypatch.setattr(sys, "argv", ["servelab-serve", *overrides, f"hydra.run.dir={tmp_path}"])
     monkeypatch.setattr(command, "_built", False)
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        with pytest.raises(SystemExit) as stopped:
+        with root_log_handlers_restored(), pytest.raises(SystemExit) as stopped:
             cli()
     finally:
         signal.signal(signal.SIGTERM, previous)
