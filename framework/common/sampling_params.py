@@ -43,9 +43,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1.0 disable those
     filters, as does ``min_p`` of 0 (else tokens less likely than ``min_p`` times the most likely
     one, after temperature, are dropped). ``seed`` makes one request's samples reproducible
-    whatever else is in the batch (-1, as None: unseeded, as vLLM reads it). ``max_tokens`` counts generated tokens (None: as many as the
-    engine's ``max_model_len`` leaves after the prompt, as vLLM); generation also stops at
-    ``max_model_len``. ``stop_token_ids`` of None is an empty list.
+    whatever else is in the batch (-1, as None: unseeded, as vLLM reads it). ``max_tokens`` counts
+    generated tokens (None: as many as the engine's ``max_model_len`` leaves after the prompt, as
+    vLLM); generation also stops at ``max_model_len``. ``stop_token_ids`` of None is an empty list.
     ``stop`` (one string or a list) ends a sequence when its output text contains one of them, as
     vLLM's: ``finish_reason`` "stop", ``stop_reason`` the string, the text cut before it (after
     it with ``include_stop_str_in_output``); it needs ``detokenize`` and a tokenizer.
@@ -116,7 +116,6 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be None or a signed 64-bit integer, in [-2**63, 2**63), "
                              f"got {self.seed!r}")
         if self.seed is not None:  # a numpy integer fails torch's manual_seed and overflows seed + i
-            # -1 means unseeded, as vLLM reads it.
             self.seed = None if self.seed == -1 else int(self.seed)
         if self.stop_token_ids is None:  # as vLLM: None is no stop tokens
             self.stop_token_ids = []

@@ -74,10 +74,9 @@ class Scheduler:
 
     def _never_fits(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
-        if self.max_model_len and n > self.max_model_len:
-            return f"prompt of {n} tokens is longer than max_model_len={self.max_model_len}"
-        if self.max_model_len and n == self.max_model_len:  # refused by vLLM 0.32 too
-            return f"prompt of {n} tokens leaves no room for an output token within max_model_len={n}"
+        if self.max_model_len and n >= self.max_model_len:  # one of max_model_len: refused by vLLM 0.32 too
+            how = "is longer than" if n > self.max_model_len else "leaves no room for an output token within"
+            return f"prompt of {n} tokens {how} max_model_len={self.max_model_len}"
         if self.allocator.blocks_needed(n) > self.allocator.num_usable_blocks:
             return (f"prompt of {n} tokens needs {self.allocator.blocks_needed(n)} KV blocks but the "
                     f"cache has {self.allocator.num_usable_blocks}")

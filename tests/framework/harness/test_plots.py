@@ -115,23 +115,23 @@ def test_a_run_off_the_x_axis_still_shows(monkeypatch, tmp_path, other_x):
     plt.close(figures[0])
 
 
+def keep_figures(monkeypatch, write=True):
+    """The figures ``plots`` draws from here on, kept for inspection (written and closed, unless not ``write``)."""
+    figures, save = [], plots._save
+    monkeypatch.setattr(plots, "_save",
+                        lambda fig, path, *args: figures.append(fig) or (save(fig, path, *args) if write else path))
+    return figures
+
+
 @pytest.fixture
 def drawn(monkeypatch):
     """The figures ``plots`` draws from here on, kept (not written) and closed after the test."""
     import matplotlib.pyplot as plt
 
-    figures = []
-    monkeypatch.setattr(plots, "_save", lambda fig, path, *args: figures.append(fig) or path)
+    figures = keep_figures(monkeypatch, write=False)
     yield figures
     for fig in figures:
         plt.close(fig)
-
-
-def keep_figures(monkeypatch):
-    """The figures ``plots`` draws from here on, kept for inspection (still written, then closed)."""
-    figures, save = [], plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, path, *args: figures.append(fig) or save(fig, path, *args))
-    return figures
 
 
 def colours_by_label(fig):

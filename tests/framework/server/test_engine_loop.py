@@ -10,6 +10,7 @@ from framework.common.sampling_params import RequestOutputKind, SamplingParams
 from framework.engine.llm_engine import LLMEngine
 from framework.server.engine_loop import EngineDeadError, EngineLoop
 from framework.server.errors import APIError
+from framework.testing.leaks import assert_no_kv_leaks
 
 
 def params(max_tokens: int) -> SamplingParams:
@@ -29,9 +30,9 @@ def serve(engine: LLMEngine, body) -> object:
     return asyncio.run(main())
 
 
-def all_blocks_free(engine: LLMEngine) -> bool:
-    allocator = engine.allocator
-    return not engine.has_unfinished_requests() and allocator.num_free_blocks == allocator.num_usable_blocks
+def assert_all_done_and_free(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished_requests()
+    assert_no_kv_leaks(engine)
 
 
 def test_a_stream_yields_its_outputs_up_to_the_final_one(engine):
@@ -41,7 +42,7 @@ def test_a_stream_yields_its_outputs_up_to_the_final_one(engine):
     outs = serve(engine, body)
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
     assert sum(len(o.outputs[0].token_ids) for o in outs) == 4
-    assert all_blocks_free(engine)
+    assert_all_done_and_free(engine)
 
 
 def test_a_stream_closed_early_aborts_its_request(engine):
@@ -98,7 +99,7 @@ def test_a_failed_step_ends_the_requests_in_flight_and_later_ones_at_once(engine
 
     got, alive, in_flight = serve(engine, body)
     assert len(got) == 1 and not alive and in_flight == 0
-    assert all_blocks_free(engine)
+    assert_all_done_and_free(engine)
 
 
 def test_stop_aborts_what_is_in_flight_and_ends_the_thread(engine):
@@ -112,4 +113,4 @@ def test_stop_aborts_what_is_in_flight_and_ends_the_thread(engine):
     first, rest, alive = serve(engine, body)
     assert not first.finished and rest and rest[-1].finished
     assert rest[-1].outputs[0].finish_reason == "abort" and not alive
-    assert all_blocks_free(engine)
+    assert_all_done_and_free(engine)
